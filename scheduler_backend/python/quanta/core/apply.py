@@ -1,0 +1,122 @@
+"""Checks a policy's ``Decision`` against the block pools, then carries it out.
+
+Validation happens on counts before anything changes, so an infeasible decision raises
+``PolicyError`` and leaves every request and block exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from quanta.core.blocks import BlockManager, Tier
+from quanta.core.decision import Decision, PreemptMode
+from quanta.core.errors import PolicyError
+from quanta.core.output import ScheduledSeq, SchedulerOutput
+from quanta.core.request import Request, RequestStatus
+
+
+class DecisionApplier:
+    """The only code that changes block tables and request residency."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+
+    def validate(self, d: Decision, live: Mapping[str, Request]) -> None:
+        """Raise ``PolicyError`` unless ``d`` can be applied as a whole."""
+        bm = self.blocks
+        dev, host = bm.num_free(Tier.DEVICE), bm.num_free(Tier.HOST)
+        touched: set[str] = set()
+        resident: dict[str, int] = {}  # device blocks held after preemptions and swap-ins
+        for p in d.preempt:
+            r = _get(live, p.request_id, touched)
+            n = bm.num_blocks(r.request_id)
+            if r.status is RequestStatus.RUNNING and p.mode is PreemptMode.SWAP:
+                if n > host:
+                    raise PolicyError(f"swap-out of {r.request_id} needs {n} host blocks")
+                host, dev = host - n, dev + n
+            elif p.mode is PreemptMode.RECOMPUTE and r.status is RequestStatus.RUNNING:
+                dev += n
+            elif p.mode is PreemptMode.RECOMPUTE and r.status is RequestStatus.SWAPPED:
+                host += n
+            else:
+                raise PolicyError(f"cannot {p.mode.value}-preempt {r.request_id} ({r.status})")
+        for rid in d.swap_in:
+            r = _get(live, rid, touched)
+            if r.status is not RequestStatus.SWAPPED:
+                raise PolicyError(f"swap-in of {rid}, which is {r.status.value}")
+            n = bm.num_blocks(rid)
+            dev, host = dev - n, host + n
+            resident[rid] = n
+        ran: set[str] = set()
+        for rid, n in d.run:
+            r = live.get(rid)
+            if r is None or rid in ran or (rid in touched and rid not in resident):
+                raise PolicyError(f"run of {rid}: unknown, repeated or preempted this step")
+            ran.add(rid)
+            if r.status is RequestStatus.SWAPPED and rid not in resident:
+                raise PolicyError(f"run of swapped {rid} without a swap-in")
+            if not 1 <= n <= r.num_uncomputed_tokens:
+                raise PolicyError(f"run of {rid} with {n} tokens; {r.num_uncomputed_tokens} left")
+            held = resident.get(rid, bm.num_blocks(rid))
+            dev -= max(0, bm.blocks_for(r.num_computed_tokens + n) - held)
+        if dev < 0 or host < 0:
+            raise PolicyError(f"decision overdraws the pools (device {dev}, host {host})")
+
+    def apply(self, d: Decision, live: Mapping[str, Request], now: float) -> SchedulerOutput:
+        """Validate, then update blocks and statuses and describe the step for the runner."""
+        self.validate(d, live)
+        bm = self.blocks
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        for p in d.preempt:
+            r = live[p.request_id]
+            r.num_preemptions += 1
+            if p.mode is PreemptMode.SWAP:
+                pairs = bm.swap_out(r.request_id)
+                assert pairs is not None  # NOTE: validated above
+                swap_out.extend(pairs)
+                r.num_swap_outs += 1
+                r.num_swapped_blocks += len(pairs)
+                r.set_status(RequestStatus.SWAPPED)
+            else:
+                bm.free(r.request_id)
+                r.num_recomputed_tokens += r.num_computed_tokens
+                r.num_computed_tokens = 0
+                r.set_status(RequestStatus.WAITING)
+        for rid in d.swap_in:
+            pairs = bm.swap_in(rid)
+            assert pairs is not None
+            swap_in.extend(pairs)
+            live[rid].set_status(RequestStatus.RUNNING)
+        seqs = [self._schedule(live[rid], n, now) for rid, n in d.run]
+        return SchedulerOutput(tuple(seqs), tuple(swap_out), tuple(swap_in))
+
+    def _schedule(self, r: Request, n: int, now: float) -> ScheduledSeq:
+        start = r.num_computed_tokens
+        new = self.blocks.allocate_slots(r.request_id, start + n)
+        assert new is not None
+        if r.status is RequestStatus.WAITING:
+            r.set_status(RequestStatus.RUNNING)
+        if r.first_scheduled_time is None:
+            r.first_scheduled_time = now
+        p = r.params
+        return ScheduledSeq(
+            request_id=r.request_id,
+            token_ids=tuple(r.all_token_ids[start : start + n]),
+            start_pos=start,
+            block_table=self.blocks.block_table(r.request_id),
+            sample=start + n == r.num_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=r.seed,
+            output_index=r.num_output_tokens,
+        )
+
+
+def _get(live: Mapping[str, Request], rid: str, touched: set[str]) -> Request:
+    r = live.get(rid)
+    if r is None or rid in touched:
+        raise PolicyError(f"{rid}: unknown, finished or named twice in one decision")
+    touched.add(rid)
+    return r

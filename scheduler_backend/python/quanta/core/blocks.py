@@ -1,0 +1,146 @@
+"""Block bookkeeping for the two-tier paged KV cache (ids only; the tensors live in the runner).
+
+A request owns a list of block ids in exactly one tier at a time. Allocation returns ``None``
+when it cannot be done, and the caller (the decision applier, driven by a policy) decides what
+to preempt. ``check_integrity`` proves the accounting is exact.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import StrEnum
+
+from quanta.core.request import blocks_for
+
+
+class Tier(StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+class BlockPool:
+    """Free list of one tier's block ids."""
+
+    def __init__(self, tier: Tier, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"{tier.value} pool size must be >= 0, got {num_blocks}")
+        self.tier = tier
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks, or ``None`` (and take nothing) when fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, block_ids: list[int]) -> None:
+        self._free.extend(block_ids)
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
+
+
+class BlockManager:
+    """Per-request block tables over a device pool and a host pool."""
+
+    def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pools = {
+            Tier.DEVICE: BlockPool(Tier.DEVICE, num_device_blocks),
+            Tier.HOST: BlockPool(Tier.HOST, num_host_blocks),
+        }
+        self._tables: dict[str, tuple[Tier, list[int]]] = {}
+
+    # -- queries -------------------------------------------------------------------------
+    def num_free(self, tier: Tier) -> int:
+        return self.pools[tier].num_free
+
+    def num_total(self, tier: Tier) -> int:
+        return self.pools[tier].num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
+
+    def tier_of(self, request_id: str) -> Tier | None:
+        entry = self._tables.get(request_id)
+        return entry[0] if entry else None
+
+    def num_blocks(self, request_id: str) -> int:
+        entry = self._tables.get(request_id)
+        return len(entry[1]) if entry else 0
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        entry = self._tables.get(request_id)
+        return tuple(entry[1]) if entry else ()
+
+    def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """Extra device blocks needed so the request's table covers ``num_tokens`` tokens."""
+        return max(0, self.blocks_for(num_tokens) - self.num_blocks(request_id))
+
+    # -- mutations -----------------------------------------------------------------------
+    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Grow the request's device table to cover ``num_tokens``; new ids or ``None``."""
+        tier, table = self._tables.get(request_id, (Tier.DEVICE, []))
+        if tier is not Tier.DEVICE:
+            raise RuntimeError(f"request {request_id} has its KV in the {tier.value} tier")
+        need = self.blocks_for(num_tokens) - len(table)
+        if need <= 0:
+            return []
+        new = self.pools[Tier.DEVICE].allocate(need)
+        if new is None:
+            return None
+        table.extend(new)
+        self._tables[request_id] = (Tier.DEVICE, table)
+        return new
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's blocks device -> host; (device, host) pairs or ``None``."""
+        return self._move(request_id, Tier.DEVICE, Tier.HOST)
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's blocks host -> device; (host, device) pairs or ``None``."""
+        return self._move(request_id, Tier.HOST, Tier.DEVICE)
+
+    def _move(self, request_id: str, src: Tier, dst: Tier) -> list[tuple[int, int]] | None:
+        tier, table = self._tables[request_id]
+        if tier is not src:
+            raise RuntimeError(f"request {request_id} is in {tier.value}, not {src.value}")
+        new = self.pools[dst].allocate(len(table))
+        if new is None:
+            return None
+        self.pools[src].release(table)
+        self._tables[request_id] = (dst, new)
+        return list(zip(table, new, strict=True))
+
+    def free(self, request_id: str) -> int:
+        """Return all the request's blocks to their pool; the number freed."""
+        entry = self._tables.pop(request_id, None)
+        if entry is None:
+            return 0
+        tier, table = entry
+        self.pools[tier].release(table)
+        return len(table)
+
+    # -- invariants ----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every block is either free or owned exactly once."""
+        for tier, pool in self.pools.items():
+            free = pool.free_ids()
+            owned = [b for t, table in self._tables.values() if t is tier for b in table]
+            seen = free + owned
+            if len(seen) != len(set(seen)):
+                raise AssertionError(f"{tier.value}: a block is free and owned, or owned twice")
+            if sorted(seen) != list(range(pool.num_blocks)):
+                raise AssertionError(
+                    f"{tier.value}: {len(free)} free + {len(owned)} owned != {pool.num_blocks}"
+                )
+
+    def all_free(self) -> bool:
+        return not self._tables and all(p.num_free == p.num_blocks for p in self.pools.values())

@@ -1,0 +1,119 @@
+"""After a step: advance computed tokens, append samples, detect stops, stream deltas.
+
+Owns the per-request sinks and detokenizers, so every request ends with exactly one final
+delta and its blocks returned, whatever way it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from quanta.core.blocks import BlockManager
+from quanta.core.clock import Clock
+from quanta.core.detokenize import Decode, Detokenizer
+from quanta.core.errors import QuantaError
+from quanta.core.output import RunnerOutput, SchedulerOutput
+from quanta.core.request import Request, RequestStatus
+from quanta.core.stream import RequestMetrics, RequestOutput, Sink
+from quanta.policies.base import Policy
+
+log = logging.getLogger(__name__)
+
+
+class Committer:
+    """Turns runner outputs into request progress and client deltas."""
+
+    def __init__(
+        self, clock: Clock, blocks: BlockManager, policy: Policy, decode: Decode | None
+    ) -> None:
+        self.clock, self.blocks, self.policy, self.decode = clock, blocks, policy, decode
+        self._sinks: dict[str, Sink] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self.num_generated_tokens = 0
+
+    def track(self, r: Request, sink: Sink) -> None:
+        self._sinks[r.request_id] = sink
+        if self.decode is not None:
+            self._detok[r.request_id] = Detokenizer(self.decode, r.params.stop)
+
+    def commit(
+        self,
+        sched: SchedulerOutput,
+        out: RunnerOutput,
+        live: Mapping[str, Request],
+        step_time: float,
+    ) -> list[Request]:
+        """Apply one step's results; returns the requests that finished."""
+        now = self.clock.now()
+        done: list[Request] = []
+        for seq, token in zip(sched.seqs, out.sampled_token_ids, strict=True):
+            r = live[seq.request_id]
+            r.num_computed_tokens += seq.num_new_tokens
+            r.attained_service += step_time
+            if token is None:
+                continue
+            r.append_token(token, now)
+            self.num_generated_tokens += 1
+            status = self._stop_status(r, token)
+            text, hit_stop = self._text(r, final=status is not None)
+            if hit_stop:
+                status = RequestStatus.FINISHED_STOPPED
+            if status is None:
+                self._emit(r, RequestOutput(r.request_id, (token,), text))
+            else:
+                self._finish(r, status, (token,), text)
+                done.append(r)
+        return done
+
+    def finish_with_error(self, r: Request, error: QuantaError) -> None:
+        """End a request early (cancel, throttle, failed step) with a final error delta."""
+        r.error = str(error)
+        status = (
+            RequestStatus.FINISHED_ABORTED
+            if error.code == "cancelled"
+            else RequestStatus.FINISHED_ERROR
+        )
+        self._finish(r, status, (), "", error)
+
+    def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
+        p = r.params
+        if (not p.ignore_eos and token in r.eos_token_ids) or token in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if r.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _text(self, r: Request, final: bool) -> tuple[str, bool]:
+        detok = self._detok.get(r.request_id)
+        if detok is None:
+            return "", False
+        return detok.update(r.output_token_ids, final)
+
+    def _finish(
+        self,
+        r: Request,
+        status: RequestStatus,
+        tokens: tuple[int, ...],
+        text: str,
+        error: QuantaError | None = None,
+    ) -> None:
+        r.set_status(status)
+        r.finish_time = self.clock.now()
+        self.blocks.free(r.request_id)
+        self.policy.on_finish(r)
+        self._detok.pop(r.request_id, None)
+        out = RequestOutput(
+            r.request_id, tokens, text, True, r.finish_reason, error, RequestMetrics.of(r)
+        )
+        self._emit(r, out)
+        self._sinks.pop(r.request_id, None)
+
+    def _emit(self, r: Request, out: RequestOutput) -> None:
+        sink = self._sinks.get(r.request_id)
+        if sink is None:
+            return
+        try:
+            sink(out)
+        except Exception:  # a broken client must not take the loop down
+            log.exception("sink of %s failed", r.request_id)

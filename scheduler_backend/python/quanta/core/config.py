@@ -1,0 +1,68 @@
+"""Small frozen configs, one per component, validated by pydantic.
+
+Only frontends parse files into these; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GiB = 1 << 30
+
+
+class CacheConfig(BaseModel):
+    """Sizes of the two KV tiers, in blocks or in bytes (blocks win when both are given)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size: int = Field(16, ge=1, le=1024)
+    num_device_blocks: int | None = Field(None, ge=1)
+    device_bytes: int = Field(1 * GiB, ge=1)
+    num_host_blocks: int | None = Field(None, ge=0)
+    host_bytes: int = Field(2 * GiB, ge=0)
+
+    def resolve(self, bytes_per_block: int) -> tuple[int, int]:
+        """(device blocks, host blocks) for an engine whose block takes ``bytes_per_block``."""
+        device = self.num_device_blocks or self.device_bytes // bytes_per_block
+        host = (
+            self.num_host_blocks
+            if self.num_host_blocks is not None
+            else self.host_bytes // bytes_per_block
+        )
+        if device < 1:
+            raise ValueError(
+                f"device_bytes={self.device_bytes} holds no block of {bytes_per_block} bytes"
+            )
+        return device, host
+
+
+class SchedulerConfig(BaseModel):
+    """Limits every policy respects: the per-step token budget and batch size."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(128, ge=1)
+    enable_chunked_prefill: bool = True
+
+
+class EngineConfig(BaseModel):
+    """Everything needed to build one loop over one model replica."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    policy: str = "fcfs"
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    dtype: str | None = None
+    device: str = "cpu"
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @model_validator(mode="after")
+    def _known_dtype(self) -> EngineConfig:
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        return self

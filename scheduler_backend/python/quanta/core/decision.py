@@ -1,0 +1,34 @@
+"""A policy's plan for one iteration: which requests run, which are preempted and how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class PreemptMode(StrEnum):
+    SWAP = "swap"  # KV moves to the host tier
+    RECOMPUTE = "recompute"  # KV is dropped; the request prefills prompt + output again
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    request_id: str
+    mode: PreemptMode
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One iteration's plan, applied in order: preempt, swap in, then run.
+
+    ``run`` pairs a request id with the number of new tokens it computes this step (a prefill
+    chunk or 1): one mechanism for prefill and decode.
+    """
+
+    run: tuple[tuple[str, int], ...] = ()
+    preempt: tuple[Preemption, ...] = ()
+    swap_in: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.run)

@@ -1,0 +1,52 @@
+"""Typed errors that reach clients; frontends map each class to one protocol status code."""
+
+from __future__ import annotations
+
+
+class QuantaError(Exception):
+    """Base class: every error a client can see derives from it."""
+
+    #: Short machine-readable kind, used by frontends to pick a status code.
+    code: str = "internal"
+
+
+class InvalidRequestError(QuantaError, ValueError):
+    """The request can never be served as given (bad prompt, bad sampling values)."""
+
+    code = "invalid_argument"
+
+
+class EmptyPromptError(InvalidRequestError):
+    """A prompt with no tokens has nothing to condition on."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt plus ``max_tokens`` exceeds the model's context length."""
+
+
+class CapacityError(InvalidRequestError):
+    """The request can never fit in the configured KV pools, so waiting would be forever."""
+
+
+class ThrottledError(QuantaError):
+    """A policy refused the request under load (e.g. FairServe throttling)."""
+
+    code = "unavailable"
+
+
+class RequestAbortedError(QuantaError):
+    """The request was cancelled, or the engine stopped before it finished."""
+
+    code = "cancelled"
+
+
+class EngineStepError(QuantaError):
+    """An exception inside an engine step failed the requests of that step."""
+
+    code = "internal"
+
+
+class PolicyError(QuantaError):
+    """A policy produced a decision the block pools cannot carry out: a policy bug."""
+
+    code = "internal"

@@ -1,0 +1,251 @@
+"""EngineLoop: ingest -> admit -> schedule -> apply -> execute -> commit, one step at a time.
+
+The only place where policy, blocks and runner meet. It runs either synchronously (offline
+API, simulator: call ``step`` until idle) or on its own thread (servers: ``start``), with
+thread-safe ``submit`` and ``cancel``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from quanta.core.apply import DecisionApplier
+from quanta.core.blocks import BlockManager, Tier
+from quanta.core.clock import Clock
+from quanta.core.commit import Committer
+from quanta.core.detokenize import Decode
+from quanta.core.errors import (
+    CapacityError,
+    EngineStepError,
+    InvalidRequestError,
+    QuantaError,
+    RequestAbortedError,
+    ThrottledError,
+)
+from quanta.core.output import Runner, SchedulerOutput
+from quanta.core.request import Request, RequestStatus, validate_prompt
+from quanta.core.stream import RequestStream, Sink
+from quanta.core.view import SchedulerView
+from quanta.policies.base import Decision, Policy, PreemptMode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopStats:
+    """A consistent snapshot for metrics; counters are cumulative since start."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    device_blocks_used: int
+    device_blocks_total: int
+    host_blocks_used: int
+    host_blocks_total: int
+    num_steps: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    num_generated_tokens: int
+
+
+class EngineLoop:
+    """Drives one model replica; see the module docstring for the step."""
+
+    def __init__(
+        self,
+        *,
+        runner: Runner,
+        policy: Policy,
+        blocks: BlockManager,
+        clock: Clock,
+        max_model_len: int,
+        decode: Decode | None = None,
+    ) -> None:
+        self.runner, self.policy, self.blocks, self.clock = runner, policy, blocks, clock
+        self.max_model_len = max_model_len
+        self._applier = DecisionApplier(blocks)
+        self._committer = Committer(clock, blocks, policy, decode)
+        self._live: dict[str, Request] = {}  # NOTE: insertion order is arrival order
+        self._inbox: list[tuple[Request, Sink]] = []
+        self._cancels: list[str] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counts = {"steps": 0, "swap": 0, "recompute": 0}
+        self._stats = self._snapshot()
+
+    # -- client side (any thread) ---------------------------------------------------------
+    def submit(self, request: Request, sink: Sink | None = None) -> RequestStream | None:
+        """Queue a request; raises a typed ``InvalidRequestError`` if it can never run.
+
+        Without a ``sink`` a ``RequestStream`` is returned for the caller to iterate.
+        """
+        self.validate(request)
+        stream = RequestStream(request.request_id) if sink is None else None
+        with self._cv:
+            if self._stopping:
+                raise RequestAbortedError("the engine is shutting down")
+            self._inbox.append((request, sink or stream))  # type: ignore[arg-type]
+            self._cv.notify()
+        return stream
+
+    def validate(self, request: Request) -> None:
+        """Raise the typed error that makes ``request`` unservable by this engine, if any."""
+        validate_prompt(request.prompt_token_ids, request.params, self.max_model_len)
+        need = self.blocks.blocks_for(request.num_prompt_tokens + request.params.max_tokens)
+        if need > self.blocks.num_total(Tier.DEVICE):
+            raise CapacityError(
+                f"request needs {need} KV blocks but the device pool has only "
+                f"{self.blocks.num_total(Tier.DEVICE)}: it could never complete"
+            )
+        if request.params.stop and self._committer.decode is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this engine has none")
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request at the next step boundary; unknown ids are ignored."""
+        with self._cv:
+            self._cancels.append(request_id)
+            self._cv.notify()
+
+    def has_unfinished(self) -> bool:
+        with self._cv:
+            return bool(self._live or self._inbox)
+
+    # -- one iteration (loop thread) -------------------------------------------------------
+    def step(self) -> bool:
+        """Run one iteration; False when there was nothing to do."""
+        self._ingest()
+        if not self._live:
+            self._stats = self._snapshot()
+            return False
+        now = self.clock.now()
+        try:
+            decision = self.policy.schedule(self._view(now))
+            sched = self._applier.apply(decision, self._live, now)
+        except Exception as exc:  # a policy bug must not wedge every client
+            log.exception("scheduling failed")
+            self._fail(list(self._live.values()), f"scheduler error: {exc}")
+            return True
+        self._count_preemptions(decision)
+        if sched.is_empty:
+            return bool(decision.preempt)
+        try:
+            out = self.runner.execute(sched)
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_step(decision, sched, exc)
+            return True
+        step_time = self.clock.now() - now
+        self._counts["steps"] += 1
+        for r in self._committer.commit(sched, out, self._live, step_time):
+            del self._live[r.request_id]
+        self.policy.on_step(decision, out, step_time)
+        self._stats = self._snapshot()
+        return True
+
+    def run_until_idle(self) -> None:
+        """Step until every submitted request has finished (offline API, simulator)."""
+        while self.has_unfinished():
+            if not self.step() and self._live and not self._inbox:
+                self._stall_check()
+
+    # -- thread ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="quanta-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, reason: str = "the engine stopped") -> None:
+        """Stop the thread and fail whatever is still in flight with ``reason``."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._ingest()
+        self._fail(list(self._live.values()), reason, RequestAbortedError)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._inbox or self._cancels or self._live):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            if not self.step() and self._live:
+                self._stall_check()
+                with self._cv:  # nothing runnable now: wait for news instead of spinning
+                    self._cv.wait(timeout=0.005)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _ingest(self) -> None:
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        now = self.clock.now()
+        for request, sink in inbox:
+            self._committer.track(request, sink)
+            self._live[request.request_id] = request
+            reason = self.policy.admit(request, self._view(now))
+            if reason is not None:
+                self._fail([request], reason, ThrottledError)
+        doomed = [self._live[rid] for rid in cancels if rid in self._live]
+        self._fail(doomed, "request cancelled", RequestAbortedError)
+
+    def _view(self, now: float) -> SchedulerView:
+        by: dict[RequestStatus, list[Request]] = {s: [] for s in RequestStatus}
+        for r in self._live.values():
+            by[r.status].append(r)
+        return SchedulerView(
+            now,
+            by[RequestStatus.WAITING],
+            by[RequestStatus.RUNNING],
+            by[RequestStatus.SWAPPED],
+            self.blocks,
+        )
+
+    def _fail(
+        self, requests: list[Request], msg: str, kind: type[QuantaError] = EngineStepError
+    ) -> None:
+        for r in requests:
+            self._committer.finish_with_error(r, kind(msg))
+            self._live.pop(r.request_id, None)
+
+    def _fail_step(self, decision: Decision, sched: SchedulerOutput, exc: Exception) -> None:
+        """Fail only the requests whose KV this step touched; the rest go on."""
+        ids = {s.request_id for s in sched.seqs} | set(decision.swap_in)
+        ids |= {p.request_id for p in decision.preempt if p.mode is PreemptMode.SWAP}
+        self._fail([self._live[i] for i in ids if i in self._live], f"engine step failed: {exc}")
+
+    def _count_preemptions(self, decision: Decision) -> None:
+        for p in decision.preempt:
+            self._counts["swap" if p.mode is PreemptMode.SWAP else "recompute"] += 1
+
+    def _stall_check(self) -> None:
+        """A policy that schedules nothing while requests wait and no copies are pending."""
+        if all(r.status is not RequestStatus.RUNNING for r in self._live.values()) and (
+            self.blocks.num_free(Tier.DEVICE) == self.blocks.num_total(Tier.DEVICE)
+        ):
+            self._fail(list(self._live.values()), f"policy {self.policy.name} made no progress")
+
+    def stats(self) -> LoopStats:
+        """The snapshot taken at the end of the latest step; safe from any thread."""
+        return self._stats
+
+    def _snapshot(self) -> LoopStats:
+        view = self._view(self.clock.now())
+        return LoopStats(
+            num_waiting=len(view.waiting),
+            num_running=len(view.running),
+            num_swapped=len(view.swapped),
+            device_blocks_used=self.blocks.num_total(Tier.DEVICE) - view.free_device_blocks,
+            device_blocks_total=self.blocks.num_total(Tier.DEVICE),
+            host_blocks_used=self.blocks.num_total(Tier.HOST) - view.free_host_blocks,
+            host_blocks_total=self.blocks.num_total(Tier.HOST),
+            num_steps=self._counts["steps"],
+            num_preemptions_swap=self._counts["swap"],
+            num_preemptions_recompute=self._counts["recompute"],
+            num_generated_tokens=self._committer.num_generated_tokens,
+        )

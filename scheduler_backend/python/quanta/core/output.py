@@ -1,0 +1,84 @@
+"""The only messages between scheduler and runner: integers and lists, never tensors.
+
+The runner is stateless apart from its KV tensors: every ``ScheduledSeq`` carries the tokens
+it computes this step, where they start and the whole block table, so a request that was
+swapped, recomputed or moved between blocks needs no extra bookkeeping in the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's share of a step: a prefill chunk or a single decode token."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool  # True when this chunk ends at the newest token: sample the next one
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    output_index: int  # index of the token to sample; seeds its random stream
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What one step must do: block copies first, then one forward pass over ``seqs``."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block)
+    swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """Sampled tokens in the order of ``SchedulerOutput.seqs``; None where nothing was sampled."""
+
+    request_ids: tuple[str, ...]
+    sampled_token_ids: tuple[int | None, ...]
+    step_time: float | None = None  # seconds the step took, when the runner knows better
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerCapabilities:
+    """What an engine offers; a policy asking for more is refused at start-up."""
+
+    hidden_cache: bool = False
+    layer_safepoints: bool = False
+    async_swap: bool = False
+
+
+class Runner(Protocol):
+    """Executes steps; never decides what runs."""
+
+    capabilities: RunnerCapabilities
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Perform the block copies, run the forward pass and sample.
+
+        Promises: on an exception no request's computed tokens advance (the loop fails that
+        step's requests and goes on).
+        """
+        ...

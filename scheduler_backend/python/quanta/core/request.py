@@ -1,0 +1,207 @@
+"""Requests, their sampling settings and their lifecycle.
+
+A ``Request`` is owned by the loop thread; everyone else sees it through the read-only
+``SchedulerView`` or through the ``RequestOutput`` deltas the loop emits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from quanta.core.errors import EmptyPromptError, PromptTooLongError
+
+
+class SamplingParams(BaseModel):
+    """How to pick tokens and when to stop; invalid values raise ``pydantic.ValidationError``.
+
+    ``top_k == 0`` and ``top_p == 1`` switch those filters off; ``temperature == 0`` is greedy.
+    With a ``seed`` the random stream of token *i* depends only on ``(seed, i)``, so a request
+    that is preempted and resumed samples exactly what it would have sampled uninterrupted.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_tuple(cls, value: object) -> object:
+        if isinstance(value, str):
+            return (value,)
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative_ids(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(t < 0 for t in value):
+            raise ValueError("stop_token_ids must be non-negative")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestMetadata(BaseModel):
+    """Who sent a request and what it promises; policies read it, engines never do."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    tenant: str = "default"
+    app: str = "default"
+    interaction_id: str | None = None
+    priority_class: Literal["online", "offline"] = "online"
+    ttft_slo_ms: float | None = Field(None, gt=0)
+    tpot_slo_ms: float | None = Field(None, gt=0)
+
+
+class RequestStatus(StrEnum):
+    """Where a request is; ``Request.set_status`` is the one place transitions are checked."""
+
+    WAITING = "waiting"  # no KV anywhere: new, or dropped for recompute
+    RUNNING = "running"  # KV in the device tier
+    SWAPPED = "swapped"  # KV in the host tier
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+_FINISHED = frozenset(_FINISH_REASONS)
+_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING}) | _FINISHED,
+    RequestStatus.RUNNING: frozenset({RequestStatus.WAITING, RequestStatus.SWAPPED}) | _FINISHED,
+    RequestStatus.SWAPPED: frozenset({RequestStatus.RUNNING, RequestStatus.WAITING}) | _FINISHED,
+}
+
+
+def validate_prompt(
+    prompt_token_ids: list[int], params: SamplingParams, max_model_len: int
+) -> None:
+    """Reject prompts that can never be served, before they take a place in any queue."""
+    if not prompt_token_ids:
+        raise EmptyPromptError("prompt is empty: it must contain at least one token")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise PromptTooLongError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{total} exceeds the model's maximum length of {max_model_len} tokens"
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation job; mutable state that only the loop thread touches."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    metadata: RequestMetadata = field(default_factory=RequestMetadata)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    error: str | None = None
+
+    # Timestamps in the loop clock's seconds; None until the event happens.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    # Counters policies and metrics read.
+    attained_service: float = 0.0  # seconds of engine steps this request took part in
+    num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_swapped_blocks: int = 0
+    num_recomputed_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def set_status(self, new: RequestStatus) -> None:
+        """Move to ``new``; an illegal transition is a loop bug, so it raises."""
+        if new not in _TRANSITIONS.get(self.status, frozenset()):
+            raise RuntimeError(f"request {self.request_id}: illegal {self.status} -> {new}")
+        self.status = new
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def pending_time(self, now: float) -> float:
+        """Time since the request last made visible progress (arrival or last token)."""
+        last = self.last_token_time if self.last_token_time is not None else self.arrival_time
+        return max(0.0, now - last)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens of KV."""
+    return math.ceil(num_tokens / block_size) if num_tokens > 0 else 0

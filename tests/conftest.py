@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fakes import HashRunner, decode_chars
+from quanta.core.blocks import BlockManager
+from quanta.core.clock import VirtualClock
+from quanta.core.config import SchedulerConfig
+from quanta.core.loop import EngineLoop
+from quanta.core.request import Request, SamplingParams
+from quanta.policies import make_policy
+
+
+class LoopFactory:
+    """Builds fake-runner loops and, at teardown, proves every block went home."""
+
+    def __init__(self) -> None:
+        self.loops: list[EngineLoop] = []
+
+    def __call__(
+        self,
+        *,
+        device: int = 64,
+        host: int = 64,
+        block_size: int = 4,
+        max_model_len: int = 256,
+        policy: str = "fcfs",
+        decode=decode_chars,
+        fail_on: set[str] | None = None,
+        **sched: object,
+    ) -> EngineLoop:
+        loop = EngineLoop(
+            runner=HashRunner(device, host, block_size, fail_on=fail_on),
+            policy=make_policy(policy, SchedulerConfig(**sched)),  # type: ignore[arg-type]
+            blocks=BlockManager(block_size, device, host),
+            clock=VirtualClock(),
+            max_model_len=max_model_len,
+            decode=decode,
+        )
+        self.loops.append(loop)
+        return loop
+
+    def check_all_free(self) -> None:
+        for loop in self.loops:
+            loop.stop()
+            loop.blocks.check_integrity()
+            assert loop.blocks.all_free(), "blocks leaked"
+
+
+@pytest.fixture
+def make_loop():
+    factory = LoopFactory()
+    yield factory
+    factory.check_all_free()
+
+
+def make_requests(
+    n: int, *, prompt_len: int | list[int] = 6, max_tokens: int = 8, seed: int = 0, **params: object
+) -> list[Request]:
+    lens = prompt_len if isinstance(prompt_len, list) else [prompt_len] * n
+    return [
+        Request(
+            request_id=f"r{i}",
+            prompt_token_ids=[(7 * i + j) % 50 for j in range(lens[i])],
+            params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+            arrival_time=float(i) * 1e-3,
+            seed=seed + i,
+        )
+        for i in range(n)
+    ]

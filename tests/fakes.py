@@ -1,0 +1,63 @@
+"""A torch-free runner whose next token depends on the KV it reads through block tables.
+
+Its "KV cache" stores the token id computed at each slot; sampling hashes the context it
+reads back, so any bookkeeping bug (a wrong block table, a lost swap copy, a stale block)
+changes the output. That makes preemption-invariance tests meaningful without a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
+
+
+class HashRunner:
+    capabilities = RunnerCapabilities()
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        vocab: int = 50,
+        fail_on: set[str] | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.device = [[-1] * block_size for _ in range(num_device_blocks)]
+        self.host = [[-1] * block_size for _ in range(num_host_blocks)]
+        self.fail_on = fail_on or set()
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(so)
+        if self.fail_on & {s.request_id for s in so.seqs}:
+            raise RuntimeError("injected failure")
+        for d, h in so.swap_out:
+            self.host[h] = list(self.device[d])
+            self.device[d] = [-1] * self.block_size  # a stale read would now show
+        for h, d in so.swap_in:
+            self.device[d] = list(self.host[h])
+            self.host[h] = [-1] * self.block_size
+        sampled: list[int | None] = []
+        for s in so.seqs:
+            for i, tok in enumerate(s.token_ids):
+                pos = s.start_pos + i
+                self.device[s.block_table[pos // self.block_size]][pos % self.block_size] = tok
+            if not s.sample:
+                sampled.append(None)
+                continue
+            ctx = [
+                self.device[s.block_table[p // self.block_size]][p % self.block_size]
+                for p in range(s.context_len)
+            ]
+            assert -1 not in ctx, f"{s.request_id} read an unwritten slot"
+            digest = hashlib.sha256(repr((ctx, s.seed if s.temperature else 0)).encode())
+            sampled.append(int.from_bytes(digest.digest()[:4], "little") % self.vocab)
+        return RunnerOutput(tuple(s.request_id for s in so.seqs), tuple(sampled))
+
+
+def decode_chars(ids: list[int] | tuple[int, ...]) -> str:
+    """A toy tokenizer: id i is the character chr(ord('a') + i % 26)."""
+    return "".join(chr(ord("a") + i % 26) for i in ids)
