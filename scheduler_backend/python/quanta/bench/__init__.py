@@ -1,0 +1,1 @@
+"""Benchmarks that print numbers; peers are measured in the same run."""

@@ -1,0 +1,159 @@
+"""``quanta bench engine``: prefill and decode tokens/s against HF transformers.
+
+Both engines get the same checkpoint, dtype, thread count and token ids. Quanta runs through
+its full loop (scheduling, block tables, paged attention), so the number is what a server
+gets, not a bare forward pass. Decode throughput is measured as the extra time a run with
+``gen_len`` tokens takes over a prefill-only run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.core.request import SamplingParams
+from quanta.frontends.engine import Engine, build_engine
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRow:
+    batch: int
+    quanta_prefill_tps: float
+    quanta_decode_tps: float
+    hf_prefill_tps: float | None
+    hf_decode_tps: float | None
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def _time_quanta(engine: Engine, prompts: list[list[int]], gen_len: int) -> float:
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    loop = engine.loop
+    start = time.perf_counter()
+    streams = [loop.submit(engine.make_request(p, params)) for p in prompts]
+    loop.run_until_idle()
+    elapsed = time.perf_counter() - start
+    for s in streams:
+        assert s is not None
+        res = s.result(timeout=0)
+        if res.error is not None:
+            raise res.error
+    return elapsed
+
+
+def _time_hf(model: torch.nn.Module, prompts: list[list[int]], gen_len: int) -> float:
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(  # type: ignore[operator]
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=gen_len,
+            min_new_tokens=gen_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return time.perf_counter() - start
+
+
+def _rates(prefill_s: float, total_s: float, batch: int, prompt_len: int, gen_len: int):
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return batch * prompt_len / prefill_s, batch * (gen_len - 1) / decode_s
+
+
+def run_engine_bench(
+    model_dir: Path,
+    batches: list[int],
+    prompt_len: int,
+    gen_len: int,
+    *,
+    compare_hf: bool = True,
+    threads: int | None = None,
+    output: Path | None = None,
+) -> list[BenchRow]:
+    """Measure every batch size, print a table, optionally write JSON."""
+    if threads:
+        torch.set_num_threads(threads)
+    max_batch = max(batches)
+    tokens = max_batch * (prompt_len + gen_len)
+    engine = build_engine(
+        EngineConfig(
+            model=str(model_dir),
+            cache=CacheConfig(num_device_blocks=tokens // 16 + 2 * max_batch, num_host_blocks=0),
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max_batch),
+        )
+    )
+    vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+    hf = _load_hf(model_dir) if compare_hf else None
+    rows = []
+    for b in batches:
+        prompts = _prompts(b, prompt_len, vocab)
+        _time_quanta(engine, prompts[:1], 2)  # warm-up
+        qp = _time_quanta(engine, prompts, 1)
+        qt = _time_quanta(engine, prompts, gen_len)
+        q_pre, q_dec = _rates(qp, qt, b, prompt_len, gen_len)
+        h_pre = h_dec = None
+        if hf is not None:
+            _time_hf(hf, prompts[:1], 2)
+            h_pre, h_dec = _rates(
+                _time_hf(hf, prompts, 1), _time_hf(hf, prompts, gen_len), b, prompt_len, gen_len
+            )
+        rows.append(BenchRow(b, q_pre, q_dec, h_pre, h_dec))
+    _print(rows, model_dir, prompt_len, gen_len)
+    if output is not None:
+        output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return rows
+
+
+def _load_hf(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int) -> None:
+    table = Table(
+        title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
+        f"{torch.get_num_threads()} threads, fp32 CPU (tokens/s)"
+    )
+    for col in (
+        "batch",
+        "quanta prefill",
+        "hf prefill",
+        "ratio",
+        "quanta decode",
+        "hf decode",
+        "ratio",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.batch),
+            f"{r.quanta_prefill_tps:.0f}",
+            _fmt(r.hf_prefill_tps),
+            _ratio(r.quanta_prefill_tps, r.hf_prefill_tps),
+            f"{r.quanta_decode_tps:.1f}",
+            _fmt(r.hf_decode_tps),
+            _ratio(r.quanta_decode_tps, r.hf_decode_tps),
+        )
+    Console().print(table)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _ratio(ours: float, peer: float | None) -> str:
+    return "-" if not peer else f"{ours / peer:.2f}x"

@@ -1,0 +1,119 @@
+"""The ``quanta`` command line (Typer).
+
+Commands that need torch import it inside the command, so ``quanta --help`` stays fast.
+Sub-systems register their own commands through a ``register(app)`` function.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="Quanta: preemptive, fair, SLO-aware LLM serving for Triton.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+bench_app = typer.Typer(help="Benchmarks that print numbers.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@app.command("make-model")
+def make_model(
+    preset: Annotated[str, typer.Argument(help="opt-tiny, llama-tiny, opt-125m, llama-100m")],
+    out: Annotated[Path, typer.Option("--out", help="directory to write")],
+    seed: Annotated[int, typer.Option(help="weights are a function of the seed")] = 0,
+    dtype: Annotated[str, typer.Option(help="float32, float16 or bfloat16")] = "float32",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing directory")] = False,
+) -> None:
+    """Write an HF-layout checkpoint with random weights and a byte-level BPE tokenizer."""
+    from quanta.build.checkpoint import make_checkpoint
+
+    path = make_checkpoint(preset, out, seed=seed, dtype=dtype, overwrite=overwrite)
+    typer.echo(f"wrote {preset} to {path}")
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="text to continue")],
+    model: Annotated[Path | None, typer.Option(help="checkpoint dir, to run in-process")] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(help="Triton server host:port (HTTP, or gRPC with --grpc)"),
+    ] = None,
+    model_name: Annotated[str, typer.Option(help="Triton model name (with --url)")] = "quanta",
+    grpc: Annotated[bool, typer.Option(help="use gRPC streaming (with --url)")] = False,
+    stream: Annotated[bool, typer.Option(help="stream tokens as they come (with --url)")] = True,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0)] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+) -> None:
+    """Generate from a local checkpoint (--model) or a running server (--url), streaming."""
+    from quanta.core.request import SamplingParams
+
+    if (model is None) == (url is None):
+        raise typer.BadParameter("give exactly one of --model or --url")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop or ()),
+    )
+    if url is not None:
+        client = importlib.import_module("quanta.frontends.triton.client")
+        for piece in client.generate(
+            url, prompt, params, model=model_name, use_grpc=grpc, stream=stream
+        ):
+            typer.echo(piece, nl=False)
+        typer.echo()
+        return
+    from quanta.frontends.local import stream_generate
+
+    for piece in stream_generate(model, prompt, params):  # type: ignore[arg-type]
+        typer.echo(piece, nl=False)
+    typer.echo()
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: Annotated[Path, typer.Option(help="checkpoint dir")],
+    batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,8,32",
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens per request")] = 128,
+    gen_len: Annotated[int, typer.Option(help="generated tokens per request")] = 128,
+    compare_hf: Annotated[bool, typer.Option(help="also time HF transformers generate")] = True,
+    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    output: Annotated[Path | None, typer.Option(help="also write the rows as JSON")] = None,
+) -> None:
+    """Prefill and decode tokens/s of the engine, with HF transformers as the peer."""
+    from quanta.bench.engine import run_engine_bench
+
+    sizes = [int(b) for b in batch.split(",") if b.strip()]
+    run_engine_bench(
+        model, sizes, prompt_len, gen_len, compare_hf=compare_hf, threads=threads, output=output
+    )
+
+
+def _register_optional() -> None:
+    """Sub-systems add their commands here; a missing one only hides its commands."""
+    for module in ("quanta.frontends.triton.cli", "quanta.sim.cli"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+            continue
+        mod.register(app, bench_app)
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    app()

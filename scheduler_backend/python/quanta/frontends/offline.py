@@ -1,0 +1,102 @@
+"""The offline API: ``quanta.LLM(model_dir).generate(prompts, SamplingParams(...))``.
+
+It drives the same ``EngineLoop`` as the servers, synchronously, so batch jobs get the same
+scheduling, preemption and outputs as online traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.core.errors import QuantaError
+from quanta.core.request import RequestMetadata, SamplingParams
+from quanta.core.stream import RequestMetrics, RequestStream
+from quanta.frontends.engine import Engine, build_engine
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """One prompt's outcome; ``error`` is set (and text partial) when it failed."""
+
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics | None
+    error: QuantaError | None = None
+
+
+class LLM:
+    """A model replica for in-process batch generation."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        policy: str = "fcfs",
+        policy_options: dict[str, Any] | None = None,
+        dtype: str | None = None,
+        device: str = "cpu",
+        cache: CacheConfig | dict[str, Any] | None = None,
+        scheduler: SchedulerConfig | dict[str, Any] | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            policy=policy,
+            policy_options=policy_options or {},
+            dtype=dtype,
+            device=device,
+            cache=cache or CacheConfig(),
+            scheduler=scheduler or SchedulerConfig(),
+        )
+        self.engine: Engine = build_engine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        metadata: RequestMetadata | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt; invalid prompts raise before anything runs."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = _broadcast(params or SamplingParams(), len(prompts))
+        requests = [
+            self.engine.make_request(p, sp, metadata=metadata)
+            for p, sp in zip(prompts, params_list, strict=True)
+        ]
+        loop = self.engine.loop
+        for r in requests:  # validate all before submitting any
+            loop.validate(r)
+        streams: list[RequestStream] = [loop.submit(r) for r in requests]  # type: ignore[misc]
+        loop.run_until_idle()
+        results = []
+        for prompt, stream in zip(prompts, streams, strict=True):
+            done = stream.result(timeout=0)
+            results.append(
+                GenerationResult(
+                    prompt,
+                    done.text,
+                    list(done.token_ids),
+                    done.finish_reason,
+                    done.metrics,
+                    done.error,
+                )
+            )
+        return results
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
+    return list(params)

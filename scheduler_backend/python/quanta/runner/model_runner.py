@@ -1,0 +1,210 @@
+"""The PyTorch runner: executes one ``SchedulerOutput`` and never decides what runs.
+
+It owns the weights and two KV tiers (device and host), each ONE tensor
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.  A step copies blocks
+(swap-outs first, so a block freed by a swap-out can be the target of a swap-in), then runs
+one forward pass over all scheduled tokens packed together, and samples only where asked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
+from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
+from quanta.runner.models import build_model_skeleton
+from quanta.runner.models.config import ModelConfig, load_model_config
+from quanta.runner.models.loader import load_weights
+from quanta.runner.sampler import sample
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """The caller's dtype, or the default: fp32 on CPU, fp16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    """Loads an OPT or LLaMA checkpoint and executes scheduler steps over a paged KV cache."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if num_device_blocks <= 0 or num_host_blocks < 0 or block_size <= 0:
+            raise ValueError("need num_device_blocks > 0, num_host_blocks >= 0, block_size > 0")
+        self.device = torch.device(device if device is not None else "cpu")
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.model_config: ModelConfig = load_model_config(model_dir)
+        self.model = build_model_skeleton(self.model_config)
+        load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
+        self.model.eval()
+        self.device_kv_cache = self._allocate_kv(num_device_blocks, self.device)
+        self.host_kv_cache = self._allocate_kv(
+            num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
+        )
+        self.bytes_per_block = self.kv_bytes_per_block(self.model_config, block_size, self.dtype)
+        self.capabilities = RunnerCapabilities()
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers (K and V); lets frontends turn a memory
+        budget into block counts before loading anything."""
+        elements = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
+        return elements * torch.empty((), dtype=dtype).element_size()
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Swap-outs, then swap-ins, then one forward pass and sampling.
+
+        Returns the sampled token per seq (None where ``sample`` is False).  A malformed step
+        (bad block ids, too-short block table, position past ``max_model_len``) raises before
+        any block is copied or written; the runner keeps no per-request state to undo.
+        """
+        started = time.perf_counter()
+        seqs = scheduler_output.seqs
+        with torch.inference_mode():
+            batch = self._prepare(seqs, self.num_device_blocks) if seqs else None
+            self._check_copies(
+                scheduler_output.swap_out, self.num_device_blocks, self.num_host_blocks
+            )
+            self._check_copies(
+                scheduler_output.swap_in, self.num_host_blocks, self.num_device_blocks
+            )
+            self._copy_blocks(scheduler_output.swap_out, self.device_kv_cache, self.host_kv_cache)
+            self._copy_blocks(scheduler_output.swap_in, self.host_kv_cache, self.device_kv_cache)
+            sampled: list[int | None] = [None] * len(seqs)
+            if batch is not None:
+                hidden = self.model(
+                    batch.input_ids, batch.positions, self.device_kv_cache, batch.meta
+                )
+                chosen = [i for i, seq in enumerate(seqs) if seq.sample]
+                if chosen:
+                    rows = [batch.last_rows[i] for i in chosen]
+                    index = torch.tensor(rows, dtype=torch.long, device=self.device)
+                    logits = self.model.compute_logits(hidden.index_select(0, index)).float()
+                    tokens = sample(logits, [seqs[i] for i in chosen])
+                    for i, token in zip(chosen, tokens, strict=True):
+                        sampled[i] = token
+        return RunnerOutput(
+            request_ids=tuple(seq.request_id for seq in seqs),
+            sampled_token_ids=tuple(sampled),
+            step_time=time.perf_counter() - started,
+        )
+
+    def forward_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Logits ``[len(token_ids), vocab]`` (fp32) of one sequence, computed through the same
+        paged path as ``execute`` on a temporary cache whose block ids run backwards.  With
+        ``chunk_size`` the prompt goes through as successive prefill chunks.  For tests."""
+        num_blocks = -(-len(token_ids) // self.block_size)
+        cache = self._allocate_kv(num_blocks, self.device)
+        table = tuple(reversed(range(num_blocks)))
+        step = chunk_size or len(token_ids)
+        outputs = []
+        with torch.inference_mode():
+            for start in range(0, len(token_ids), step):
+                chunk = _Chunk(tuple(token_ids[start : start + step]), start, table)
+                batch = self._prepare([chunk], num_blocks)
+                hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta)
+                outputs.append(self.model.compute_logits(hidden).float())
+        return torch.cat(outputs)
+
+    def _prepare(self, seqs: Sequence[PagedSeq], num_blocks: int) -> _Batch:
+        """Pack the step's tokens and build the attention indices; validates, writes nothing."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        last_rows: list[int] = []
+        for seq in seqs:
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start_pos, seq.start_pos + len(seq.token_ids)))
+            last_rows.append(len(token_ids) - 1)
+        meta = build_metadata(seqs, self.block_size, num_blocks, self.device)
+        max_pos = max(positions)
+        if max_pos >= self.model_config.max_model_len:
+            raise ValueError(
+                f"position {max_pos} is beyond max_model_len {self.model_config.max_model_len}"
+            )
+        return _Batch(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            last_rows=last_rows,
+        )
+
+    def _allocate_kv(
+        self, num_blocks: int, device: torch.device, pin: bool = False
+    ) -> torch.Tensor:
+        cfg = self.model_config
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+
+    @staticmethod
+    def _check_copies(pairs: tuple[tuple[int, int], ...], num_src: int, num_dst: int) -> None:
+        for src_id, dst_id in pairs:
+            if not (0 <= src_id < num_src and 0 <= dst_id < num_dst):
+                raise ValueError(
+                    f"block copy {src_id} -> {dst_id} is out of range "
+                    f"({num_src} source, {num_dst} target blocks)"
+                )
+
+    @staticmethod
+    def _copy_blocks(
+        pairs: tuple[tuple[int, int], ...], src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copy blocks ``src_id -> dst_id`` for all layers, K and V, in one indexed copy."""
+        if not pairs:
+            return
+        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src.device)
+        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst.device)
+        blocks = src.index_select(2, src_ids).to(dst.device)
+        dst.index_copy_(2, dst_ids, blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One step's packed inputs."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    last_rows: list[int]  # row of each seq's last token
+
+
+class _Chunk:
+    """A minimal ``PagedSeq`` for ``forward_logits``."""
+
+    __slots__ = ("block_table", "start_pos", "token_ids")
+
+    def __init__(self, token_ids: tuple[int, ...], start_pos: int, block_table: tuple[int, ...]):
+        self.token_ids = token_ids
+        self.start_pos = start_pos
+        self.block_table = block_table

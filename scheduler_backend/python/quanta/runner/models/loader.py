@@ -1,0 +1,101 @@
+"""Fill a meta-built model from safetensors, one tensor at a time.
+
+Each checkpoint tensor is read with ``safe_open``, converted to the target dtype and device
+and installed as the parameter, so the process never holds two full copies of the weights.
+Our modules keep HF's parameter names; the only mapping is re-adding a prefix that some
+exports drop (``decoder.`` for OPT, no ``model.`` at all for either family).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+_PREFIXES: tuple[str, ...] = ("", "model.", "model.decoder.")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: one file, an index and its shards, or all."""
+    model_dir = Path(model_dir)
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        shards = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(p) for p in shards if not p.is_file()]
+        if absent:
+            raise FileNotFoundError(f"shards named in {index.name} are missing: {absent[:5]}")
+        return shards
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(
+            f"no safetensors weights in {model_dir} (pytorch_model.bin is not supported)"
+        )
+    return found
+
+
+def resolve_name(key: str, names: Collection[str]) -> str | None:
+    """Our parameter name for a checkpoint key, trying the prefixes exports drop."""
+    for prefix in _PREFIXES:
+        if prefix + key in names:
+            return prefix + key
+    return None
+
+
+def load_weights(
+    model: nn.Module, model_dir: str | Path, *, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Load every parameter of ``model`` from ``model_dir``; missing or unexpected names raise.
+
+    ``model`` may be built on the meta device; tied parameters are re-tied afterwards through
+    ``model.tie_weights()``.  Rejects shape mismatches before installing anything wrong.
+    """
+    params = dict(model.named_parameters())  # a tied head appears once, under the embedding
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as reader:
+            for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = resolve_name(key, params)
+                if name is None:
+                    if not _ignorable(model, key):
+                        unexpected.append(key)
+                    continue
+                if name in loaded:
+                    raise ValueError(f"checkpoint holds {name!r} twice (as {key!r})")
+                tensor = reader.get_tensor(key)
+                expected = tuple(params[name].shape)
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(
+                        f"weight {key!r} has shape {tuple(tensor.shape)}, model expects {expected}"
+                    )
+                _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {model_dir} does not match the model: "
+            f"{len(missing)} missing (e.g. {missing[:5]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})"
+        )
+    model.tie_weights()  # type: ignore[operator]
+
+
+def _ignorable(model: nn.Module, key: str) -> bool:
+    check = getattr(model, "is_ignorable_weight", None)
+    if check is None:
+        return False
+    return any(check(prefix + key) for prefix in _PREFIXES)
+
+
+def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    owner._parameters[attr] = nn.Parameter(value, requires_grad=False)

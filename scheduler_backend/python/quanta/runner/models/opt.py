@@ -1,0 +1,164 @@
+"""OPT, written for packed batches: every projection runs once over ``[T, hidden]``.
+
+Module and parameter names copy HF's ``OPTForCausalLM`` so checkpoint names map one to one
+(``model.decoder.layers.N.self_attn.q_proj.weight`` ...).  Only attention is per sequence,
+through the paged cache (see ``quanta.runner.attention``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quanta.runner.attention import AttentionMetadata, paged_attention
+from quanta.runner.models.config import ModelConfig
+
+POSITION_OFFSET = 2  # OPT's learned positions are stored shifted by two (a fairseq legacy)
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dim, bias = config.hidden_size, config.enable_bias
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(dim, dim, bias=bias)
+        self.k_proj = nn.Linear(dim, dim, bias=bias)
+        self.v_proj = nn.Linear(dim, dim, bias=bias)
+        self.out_proj = nn.Linear(dim, dim, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        shape = (x.shape[0], self.num_heads, self.head_dim)
+        # NOTE: HF scales q before the product (and runs SDPA with scale 1); same order here so
+        # the rounding matches.
+        q = (self.q_proj(x) * self.head_dim**-0.5).view(shape)
+        k = self.k_proj(x).view(shape)
+        v = self.v_proj(x).view(shape)
+        out = paged_attention(q, k, v, layer_cache, meta, scale=1.0)
+        return self.out_proj(out.flatten(1))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dim, affine = config.hidden_size, config.layer_norm_elementwise_affine
+        self.pre_norm = config.do_layer_norm_before
+        self.activation = _activation(config.activation_function)
+        self.self_attn = OPTAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
+        self.fc1 = nn.Linear(dim, config.intermediate_size, bias=config.enable_bias)
+        self.fc2 = nn.Linear(config.intermediate_size, dim, bias=config.enable_bias)
+        self.final_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
+
+    def forward(
+        self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # Pre-LN (125m, 1.3b, ...) normalises before each block, post-LN (350m) after.
+        h = self.self_attn_layer_norm(x) if self.pre_norm else x
+        x = x + self.self_attn(h, layer_cache, meta)
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_norm else x
+        x = x + self.fc2(self.activation(self.fc1(h)))
+        if not self.pre_norm:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dim, proj = config.hidden_size, config.word_embed_proj_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, proj)
+        self.embed_positions = nn.Embedding(config.max_model_len + POSITION_OFFSET, dim)
+        self.project_in = nn.Linear(proj, dim, bias=False) if proj != dim else None
+        self.project_out = nn.Linear(dim, proj, bias=False) if proj != dim else None
+        has_final_norm = config.do_layer_norm_before and not config.remove_final_layer_norm
+        self.final_layer_norm = (
+            nn.LayerNorm(dim, elementwise_affine=config.layer_norm_elementwise_affine)
+            if has_final_norm
+            else None
+        )
+        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        x = x + self.embed_positions(positions + POSITION_OFFSET)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv_cache[i], meta)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+
+class OPTModel(nn.Module):
+    """Exists only so parameter names carry HF's ``model.decoder.`` prefix."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.decoder = OPTDecoder(config)
+
+
+class OPTForCausalLM(nn.Module):
+    """``forward`` returns hidden states ``[T, word_embed_proj_dim]``; logits are computed
+    separately so the runner projects only the rows it samples."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = OPTModel(config)
+        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+
+    def is_ignorable_weight(self, name: str) -> bool:
+        """Checkpoint entries that HF also drops: a tied head, a final norm post-LN never uses."""
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return True
+        return self.model.decoder.final_layer_norm is None and name.startswith(
+            "model.decoder.final_layer_norm."
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise NotImplementedError(f"OPT activation_function {name!r} is not supported")
+    return _ACTIVATIONS[name]

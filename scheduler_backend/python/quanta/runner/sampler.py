@@ -1,0 +1,93 @@
+"""Token sampling: greedy, or temperature / top-k / top-p with a per-token random stream.
+
+Each sampled token draws its noise from a generator seeded by ``(seed, output_index)`` alone,
+so the token does not depend on which other requests shared the batch, and a request that was
+preempted and recomputed samples exactly the tokens it would have sampled anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingRow(Protocol):
+    """What the sampler needs of a row (``ScheduledSeq`` fits)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def output_index(self) -> int: ...
+
+
+def splitmix64(x: int) -> int:
+    """A well-mixed 64-bit hash, so neighbouring (seed, index) pairs get unrelated streams."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    """Generator seed of one sampled token; depends on nothing but its two arguments."""
+    return splitmix64((seed * 1_000_003 + output_index) & _MASK64)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    """One token id per row of ``logits`` ``[N, vocab]``; rows with temperature 0 are greedy."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+    out = [0] * len(rows)
+    greedy = [i for i, row in enumerate(rows) if row.temperature <= 0.0]
+    if greedy:
+        index = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+        picked = logits.index_select(0, index).argmax(dim=-1).tolist()
+        for i, token in zip(greedy, picked, strict=True):
+            out[i] = token
+    seeded = [i for i, row in enumerate(rows) if row.temperature > 0.0]
+    if seeded:
+        cpu_logits = logits[seeded].float().cpu()
+        for j, i in enumerate(seeded):
+            out[i] = sample_row(cpu_logits[j], rows[i])
+    return out
+
+
+def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    """Sample one token from fp32 CPU ``logits`` ``[vocab]`` with the row's own generator."""
+    scores = filter_top_k_top_p(logits.float() / row.temperature, row.top_k, row.top_p)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(token_seed(row.seed, row.output_index))
+    # Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) samples from p.
+    noise = torch.empty_like(scores).exponential_(generator=generator)
+    probs = torch.softmax(scores, dim=-1)
+    return int((probs / noise).argmax().item())
+
+
+def filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set scores outside the top-k (0 = off) and the top-p nucleus (1 = off) to -inf.
+
+    The most likely token always survives, so top_k=1 or a tiny top_p reduce to greedy.
+    """
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p  # keep the smallest prefix reaching top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
