@@ -69,10 +69,14 @@ def generate(
     )
     if url is not None:
         client = importlib.import_module("quanta.frontends.triton.client")
-        for piece in client.generate(
-            url, prompt, params, model=model_name, use_grpc=grpc, stream=stream
-        ):
-            typer.echo(piece, nl=False)
+        try:
+            for piece in client.generate(
+                url, prompt, params, model=model_name, use_grpc=grpc, stream=stream
+            ):
+                typer.echo(piece, nl=False)
+        except client.GenerateError as exc:
+            typer.echo(f"\nerror: {exc}", err=True)
+            raise typer.Exit(1) from exc
         typer.echo()
         return
     from quanta.frontends.local import stream_generate

@@ -1,0 +1,179 @@
+"""The Triton Python-based backend ``quanta``: one ``EngineLoop`` per model instance.
+
+Shaped like Triton's vLLM backend: decoupled mode (enforced by ``auto_complete_config``),
+``execute()`` only validates, converts and submits, the engine runs on its own thread, a
+response thread sends the outputs, and cancellation goes through the engine's normal abort path.
+``triton_python_backend_utils`` exists only inside Triton's stub process, so it is imported in
+``initialize`` and handed to the parts that need it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Any
+
+from quanta.core.errors import EngineStepError, QuantaError
+from quanta.core.stream import RequestOutput
+from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
+from quanta.frontends.triton.responder import InflightRequest, Responder
+from quanta.frontends.triton.settings import (
+    load_model_config,
+    parameters_from_model_config,
+    parse_parameters,
+)
+from quanta.frontends.triton.tensors import INPUTS, OUTPUTS, parse_request
+
+log = logging.getLogger(__name__)
+
+_ERROR_CODES = {
+    "invalid_argument": "INVALID_ARG",
+    "unavailable": "UNAVAILABLE",
+    "cancelled": "CANCELLED",
+    "internal": "INTERNAL",
+}
+_FINISH_LABELS = {
+    "invalid_argument": "invalid",
+    "unavailable": "throttled",
+    "cancelled": "abort",
+    "internal": "error",
+}
+
+
+class TritonResponses:
+    """``ResponseFactory`` over ``pb_utils``: output tensors or a typed ``TritonError``."""
+
+    def __init__(self, pb_utils: Any) -> None:
+        self._pb = pb_utils
+        self.final_flag: int = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+    def response(self, arrays: dict[str, Any]) -> Any:
+        tensors = [self._pb.Tensor(name, value) for name, value in arrays.items()]
+        return self._pb.InferenceResponse(output_tensors=tensors)
+
+    def error(self, code: str, message: str) -> Any:
+        err = self._pb.TritonError
+        status = getattr(err, _ERROR_CODES.get(code, "INTERNAL"), err.INTERNAL)
+        return self._pb.InferenceResponse(error=err(message, status))
+
+
+class TritonPythonModel:
+    """The class Triton's Python backend instantiates once per model instance."""
+
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config: Any) -> Any:
+        """Models carry only parameters: the tensors and decoupled mode come from here."""
+        cfg = auto_complete_model_config
+        cfg.set_max_batch_size(0)  # NOTE: the engine batches per iteration, Triton must not
+        cfg.set_model_transaction_policy({"decoupled": True})
+        current = cfg.as_dict()
+        have_in = {t["name"] for t in current.get("input", [])}
+        have_out = {t["name"] for t in current.get("output", [])}
+        for name, dtype, dims in INPUTS:
+            if name not in have_in:
+                cfg.add_input({"name": name, "data_type": dtype, "dims": dims, "optional": True})
+        for name, dtype, dims in OUTPUTS:
+            if name not in have_out:
+                cfg.add_output({"name": name, "data_type": dtype, "dims": dims})
+        return cfg
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        from quanta.frontends.engine import build_engine
+
+        self._pb = pb_utils
+        model_config = load_model_config(args)
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                "the quanta backend streams: set model_transaction_policy { decoupled: true }"
+            )
+        engine_config, settings = parse_parameters(parameters_from_model_config(model_config))
+        if settings.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(settings.torch_threads)
+        if settings.preset is not None:
+            from quanta.build.checkpoint import ensure_checkpoint
+
+            ensure_checkpoint(settings.preset, Path(engine_config.model), settings.preset_seed)
+        self._engine = build_engine(engine_config)
+        self._loop = self._engine.loop
+        self._name = args["model_instance_name"]
+        self._ids = itertools.count()
+        self._metrics = MetricsReporter(
+            pb_utils,
+            labels={
+                "model": args["model_name"],
+                "version": args["model_version"],
+                "instance": self._name,
+            },
+            stats=self._loop.stats,
+            interval=settings.metrics_interval_ms / 1000,
+        )
+        self._responder = Responder(
+            TritonResponses(pb_utils),
+            self._loop.cancel,
+            on_finished=self._finished,
+            cancel_check_interval=settings.cancel_check_interval_ms / 1000,
+        )
+        self._loop.start()
+        self._responder.start()
+        self._metrics.start()
+        log.info(
+            "%s: serving %s with policy %s", self._name, engine_config.model, engine_config.policy
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        """Submit each request and return at once; responses are sent by the responder."""
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def finalize(self) -> None:
+        """Stop the loop (failing what is in flight), flush responses, then drop metrics."""
+        self._loop.stop("the model is being unloaded; the request was aborted")
+        self._responder.stop()
+        self._metrics.stop()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _submit(self, request: Any) -> None:
+        rid = f"{self._name}-{next(self._ids)}"
+        inflight = InflightRequest(rid, request.get_response_sender(), stream=False)
+        try:
+            parsed = parse_request(lambda name: self._input(request, name))
+        except QuantaError as exc:
+            self._responder.reject(inflight, exc)
+            return
+        inflight.stream = parsed.stream
+        inflight.tenant = parsed.metadata.tenant
+        inflight.priority_class = parsed.metadata.priority_class
+        sink = self._responder.track(inflight)
+        try:
+            r = self._engine.make_request(
+                parsed.prompt, parsed.params, metadata=parsed.metadata, request_id=rid
+            )
+            self._loop.submit(r, sink)
+        except QuantaError as exc:
+            self._responder.reject(inflight, exc)
+        except Exception as exc:  # a bug in conversion fails this request, not the model
+            log.exception("submitting %s failed", rid)
+            self._responder.reject(inflight, EngineStepError(f"internal error: {exc}"))
+
+    def _input(self, request: Any, name: str) -> Any:
+        tensor = self._pb.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def _finished(self, inflight: InflightRequest, out: RequestOutput) -> None:
+        error = out.error
+        reason = _FINISH_LABELS.get(error.code, "error") if error else out.finish_reason
+        self._metrics.record(
+            FinishedRecord(
+                tenant=inflight.tenant,
+                priority_class=inflight.priority_class,
+                finish_reason=reason or "unknown",
+                throttled=error is not None and error.code == "unavailable",
+                metrics=out.metrics,
+            )
+        )

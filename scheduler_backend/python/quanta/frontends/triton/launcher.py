@@ -1,0 +1,296 @@
+"""Start and stop a real ``tritonserver`` serving the ``quanta`` backend.
+
+Why this much setup: the ``tritonserver`` binary in the ``nvidia-pytriton`` wheel ships without a
+ready backend directory for custom Python-based backends, and its Python stub embeds a
+libpython that must be the running interpreter's. So the launcher lays out a backend directory
+(Triton's Python backend plus ``quanta/model.py``), puts this interpreter's LIBDIR first on
+``LD_LIBRARY_PATH``, passes this environment's import paths to the stub (which ignores
+``PYTHONPATH``), binds to the given host, and waits until the server is ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.resources
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+BACKEND_NAME = "quanta"
+
+
+class LaunchError(RuntimeError):
+    """tritonserver could not be found, started, or did not become ready."""
+
+
+def pytriton_dist_dir() -> Path | None:
+    """``pytriton/tritonserver`` of the installed ``nvidia-pytriton`` wheel, if any."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    return path if path.is_dir() else None
+
+
+def find_tritonserver(explicit: str | Path | None = None) -> Path:
+    """``explicit``, else ``tritonserver`` on PATH, else the binary in ``nvidia-pytriton``."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.is_file():
+            raise LaunchError(f"--tritonserver {path} does not exist")
+        return path
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Path(on_path)
+    dist = pytriton_dist_dir()
+    if dist is not None and (dist / "bin" / "tritonserver").is_file():
+        return dist / "bin" / "tritonserver"
+    raise LaunchError(
+        "no tritonserver found: pass --tritonserver, put one on PATH, or "
+        "pip install nvidia-pytriton==0.7.0 (it bundles Triton 2.51)"
+    )
+
+
+def python_backend_dir(tritonserver: Path) -> Path:
+    """Where Triton's own Python backend lives next to ``tritonserver``."""
+    candidates = [
+        tritonserver.parent.parent / "backends" / "python",  # pytriton wheel, /opt/tritonserver
+        Path("/opt/tritonserver/backends/python"),
+    ]
+    dist = pytriton_dist_dir()
+    if dist is not None:
+        candidates.append(dist / "backends" / "python")
+    for c in candidates:
+        if (c / "libtriton_python.so").is_file():
+            return c
+    raise LaunchError(f"no Python backend (libtriton_python.so) found near {tritonserver}")
+
+
+def python_stub(python_backend: Path) -> Path:
+    """The stub matching ``python_backend``; the wheel keeps one per Python version."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    dist = pytriton_dist_dir()
+    if dist is not None and python_backend.resolve().is_relative_to(dist.resolve()):
+        stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    else:
+        stub = python_backend / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise LaunchError(f"no triton_python_backend_stub for Python {version} at {stub}")
+    return stub
+
+
+def layout_backend_dir(dest: Path, tritonserver: Path) -> Path:
+    """Write ``dest/python`` (Triton's Python backend) and ``dest/quanta/model.py``."""
+    source = python_backend_dir(tritonserver)
+    python_dir = dest / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(source / name, python_dir / name)
+    stub = python_dir / "triton_python_backend_stub"
+    shutil.copy2(python_stub(source), stub)
+    stub.chmod(0o755)
+    quanta_dir = dest / BACKEND_NAME
+    quanta_dir.mkdir(parents=True, exist_ok=True)
+    model_py = importlib.resources.files("quanta.frontends.triton") / "backend_model.py"
+    (quanta_dir / "model.py").write_text(model_py.read_text(encoding="utf-8"), encoding="utf-8")
+    return dest
+
+
+def import_paths() -> list[str]:
+    """What the stub needs on ``sys.path`` to import ``quanta`` and its dependencies."""
+    import quanta
+
+    paths = [str(Path(quanta.__file__).resolve().parent.parent)]
+    for key in ("purelib", "platlib"):
+        p = sysconfig.get_paths()[key]
+        if p not in paths:
+            paths.append(p)
+    return paths
+
+
+def server_env(tritonserver: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver: libpython first, Triton's libs, this env's import paths."""
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        raise LaunchError(
+            "Triton's Python stub loads libpython, but this interpreter was built without a "
+            "shared one (e.g. pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)"
+        )
+    env = dict(os.environ if base is None else base)
+    libdir = Path(str(sysconfig.get_config_var("LIBDIR")))
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    libs = [str(libdir)]
+    if multiarch and (libdir / multiarch).is_dir():  # Debian keeps libpython there
+        libs.append(str(libdir / multiarch))
+    dist = pytriton_dist_dir()
+    if dist is not None and (dist.parent.parent / "nvidia_pytriton.libs").is_dir():
+        libs.append(str(dist.parent.parent / "nvidia_pytriton.libs"))
+    if (tritonserver.parent.parent / "lib").is_dir():  # /opt/tritonserver/lib
+        libs.append(str(tritonserver.parent.parent / "lib"))
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    env["QUANTA_PYTHONPATH"] = os.pathsep.join(import_paths())
+    return env
+
+
+@dataclass
+class ServerOptions:
+    """How to run one tritonserver; port 0 means "pick a free one"."""
+
+    model_repository: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    tritonserver: Path | None = None
+    backend_dir: Path | None = None  # default: a temporary directory, removed on stop
+    log_verbose: int = 0
+    exit_timeout_s: int = 10
+    extra_args: list[str] = field(default_factory=list)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (best effort, as everywhere)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class TritonServer:
+    """One tritonserver process; a context manager that always stops it."""
+
+    def __init__(self, options: ServerOptions, *, log_file: Path | None = None) -> None:
+        ports = ("http_port", "grpc_port", "metrics_port")
+        picked = {p: free_port(options.host) for p in ports if getattr(options, p) == 0}
+        self.options = dataclasses.replace(options, **picked)
+        self.log_file = log_file
+        self._log: IO[Any] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._own_backend_dir = options.backend_dir is None
+        self.backend_dir = options.backend_dir or Path(tempfile.mkdtemp(prefix="quanta-triton-"))
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    def command(self, binary: Path) -> list[str]:
+        o = self.options
+        shm_prefix = f"quanta{os.getpid()}_{secrets.token_hex(3)}_"  # concurrent servers
+        return [
+            str(binary),
+            f"--model-repository={Path(o.model_repository).resolve()}",
+            f"--backend-directory={self.backend_dir.resolve()}",
+            f"--http-address={o.host}",
+            f"--http-port={o.http_port}",
+            f"--grpc-address={o.host}",
+            f"--grpc-port={o.grpc_port}",
+            f"--metrics-address={o.host}",
+            f"--metrics-port={o.metrics_port}",
+            "--allow-metrics=true",
+            "--allow-cpu-metrics=true",
+            f"--exit-timeout-secs={o.exit_timeout_s}",
+            f"--log-verbose={o.log_verbose}",
+            f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+            *o.extra_args,
+        ]
+
+    def start(self) -> TritonServer:
+        binary = find_tritonserver(self.options.tritonserver)
+        layout_backend_dir(self.backend_dir, binary)
+        out: IO[Any] | None = None
+        if self.log_file is not None:
+            out = self._log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(
+            self.command(binary),
+            env=server_env(binary),
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            start_new_session=True,  # Ctrl-C reaches us only; we forward it exactly once
+        )
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Block until every model is loaded; raise with the log tail if the server exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise LaunchError(f"tritonserver exited with code {code}{self._log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise LaunchError(f"tritonserver not ready after {timeout:.0f}s{self._log_tail()}")
+
+    def wait(self) -> int:
+        assert self._proc is not None
+        return self._proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT (Triton's clean shutdown), then SIGKILL after ``timeout``; idempotent."""
+        code = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.send_signal(signal.SIGINT)
+                try:
+                    self._proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self._proc.pid, signal.SIGKILL)
+                    self._proc.wait()
+            code = self._proc.returncode
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._own_backend_dir:
+            shutil.rmtree(self.backend_dir, ignore_errors=True)
+        return code
+
+    def __enter__(self) -> TritonServer:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _log_tail(self, n: int = 40) -> str:
+        if self.log_file is None or not Path(self.log_file).is_file():
+            return ""
+        lines = Path(self.log_file).read_text(errors="replace").splitlines()[-n:]
+        return "\n--- tritonserver log (tail) ---\n" + "\n".join(lines)

@@ -1,0 +1,212 @@
+"""Prometheus metrics of one model instance, exported through Triton's metrics port.
+
+Every metric update is an IPC round trip to the Triton process, so nothing is updated on the
+engine or response threads: those only hand over ``LoopStats`` snapshots (read from the loop)
+and finished-request records (appended under a lock); a side thread turns them into updates
+every ``interval`` seconds. Names follow vLLM's (``vllm:time_to_first_token_seconds`` ->
+``quanta_time_to_first_token_seconds``), with an underscore since Triton's names are plain.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from quanta.core.loop import LoopStats
+from quanta.core.stream import RequestMetrics
+
+# fmt: off
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0]
+# fmt: on
+
+# name -> (kind, description, buckets)
+FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
+    "quanta_time_to_first_token_seconds": (
+        "HISTOGRAM",
+        "Time from arrival to the first generated token.",
+        TTFT_BUCKETS,
+    ),
+    "quanta_time_per_output_token_seconds": (
+        "HISTOGRAM",
+        "Mean time between output tokens of each finished request.",
+        TPOT_BUCKETS,
+    ),
+    "quanta_e2e_request_latency_seconds": (
+        "HISTOGRAM",
+        "Time from arrival to the end of each finished request.",
+        E2E_BUCKETS,
+    ),
+    "quanta_num_requests_waiting": ("GAUGE", "Requests waiting to be scheduled.", None),
+    "quanta_num_requests_running": ("GAUGE", "Requests with KV in the device tier.", None),
+    "quanta_num_requests_swapped": ("GAUGE", "Requests with KV in the host tier.", None),
+    "quanta_kv_blocks_used": ("GAUGE", "KV blocks in use, by tier.", None),
+    "quanta_kv_blocks_total": ("GAUGE", "KV blocks in the pool, by tier.", None),
+    "quanta_num_preemptions_total": ("COUNTER", "Preemptions, by kind.", None),
+    "quanta_engine_steps_total": ("COUNTER", "Engine iterations executed.", None),
+    "quanta_generation_tokens_total": (
+        "COUNTER",
+        "Generated tokens, by tenant and priority class.",
+        None,
+    ),
+    "quanta_prompt_tokens_total": (
+        "COUNTER",
+        "Prompt tokens of finished requests, by tenant and priority class.",
+        None,
+    ),
+    "quanta_request_finished_total": ("COUNTER", "Finished requests, by finish reason.", None),
+    "quanta_request_throttled_total": (
+        "COUNTER",
+        "Requests refused by the policy under load, by tenant.",
+        None,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRecord:
+    """What the metrics need from one finished request."""
+
+    tenant: str
+    priority_class: str
+    finish_reason: str
+    throttled: bool
+    metrics: RequestMetrics | None
+
+
+class MetricsReporter:
+    """Owns the metric families of one model instance and updates them on a side thread.
+
+    ``pb_utils`` is passed in (it only exists inside Triton's stub), so tests can use a fake.
+    """
+
+    def __init__(
+        self,
+        pb_utils: Any,
+        labels: dict[str, str],
+        stats: Callable[[], LoopStats],
+        interval: float = 0.5,
+    ) -> None:
+        self._labels = labels
+        self._stats = stats
+        self._interval = interval
+        self._families = {
+            name: pb_utils.MetricFamily(
+                name=name, description=desc, kind=getattr(pb_utils.MetricFamily, kind)
+            )
+            for name, (kind, desc, _) in FAMILIES.items()
+        }
+        self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self._pending: list[FinishedRecord] = []
+        self._lock = threading.Lock()
+        self._last: LoopStats | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="quanta-metrics", daemon=True)
+
+    def start(self) -> None:
+        self.flush()
+        self._thread.start()
+
+    def record(self, record: FinishedRecord) -> None:
+        """Called on the response thread: just remember it."""
+        with self._lock:
+            self._pending.append(record)
+
+    def stop(self) -> None:
+        """Flush what is left, then delete the metrics before their families (Triton's rule)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.flush()
+        self._metrics.clear()
+        self._families.clear()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the latest snapshot and the finished requests since the last flush."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        self._apply_stats(self._stats())
+        for rec in pending:
+            self._apply_finished(rec)
+
+    def _apply_stats(self, s: LoopStats) -> None:
+        gauges = {
+            ("quanta_num_requests_waiting", ()): s.num_waiting,
+            ("quanta_num_requests_running", ()): s.num_running,
+            ("quanta_num_requests_swapped", ()): s.num_swapped,
+            ("quanta_kv_blocks_used", (("tier", "device"),)): s.device_blocks_used,
+            ("quanta_kv_blocks_used", (("tier", "host"),)): s.host_blocks_used,
+            ("quanta_kv_blocks_total", (("tier", "device"),)): s.device_blocks_total,
+            ("quanta_kv_blocks_total", (("tier", "host"),)): s.host_blocks_total,
+        }
+        for (name, labels), value in gauges.items():
+            self._metric(name, labels).set(float(value))
+        last = self._last
+        counters = {
+            ("quanta_num_preemptions_total", (("kind", "swap"),)): (
+                s.num_preemptions_swap - (last.num_preemptions_swap if last else 0)
+            ),
+            ("quanta_num_preemptions_total", (("kind", "recompute"),)): (
+                s.num_preemptions_recompute - (last.num_preemptions_recompute if last else 0)
+            ),
+            ("quanta_engine_steps_total", ()): s.num_steps - (last.num_steps if last else 0),
+        }
+        for (name, labels), delta in counters.items():
+            metric = self._metric(name, labels)  # created at 0 so it shows from the start
+            if delta > 0:
+                metric.increment(float(delta))
+        self._last = s
+
+    def _apply_finished(self, rec: FinishedRecord) -> None:
+        who = (("tenant", rec.tenant), ("priority_class", rec.priority_class))
+        reason = (("reason", rec.finish_reason),)
+        self._metric("quanta_request_finished_total", reason).increment(1.0)
+        if rec.throttled:
+            tenant = (("tenant", rec.tenant),)
+            self._metric("quanta_request_throttled_total", tenant).increment(1.0)
+        m = rec.metrics
+        if m is None:
+            return
+        if m.num_output_tokens:
+            self._metric("quanta_generation_tokens_total", who).increment(
+                float(m.num_output_tokens)
+            )
+        self._metric("quanta_prompt_tokens_total", who).increment(float(m.num_prompt_tokens))
+        if m.first_token_time is not None:
+            self._metric("quanta_time_to_first_token_seconds").observe(
+                max(0.0, m.first_token_time - m.arrival_time)
+            )
+        if m.finish_time is not None:
+            self._metric("quanta_e2e_request_latency_seconds").observe(
+                max(0.0, m.finish_time - m.arrival_time)
+            )
+        if m.first_token_time is not None and len(m.token_times) > 1:
+            decode_time = m.token_times[-1] - m.first_token_time
+            self._metric("quanta_time_per_output_token_seconds").observe(
+                max(0.0, decode_time / (len(m.token_times) - 1))
+            )
+
+    def _metric(self, name: str, labels: tuple[tuple[str, str], ...] = ()) -> Any:
+        key = (name, labels)
+        metric = self._metrics.get(key)
+        if metric is None:
+            buckets = FAMILIES[name][2]
+            all_labels = {**self._labels, **dict(labels)}
+            family = self._families[name]
+            metric = (
+                family.Metric(labels=all_labels, buckets=buckets)
+                if buckets
+                else family.Metric(labels=all_labels)
+            )
+            self._metrics[key] = metric
+        return metric

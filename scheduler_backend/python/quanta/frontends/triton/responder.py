@@ -1,0 +1,201 @@
+"""In-flight requests and the response thread that sends their outputs to Triton.
+
+Why a thread: ``response_sender.send`` is a blocking IPC round trip to the Triton process, and
+the engine loop calls each request's sink on its own thread. Sinks only put into a queue; this
+thread drains it, turns deltas into responses, polls cancellation, and always ends a request
+with the final flag. It is the single owner of the per-request accumulators, so they need no
+lock; the table of live requests is shared with ``execute()`` and is locked.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from quanta.core.errors import QuantaError
+from quanta.core.stream import RequestOutput
+from quanta.frontends.triton.tensors import output_arrays
+
+log = logging.getLogger(__name__)
+
+
+class Sender(Protocol):
+    """The parts of Triton's ``InferenceResponseSender`` the responder uses."""
+
+    def send(self, response: Any = None, flags: int = 0) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+class ResponseFactory(Protocol):
+    """Builds Triton responses; the backend implements it with ``pb_utils``."""
+
+    final_flag: int
+
+    def response(self, arrays: dict[str, Any]) -> Any: ...
+
+    def error(self, code: str, message: str) -> Any: ...
+
+
+@dataclass(slots=True, eq=False)
+class InflightRequest:
+    """One request between ``execute()`` and its final response."""
+
+    request_id: str
+    sender: Sender
+    stream: bool
+    tenant: str = "default"
+    priority_class: str = "online"
+    text: list[str] = field(default_factory=list)  # accumulated when not streaming
+    token_ids: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    last_cancel_check: float = 0.0
+
+
+Finished = Callable[[InflightRequest, RequestOutput], None]
+_STOP = object()
+
+
+class Responder:
+    """Drains engine outputs into Triton responses on one thread; see the module docstring."""
+
+    def __init__(
+        self,
+        factory: ResponseFactory,
+        cancel: Callable[[str], None],
+        *,
+        on_finished: Finished | None = None,
+        cancel_check_interval: float = 0.02,
+    ) -> None:
+        self._factory = factory
+        self._cancel = cancel
+        self._on_finished = on_finished
+        self._interval = cancel_check_interval
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._live: dict[str, InflightRequest] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="quanta-responder", daemon=True)
+
+    # -- any thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def track(self, inflight: InflightRequest) -> Callable[[RequestOutput], None]:
+        """Register a request before it is submitted; returns its (cheap) engine sink."""
+        with self._lock:
+            self._live[inflight.request_id] = inflight
+        return lambda out: self._queue.put((inflight, out))
+
+    def reject(self, inflight: InflightRequest, error: QuantaError) -> None:
+        """End a request that never reached the engine (invalid input, shutting down)."""
+        with self._lock:
+            self._live.pop(inflight.request_id, None)
+        self._queue.put((inflight, error))
+
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Send what is queued (the engine must have failed its requests first), then stop."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    # -- responder thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._interval)
+            except queue.Empty:
+                self._sweep()
+                continue
+            if item is _STOP:
+                return
+            inflight, payload = item
+            try:
+                if isinstance(payload, QuantaError):
+                    self._send_final(inflight, self._error(payload))
+                    if self._on_finished is not None:
+                        rejected = RequestOutput(inflight.request_id, (), "", True, None, payload)
+                        self._on_finished(inflight, rejected)
+                else:
+                    self._handle(inflight, payload)
+            except Exception:  # one broken request must not stop everyone's responses
+                log.exception("responding to %s failed", inflight.request_id)
+            self._sweep()
+
+    def _handle(self, inflight: InflightRequest, out: RequestOutput) -> None:
+        if not out.finished:
+            if self._poll_cancelled(inflight, force=inflight.stream):
+                return
+            if inflight.stream:
+                self._send(
+                    inflight, self._factory.response(output_arrays(out.new_text, out.new_token_ids))
+                )
+            else:
+                inflight.text.append(out.new_text)
+                inflight.token_ids.extend(out.new_token_ids)
+            return
+        with self._lock:
+            self._live.pop(inflight.request_id, None)
+        text, ids = out.new_text, list(out.new_token_ids)
+        if not inflight.stream:  # the one response carries everything
+            text, ids = "".join([*inflight.text, text]), [*inflight.token_ids, *ids]
+        if out.error is not None:
+            response = self._error(out.error)
+        else:
+            arrays = output_arrays(text, ids, finish_reason=out.finish_reason, metrics=out.metrics)
+            response = self._factory.response(arrays)
+        self._send_final(inflight, response)
+        if self._on_finished is not None:
+            self._on_finished(inflight, out)
+
+    def _error(self, error: QuantaError) -> Any:
+        return self._factory.error(error.code, str(error))
+
+    def _send(self, inflight: InflightRequest, response: Any) -> None:
+        try:
+            inflight.sender.send(response)
+        except Exception as exc:  # the client went away: stop spending compute on it
+            log.info("dropping %s: send failed: %s", inflight.request_id, exc)
+            self._cancel_request(inflight)
+
+    def _send_final(self, inflight: InflightRequest, response: Any) -> None:
+        try:
+            inflight.sender.send(response, flags=self._factory.final_flag)
+        except Exception as exc:
+            log.info("final response of %s not delivered: %s", inflight.request_id, exc)
+
+    def _poll_cancelled(self, inflight: InflightRequest, *, force: bool = False) -> bool:
+        """Ask Triton (an IPC) whether the client cancelled; at most once per interval."""
+        if inflight.cancelled:
+            return True
+        now = time.monotonic()
+        if not force and now - inflight.last_cancel_check < self._interval:
+            return False
+        inflight.last_cancel_check = now
+        try:
+            cancelled = inflight.sender.is_cancelled()
+        except Exception:
+            cancelled = True
+        if cancelled:
+            self._cancel_request(inflight)
+        return cancelled
+
+    def _cancel_request(self, inflight: InflightRequest) -> None:
+        # NOTE: the engine answers with a final "cancelled" output, which ends the request here.
+        if not inflight.cancelled:
+            inflight.cancelled = True
+            self._cancel(inflight.request_id)
+
+    def _sweep(self) -> None:
+        """Poll requests that produced nothing lately (waiting, swapped, non-streaming)."""
+        with self._lock:
+            live = list(self._live.values())
+        for inflight in live:
+            self._poll_cancelled(inflight)

@@ -1,0 +1,202 @@
+"""Triton tensors <-> Quanta requests and outputs.
+
+Input names follow Triton's TensorRT-LLM ensemble where they overlap (``text_input``,
+``max_tokens``, ``stream``, ...), so existing clients, ``genai-perf`` and the HTTP generate
+endpoints work unchanged; scheduling metadata are extra optional inputs. The spec below is the
+single source of truth: the backend's ``auto_complete_config`` adds it to every model config.
+
+Parsing works on a ``get(name) -> ndarray | None`` callable, not on ``pb_utils`` objects, so it
+is testable without a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from quanta.core.errors import InvalidRequestError
+from quanta.core.request import RequestMetadata, SamplingParams
+from quanta.core.stream import RequestMetrics
+
+# (name, Triton data type, dims); every input is optional (text_input or input_ids is checked).
+INPUTS: tuple[tuple[str, str, list[int]], ...] = (
+    ("text_input", "TYPE_STRING", [1]),
+    ("input_ids", "TYPE_INT32", [-1]),
+    ("max_tokens", "TYPE_INT32", [1]),
+    ("stream", "TYPE_BOOL", [1]),
+    ("temperature", "TYPE_FP32", [1]),
+    ("top_k", "TYPE_INT32", [1]),
+    ("top_p", "TYPE_FP32", [1]),
+    ("seed", "TYPE_UINT64", [1]),
+    ("stop_words", "TYPE_STRING", [-1]),
+    ("end_id", "TYPE_INT32", [1]),
+    ("ignore_eos", "TYPE_BOOL", [1]),
+    ("tenant", "TYPE_STRING", [1]),
+    ("app", "TYPE_STRING", [1]),
+    ("interaction_id", "TYPE_STRING", [1]),
+    ("priority_class", "TYPE_STRING", [1]),
+    ("ttft_slo_ms", "TYPE_FP32", [1]),
+    ("tpot_slo_ms", "TYPE_FP32", [1]),
+)
+OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
+    ("text_output", "TYPE_STRING", [1]),
+    ("output_ids", "TYPE_INT32", [-1]),
+    ("finish_reason", "TYPE_STRING", [1]),
+    ("arrival_time_ns", "TYPE_INT64", [1]),
+    ("first_token_time_ns", "TYPE_INT64", [1]),
+    ("finish_time_ns", "TYPE_INT64", [1]),
+    ("num_prompt_tokens", "TYPE_INT32", [1]),
+    ("num_output_tokens", "TYPE_INT32", [1]),
+    ("num_preemptions", "TYPE_INT32", [1]),
+)
+
+# numpy kinds accepted per Triton type: Triton already enforces the configured type, this is the
+# second line of defence for hand-made configs and the unit tests.
+_KINDS = {
+    "TYPE_STRING": "OSU",
+    "TYPE_INT32": "iu",
+    "TYPE_UINT64": "iu",
+    "TYPE_FP32": "fiu",
+    "TYPE_BOOL": "b",
+}
+_SAMPLING_INPUTS = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "ignore_eos": "ignore_eos",
+}
+_METADATA_INPUTS = (
+    "tenant",
+    "app",
+    "interaction_id",
+    "priority_class",
+    "ttft_slo_ms",
+    "tpot_slo_ms",
+)
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """What one Triton request asks for, validated."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    metadata: RequestMetadata
+    stream: bool
+
+
+def parse_request(get: Getter) -> ParsedRequest:
+    """Read and validate every input; raises ``InvalidRequestError`` naming the bad input."""
+    types = {name: dtype for name, dtype, _ in INPUTS}
+    values: dict[str, Any] = {}
+    for name, dtype, dims in INPUTS:
+        array = get(name)
+        if array is None:
+            continue
+        array = np.asarray(array)
+        if array.dtype.kind not in _KINDS[types[name]]:
+            raise InvalidRequestError(
+                f"input '{name}' must be {dtype.removeprefix('TYPE_')}, got {array.dtype}"
+            )
+        if dims == [1]:
+            if array.size != 1:
+                raise InvalidRequestError(
+                    f"input '{name}' must hold exactly one value, got shape {list(array.shape)}"
+                )
+            values[name] = _scalar(name, array.reshape(-1)[0])
+        else:
+            values[name] = [_scalar(name, v) for v in array.reshape(-1)]
+    prompt = _prompt(values)
+    sampling = {key: values[name] for name, key in _SAMPLING_INPUTS.items() if name in values}
+    if "stop_words" in values:
+        sampling["stop"] = tuple(values["stop_words"])
+    if "end_id" in values:
+        sampling["stop_token_ids"] = (values["end_id"],)
+    metadata = {name: values[name] for name in _METADATA_INPUTS if name in values}
+    return ParsedRequest(
+        prompt=prompt,
+        params=_validated(SamplingParams, sampling),
+        metadata=_validated(RequestMetadata, metadata),
+        stream=bool(values.get("stream", False)),
+    )
+
+
+def _prompt(values: dict[str, Any]) -> str | list[int]:
+    if "text_input" in values and "input_ids" in values:
+        raise InvalidRequestError("give either text_input or input_ids, not both")
+    if "input_ids" in values:
+        return [int(t) for t in values["input_ids"]]
+    if "text_input" in values:
+        return str(values["text_input"])
+    raise InvalidRequestError("missing input: give text_input (a string) or input_ids")
+
+
+def _scalar(name: str, value: Any) -> Any:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequestError(f"input '{name}' is not valid UTF-8") from None
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _validated(model: type[Any], fields: dict[str, Any]) -> Any:
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        raise InvalidRequestError(validation_message(exc, rename=_PARAM_TO_INPUT)) from None
+
+
+_PARAM_TO_INPUT = {"stop": "stop_words", "stop_token_ids": "end_id"}
+
+
+def validation_message(exc: ValidationError, rename: dict[str, str] | None = None) -> str:
+    """One line per problem, ``name: message``, using the names the client sent."""
+    rename = rename or {}
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        loc = rename.get(loc, loc)
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(parts)
+
+
+def output_arrays(
+    text: str,
+    token_ids: list[int] | tuple[int, ...],
+    *,
+    finish_reason: str | None = None,
+    metrics: RequestMetrics | None = None,
+) -> dict[str, np.ndarray]:
+    """Output tensors of one response; the final one also carries timing and accounting."""
+    arrays = {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_ids": np.array(token_ids, dtype=np.int32),
+    }
+    if finish_reason is not None:
+        arrays["finish_reason"] = np.array([finish_reason.encode()], dtype=np.object_)
+    if metrics is not None:
+        arrays.update(
+            arrival_time_ns=_ns(metrics.arrival_time),
+            first_token_time_ns=_ns(metrics.first_token_time),
+            finish_time_ns=_ns(metrics.finish_time),
+            num_prompt_tokens=np.array([metrics.num_prompt_tokens], dtype=np.int32),
+            num_output_tokens=np.array([metrics.num_output_tokens], dtype=np.int32),
+            num_preemptions=np.array([metrics.num_preemptions], dtype=np.int32),
+        )
+    return arrays
+
+
+def _ns(seconds: float | None) -> np.ndarray:
+    """Loop-clock seconds (wall clock in servers) as int64 ns; 0 when the event never came."""
+    return np.array([0 if seconds is None else round(seconds * 1e9)], dtype=np.int64)

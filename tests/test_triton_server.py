@@ -1,0 +1,491 @@
+"""Live tests: a real tritonserver with the quanta backend on 127.0.0.1 and free ports.
+
+One server is shared by the module (start-up costs seconds) and always stopped. Its device pool
+is small on purpose (24 blocks of 16 tokens), so concurrent traffic preempts and the outputs
+still have to equal the offline API's.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import quanta
+from quanta import SamplingParams
+from quanta.frontends.triton.client import (
+    GenerateError,
+    grpc_events,
+    grpc_inputs,
+    http_events,
+    output_ids,
+    request_inputs,
+)
+from quanta.frontends.triton.launcher import ServerOptions, TritonServer, free_port
+from quanta.frontends.triton.repository import write_model_repository
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "quanta"
+MODES = ["http-stream", "http", "grpc-stream", "grpc"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # NOTE: not built here: the backend's `preset` parameter builds it at model load.
+    return tmp_path_factory.mktemp("engines") / "opt-tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("triton")
+    repo = write_model_repository(
+        root / "models",
+        overrides={
+            "model_dir": str(model_dir),
+            "num_device_blocks": "24",
+            "num_host_blocks": "64",
+            "max_num_batched_tokens": "256",
+            "metrics_interval_ms": "50",
+            "torch_threads": "1",
+        },
+    )
+    srv = TritonServer(
+        ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=5),
+        log_file=root / "tritonserver.log",
+    )
+    try:
+        srv.start()
+        srv.wait_ready(timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(server, model_dir):
+    return quanta.LLM(str(model_dir))
+
+
+def run(server, mode, prompt, params, **metadata):
+    """(token ids, final event) of one request through ``mode``."""
+    stream = mode.endswith("stream")
+    meta = quanta.RequestMetadata(**metadata) if metadata else None
+    inputs = request_inputs(prompt, params, stream=stream, metadata=meta)
+    if mode.startswith("grpc"):
+        events = list(grpc_events(server.grpc_url, MODEL, inputs, timeout=60))
+    else:
+        events = list(http_events(server.http_url, MODEL, inputs, stream=stream, timeout=60))
+    assert events, "no response"
+    if not stream:
+        assert len(events) == 1
+    ids = [t for e in events for t in output_ids(e)]
+    return ids, events
+
+
+def scrape(server) -> dict[str, float]:
+    """``quanta_*`` samples on /metrics, keyed by name{labels} without the common labels."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if not line.startswith("quanta_"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        key = re.sub(r'(instance|model|version)="[^"]*",?', "", key).replace(",}", "}")
+        samples[key.replace("{}", "")] = float(value)
+    return samples
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+
+
+# -- outputs equal the offline API -----------------------------------------------------------
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_all_transports_match_offline_api(server, llm, params):
+    prompt = "The quick brown fox"
+    expected = llm.generate(prompt, params)[0]
+    for mode in MODES:
+        ids, events = run(server, mode, prompt, params)
+        assert ids == expected.token_ids, mode
+        text = "".join(e.get("text_output", "") for e in events)
+        assert text == expected.text, mode
+        final = events[-1]
+        assert final["finish_reason"] == expected.finish_reason
+        assert final["num_output_tokens"] == len(expected.token_ids)
+        times = [final[f"{k}_time_ns"] for k in ("arrival", "first_token", "finish")]
+        assert 0 < times[0] <= times[1] <= times[2]
+
+
+def test_input_ids_instead_of_text(server, llm):
+    prompt_ids = llm.tokenizer.encode("hello there")
+    expected = llm.generate([prompt_ids], GREEDY)[0]
+    for mode in ("http", "grpc-stream"):
+        assert run(server, mode, prompt_ids, GREEDY)[0] == expected.token_ids
+
+
+def test_concurrent_requests_complete_and_match(server, llm):
+    prompts = [f"request number {i} says" + " hello" * (i % 5) for i in range(12)]
+    params = [
+        SamplingParams(max_tokens=40 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(12)
+    ]
+    expected = llm.generate(prompts, params)
+    before = scrape(server)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(run, server, MODES[i % 4], p, sp, tenant=f"t{i % 3}")
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        results = [f.result(timeout=120) for f in futures]
+    for (ids, events), exp, sp in zip(results, expected, params, strict=True):
+        assert ids == exp.token_ids and len(ids) == sp.max_tokens
+        assert events[-1]["finish_reason"] == "length"
+    # 12 requests x 3-4 blocks do not fit 24 device blocks: the policy had to preempt.
+    after = wait_for(
+        lambda: (s := scrape(server))['quanta_kv_blocks_used{tier="device"}'] == 0 and s,
+        what="blocks to be freed",
+    )
+    preemptions = sum(v for k, v in after.items() if k.startswith("quanta_num_preemptions"))
+    assert preemptions > sum(v for k, v in before.items() if k.startswith("quanta_num_preemptions"))
+
+
+# -- cancellation ------------------------------------------------------------------------------
+def _grpc_stream_then_cancel(server, inputs, holding):
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(MODEL, grpc_inputs(inputs), request_id="cancel-grpc")
+        for _ in range(3):
+            _, error = responses.get(timeout=30)
+            assert error is None
+        holding()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _http_stream_then_disconnect(server, inputs, holding):
+    import http.client
+
+    conn = http.client.HTTPConnection(server.options.host, server.options.http_port, timeout=30)
+    try:
+        conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body=json.dumps(inputs))
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events = 0
+        while events < 3:
+            events += resp.readline().startswith(b"data:")
+        holding()
+    finally:
+        conn.close()  # the client goes away mid-stream
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_cancelled_stream_frees_its_blocks(server, transport):
+    aborted = 'quanta_request_finished_total{reason="abort"}'
+    used = 'quanta_kv_blocks_used{tier="device"}'
+    before = scrape(server).get(aborted, 0.0)
+    # 360 tokens take seconds on CPU; the pool (24 x 16 tokens) just holds them.
+    params = SamplingParams(max_tokens=360, temperature=0.0, ignore_eos=True)
+    inputs = request_inputs("cancel me", params, stream=True)
+
+    def holding():
+        wait_for(lambda: scrape(server)[used] > 0, what="the request to hold blocks")
+
+    cancel = _grpc_stream_then_cancel if transport == "grpc" else _http_stream_then_disconnect
+    cancel(server, inputs, holding)
+    samples = wait_for(
+        lambda: (s := scrape(server))[used] == 0 and s.get(aborted, 0.0) > before and s,
+        timeout=10,
+        what="the cancelled request to be aborted and its blocks freed",
+    )
+    assert samples["quanta_num_requests_running"] == 0
+
+
+# -- bad inputs get their error while good requests go on ------------------------------------
+def _http_raw(server, model, body):
+    req = urllib.request.Request(
+        f"{server.http_url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+BAD_HTTP = {
+    "empty prompt": (MODEL, {"text_input": ""}, 400, "prompt is empty"),
+    "too long": (MODEL, {"text_input": "hi", "max_tokens": 600}, 400, "exceeds the model"),
+    "too big for the KV pool": (MODEL, {"text_input": "hi", "max_tokens": 400}, 400, "KV blocks"),
+    "temperature < 0": (MODEL, {"text_input": "hi", "temperature": -1}, 400, "temperature"),
+    "top_p > 1": (MODEL, {"text_input": "hi", "top_p": 1.5}, 400, "top_p"),
+    "no prompt": (MODEL, {"max_tokens": 4}, 400, "text_input"),
+    "bad priority class": (
+        MODEL,
+        {"text_input": "hi", "priority_class": "vip"},
+        400,
+        "priority_class",
+    ),
+    # Triton itself rejects a JSON value of the wrong type before the backend sees it, and its
+    # generate endpoint answers that with 500, whatever the backend would say.
+    "malformed dtype": (MODEL, {"text_input": "hi", "max_tokens": "many"}, 500, "Unable to parse"),
+    "token id out of range": (MODEL, {"input_ids": [1, 99999]}, 400, "input_ids"),
+    "unknown model": ("no-such-model", {"text_input": "hi"}, 404, "no-such-model"),
+}
+
+
+class GoodRequest:
+    """A streaming request running in the background while a bad one is sent."""
+
+    def __init__(self, server, max_tokens=48):
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.result: list[int] | Exception | None = None
+        self.thread = threading.Thread(target=self._run, args=(server,))
+        self.thread.start()
+
+    def _run(self, server):
+        try:
+            self.result = run(server, "grpc-stream", "a good request", self.params)[0]
+        except Exception as exc:
+            self.result = exc
+
+    def check(self):
+        self.thread.join(60)
+        assert isinstance(self.result, list), self.result
+        assert len(self.result) == self.params.max_tokens
+
+
+@pytest.mark.parametrize("case", list(BAD_HTTP))
+def test_bad_http_input_gets_its_error(server, case):
+    model, body, status, message = BAD_HTTP[case]
+    good = GoodRequest(server)
+    code, reply = _http_raw(server, model, body)
+    assert code == status, reply
+    assert message in reply["error"]
+    good.check()
+
+
+def _grpc_error(server, inputs):
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(MODEL, inputs)
+        _, error = responses.get(timeout=30)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None, "expected an error response"
+    return error
+
+
+def test_bad_grpc_inputs_get_invalid_argument(server):
+    import tritonclient.grpc as grpcclient
+
+    good = GoodRequest(server)
+    # NOTE: a gRPC stream response carries only an error message (ModelStreamInferResponse has
+    # no status field), so the INVALID_ARG code is checked over HTTP (400) above.
+    err = _grpc_error(server, grpc_inputs({"text_input": "hi", "temperature": -0.5}))
+    assert "temperature" in err.message() and "greater than or equal to 0" in err.message()
+    # A wrong shape: two prompts where the model takes one.
+    two = grpcclient.InferInput("text_input", [2], "BYTES")
+    two.set_data_from_numpy(np.array([b"a", b"b"], dtype=np.object_))
+    err = _grpc_error(server, [two])
+    assert "text_input" in err.message()
+    # A wrong dtype: temperature as INT32 where the model declares FP32.
+    wrong = grpcclient.InferInput("temperature", [1], "INT32")
+    wrong.set_data_from_numpy(np.array([1], dtype=np.int32))
+    text = grpc_inputs({"text_input": "hi"})
+    err = _grpc_error(server, [*text, wrong])
+    assert "temperature" in err.message()
+    good.check()
+
+
+def test_client_raises_server_errors(server):
+    with pytest.raises(GenerateError, match="top_p"):
+        list(http_events(server.http_url, MODEL, {"text_input": "x", "top_p": 2.0}, stream=True))
+    with pytest.raises(GenerateError, match="prompt is empty"):
+        list(grpc_events(server.grpc_url, MODEL, {"text_input": ""}))
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def test_metrics_appear_and_move(server):
+    names = [
+        "quanta_time_to_first_token_seconds_count",
+        "quanta_e2e_request_latency_seconds_count",
+        "quanta_time_per_output_token_seconds_count",
+        "quanta_engine_steps_total",
+        'quanta_kv_blocks_total{tier="device"}',
+        "quanta_num_requests_waiting",
+    ]
+    before = scrape(server)
+    for name in names:
+        assert name in before, name
+    assert before['quanta_kv_blocks_total{tier="device"}'] == 24
+    tokens = 'quanta_generation_tokens_total{priority_class="offline",tenant="metrics-test"}'
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    run(server, "http-stream", "count me", params, tenant="metrics-test", priority_class="offline")
+    after = wait_for(
+        lambda: (s := scrape(server)).get(tokens) == 10 and s, what="per-tenant token counter"
+    )
+    for name in names[:4]:
+        assert after[name] > before.get(name, 0), name
+    assert 'quanta_time_to_first_token_seconds_bucket{le="+Inf"}' in after
+    assert (
+        "nv_inference_request_success"
+        in urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    )  # Triton's own metrics are there too
+
+
+# -- Locust ------------------------------------------------------------------------------------
+def test_headless_locust_run_has_no_failures(server, tmp_path):
+    prefix = tmp_path / "locust"
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(ROOT / "loadtests" / "locustfile.py"),
+        "--headless",
+        "-u",
+        "4",
+        "-r",
+        "4",
+        "--run-time",
+        "4s",
+        "--stop-timeout",
+        "10",
+        "-H",
+        server.http_url,
+        "--csv",
+        str(prefix),
+        "--only-summary",
+        "--tenant-mix",
+        "gold:1,bronze:2",
+        "--output-tokens",
+        "4,24",
+        "--prompt-words",
+        "2,12",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    assert int(rows[("", "Aggregated")]["Failure Count"]) == 0
+    assert int(rows[("POST", "generate_stream")]["Request Count"]) > 0
+    assert int(rows[("METRIC", "time_to_first_token")]["Request Count"]) > 0
+    assert int(rows[("METRIC", "time_per_output_token")]["Request Count"]) > 0
+
+
+# -- the CLI demo --------------------------------------------------------------------------------
+def test_serve_demo_streams_one_request(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "quanta.cli",
+        "serve",
+        "--http-port",
+        str(free_port()),
+        "--grpc-port",
+        str(free_port()),
+        "--metrics-port",
+        str(free_port()),
+        "--log-file",
+        str(tmp_path / "triton.log"),
+        "--demo",
+        "Hello",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, timeout=300, cwd=tmp_path, env=env)
+    out = proc.stdout.decode()  # NOTE: no newline translation: the text may hold a "\r"
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    assert "HTTP    http://127.0.0.1:" in out and "> Hello\n" in out
+    assert (tmp_path / "engines" / "opt-tiny" / "config.json").is_file()  # built on demand
+    llm = quanta.LLM(str(tmp_path / "engines" / "opt-tiny"))
+    expected = llm.generate("Hello", SamplingParams(max_tokens=32, temperature=0.0))[0].text
+    assert out.split("> Hello\n", 1)[1] == expected + "\n"
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_cli_generate_against_the_server(server, llm, transport):
+    url = server.http_url if transport == "http" else server.grpc_url
+    cmd = [sys.executable, "-m", "quanta.cli", "generate", "--url", url, "--max-tokens", "12"]
+    cmd += ["--grpc"] if transport == "grpc" else []
+    proc = subprocess.run([*cmd, "Hello there"], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    expected = llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert proc.stdout.decode() == expected.text + "\n"
+
+
+def test_bad_parameter_stops_model_load_with_its_name(tmp_path, model_dir, server):
+    from quanta.frontends.triton.launcher import LaunchError
+
+    # NOTE: `server` is requested so that model_dir exists: only the parameter is wrong.
+    repo = write_model_repository(
+        tmp_path / "models", overrides={"model_dir": str(model_dir), "block_size": "big"}
+    )
+    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=2)
+    bad = TritonServer(options, log_file=tmp_path / "triton.log")
+    try:
+        with pytest.raises(LaunchError, match=r"config\.pbtxt parameter 'block_size'"):
+            bad.start().wait_ready(timeout=120)
+    finally:
+        bad.stop()
+
+
+def test_serve_stops_cleanly_on_ctrl_c(tmp_path, model_dir, server):
+    import signal
+    import socket
+
+    # NOTE: `server` is requested so that model_dir exists and no preset build is timed here.
+    repo = write_model_repository(tmp_path / "models", overrides={"model_dir": str(model_dir)})
+    http_port = free_port()
+    cmd = [sys.executable, "-m", "quanta.cli", "serve", "--model-repository", str(repo)]
+    cmd += ["--http-port", str(http_port), "--grpc-port", str(free_port())]
+    cmd += ["--metrics-port", str(free_port()), "--log-file", str(tmp_path / "triton.log")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready"):
+                break
+        assert any(line.startswith("metrics http://127.0.0.1:") for line in lines), lines
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "shutting down" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with socket.socket() as s:  # tritonserver is gone with it
+        assert s.connect_ex(("127.0.0.1", http_port)) != 0

@@ -1,0 +1,278 @@
+"""Triton frontend pieces that need no server: parameters, tensors, responder, packaging."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from quanta.core.errors import InvalidRequestError, RequestAbortedError
+from quanta.core.stream import RequestOutput
+from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
+from quanta.frontends.triton.responder import InflightRequest, Responder
+from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
+from quanta.frontends.triton.tensors import output_arrays, parse_request
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "scheduler_backend" / "python" / "quanta"
+
+
+# -- packaging -------------------------------------------------------------------------------
+def test_shipped_backend_model_is_the_canonical_one():
+    canonical = ROOT / "scheduler_backend" / "python" / "model.py"
+    shipped = PACKAGE / "frontends" / "triton" / "backend_model.py"
+    assert shipped.read_text() == canonical.read_text()
+
+
+def test_default_model_repository_matches_the_packaged_default():
+    on_disk = (ROOT / "triton_models" / "quanta" / "config.pbtxt").read_text()
+    assert on_disk == render_config(DEFAULT_PARAMETERS)
+
+
+def test_cli_module_imports_neither_torch_nor_tritonclient():
+    code = (
+        "import sys, quanta.frontends.triton.cli\n"
+        "bad = [m for m in ('torch', 'tritonclient', 'triton_python_backend_utils') "
+        "if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- config.pbtxt parameters -----------------------------------------------------------------
+def test_parameters_parse_into_engine_config(tmp_path):
+    engine, settings = parse_parameters(
+        {
+            **DEFAULT_PARAMETERS,
+            "dtype": "float32",
+            "enable_chunked_prefill": "false",
+            "policy_options": '{"allow_swap": false}',
+            "metrics_interval_ms": "100",
+        },
+        cwd=tmp_path,
+    )
+    assert engine.model == str(tmp_path / "engines" / "opt-tiny")
+    assert engine.cache.block_size == 16 and engine.cache.num_device_blocks == 256
+    assert engine.scheduler.max_num_batched_tokens == 1024
+    assert engine.scheduler.enable_chunked_prefill is False
+    assert engine.policy_options == {"allow_swap": False}
+    assert settings.preset == "opt-tiny" and settings.metrics_interval_ms == 100
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("block_size", "sixteen", "block_size"),
+        ("block_size", "0", "block_size"),
+        ("num_device_blocks", "-3", "num_device_blocks"),
+        ("max_num_seqs", "0", "max_num_seqs"),
+        ("policy_options", "{not json", "policy_options"),
+        ("device_memory_fraction", "1.5", "device_memory_fraction"),
+        ("blok_size", "16", "blok_size"),  # a typo is an error, not ignored
+        ("policy", "nope", "policy"),
+    ],
+)
+def test_bad_parameter_is_named(key, value, named):
+    with pytest.raises(ConfigParameterError, match=f"parameter '{named}"):
+        parse_parameters({**DEFAULT_PARAMETERS, key: value})
+
+
+def test_model_dir_is_required():
+    with pytest.raises(ConfigParameterError, match="parameter 'model_dir'"):
+        parse_parameters({"policy": "fcfs"})
+
+
+# -- tensors ---------------------------------------------------------------------------------
+def _getter(**arrays):
+    return lambda name: arrays.get(name)
+
+
+def test_parse_request_maps_trtllm_names():
+    parsed = parse_request(
+        _getter(
+            text_input=np.array([b"hello"], dtype=np.object_),
+            max_tokens=np.array([7], dtype=np.int32),
+            temperature=np.array([0.5], dtype=np.float32),
+            top_k=np.array([3], dtype=np.int32),
+            seed=np.array([9], dtype=np.uint64),
+            stop_words=np.array([b"a", b"bc"], dtype=np.object_),
+            end_id=np.array([2], dtype=np.int32),
+            stream=np.array([True]),
+            tenant=np.array([b"acme"], dtype=np.object_),
+            priority_class=np.array([b"offline"], dtype=np.object_),
+            ttft_slo_ms=np.array([250.0], dtype=np.float32),
+        )
+    )
+    assert parsed.prompt == "hello" and parsed.stream
+    p = parsed.params
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed) == (7, 0.5, 3, 9)
+    assert p.stop == ("a", "bc") and p.stop_token_ids == (2,)
+    m = parsed.metadata
+    assert (m.tenant, m.priority_class, m.ttft_slo_ms) == ("acme", "offline", 250.0)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({}, "text_input"),
+        ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one value"),
+        ({"text_input": np.array([1.5])}, "'text_input' must be STRING"),
+        ({"text_input": np.array([b"\xff"], dtype=np.object_)}, "UTF-8"),
+        ({"input_ids": np.array([1.0, 2.0])}, "'input_ids' must be INT32"),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "temperature": np.array([-1.0], dtype=np.float32),
+            },
+            "temperature",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "top_p": np.array([1.5], dtype=np.float32),
+            },
+            "top_p",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "priority_class": np.array([b"urgent"], dtype=np.object_),
+            },
+            "priority_class",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "stop_words": np.array([b""], dtype=np.object_),
+            },
+            "stop_words",
+        ),
+    ],
+)
+def test_parse_request_rejects_bad_input(arrays, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_request(_getter(**arrays))
+
+
+def test_output_arrays_final_carries_accounting():
+    arrays = output_arrays("hi", [1, 2], finish_reason="length")
+    assert arrays["text_output"].tolist() == [b"hi"]
+    assert arrays["output_ids"].dtype == np.int32
+    assert arrays["finish_reason"].tolist() == [b"length"]
+    assert "arrival_time_ns" not in arrays
+
+
+# -- responder -------------------------------------------------------------------------------
+class FakeSender:
+    def __init__(self, cancelled: bool = False) -> None:
+        self.sent: list[tuple[object, int]] = []
+        self.cancelled = cancelled
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class FakeFactory:
+    final_flag = 1
+
+    def response(self, arrays):
+        return {k: v.tolist() for k, v in arrays.items()}
+
+    def error(self, code, message):
+        return ("error", code, message)
+
+
+def _wait(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_responder_streams_deltas_and_ends_with_final_flag():
+    cancels: list[str] = []
+    responder = Responder(FakeFactory(), cancels.append)
+    responder.start()
+    stream_sender, whole_sender = FakeSender(), FakeSender()
+    sink_a = responder.track(InflightRequest("a", stream_sender, stream=True))
+    sink_b = responder.track(InflightRequest("b", whole_sender, stream=False))
+    for sink, rid in ((sink_a, "a"), (sink_b, "b")):
+        sink(RequestOutput(rid, (5,), "x"))
+        sink(RequestOutput(rid, (6,), "y", finished=True, finish_reason="length"))
+    _wait(lambda: len(stream_sender.sent) == 2 and len(whole_sender.sent) == 1)
+    responder.stop()
+    assert stream_sender.sent[0] == ({"text_output": [b"x"], "output_ids": [5]}, 0)
+    final, flags = stream_sender.sent[1]
+    assert flags == 1 and final["text_output"] == [b"y"] and final["finish_reason"] == [b"length"]
+    whole, flags = whole_sender.sent[0]
+    assert flags == 1 and whole["text_output"] == [b"xy"] and whole["output_ids"] == [5, 6]
+    assert responder.num_live() == 0 and cancels == []
+
+
+def test_responder_cancels_and_still_sends_the_final_flag():
+    cancels: list[str] = []
+    responder = Responder(FakeFactory(), cancels.append, cancel_check_interval=0.001)
+    responder.start()
+    sender = FakeSender(cancelled=True)
+    sink = responder.track(InflightRequest("c", sender, stream=True))
+    _wait(lambda: cancels == ["c"])  # the periodic sweep finds it without any output
+    sink(RequestOutput("c", (), "", finished=True, error=RequestAbortedError("request cancelled")))
+    _wait(lambda: len(sender.sent) == 1)
+    responder.stop()
+    assert sender.sent == [(("error", "cancelled", "request cancelled"), 1)]
+
+
+def test_responder_rejects_with_typed_error():
+    responder = Responder(FakeFactory(), lambda rid: None)
+    responder.start()
+    sender = FakeSender()
+    responder.reject(InflightRequest("d", sender, stream=False), InvalidRequestError("bad"))
+    _wait(lambda: len(sender.sent) == 1)
+    responder.stop()
+    assert sender.sent == [(("error", "invalid_argument", "bad"), 1)]
+
+
+def test_failed_engine_step_reaches_its_client_as_internal_and_the_loop_goes_on(make_loop):
+    from quanta.core.request import Request, SamplingParams
+
+    loop = make_loop(fail_on={"bad"})
+    responder = Responder(FakeFactory(), loop.cancel)
+    responder.start()
+    loop.start()
+
+    def submit(rid: str) -> FakeSender:
+        sender = FakeSender()
+        sink = responder.track(InflightRequest(rid, sender, stream=False))
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        loop.submit(Request(rid, [1, 2, 3], params, arrival_time=0.0, seed=0), sink)
+        return sender
+
+    bad = submit("bad")
+    _wait(lambda: len(bad.sent) == 1)
+    good = submit("good")
+    _wait(lambda: len(good.sent) == 1)
+    responder.stop()
+    assert bad.sent == [(("error", "internal", "engine step failed: injected failure"), 1)]
+    response, flags = good.sent[0]
+    assert flags == 1 and len(response["output_ids"]) == 4
+
+
+_PARAM = re.compile(r'^(#\s*)?parameters: \{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}')
+
+
+def test_template_documents_every_parameter_and_parses(tmp_path):
+    from quanta.frontends.triton.settings import _Parameters
+
+    lines = (ROOT / "triton_models" / "config.pbtxt.template").read_text().splitlines()
+    found = [m.groups() for line in lines if (m := _PARAM.match(line))]
+    assert {key for _, key, _ in found} == set(_Parameters.model_fields)
+    active = {key: value for commented, key, value in found if not commented}
+    engine, _ = parse_parameters({**active, "model_dir": "engines/x"}, cwd=tmp_path)
+    assert engine.cache.num_device_blocks == 1024
