@@ -107,7 +107,12 @@ def bench_engine(
 
 def _register_optional() -> None:
     """Sub-systems add their commands here; a missing one only hides its commands."""
-    for module in ("quanta.frontends.triton.cli", "quanta.sim.cli"):
+    for module in (
+        "quanta.frontends.triton.cli",
+        "quanta.frontends.openai.cli",
+        "quanta.bench.serve_cli",
+        "quanta.sim.cli",
+    ):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -47,7 +47,13 @@ def serve(
         str | None,
         typer.Option(help="once ready, stream one request with this prompt, then shut down"),
     ] = None,
-    model_name: Annotated[str, typer.Option(help="model the --demo request goes to")] = "quanta",
+    model_name: Annotated[
+        str, typer.Option(help="model the --demo request and the OpenAI gateway use")
+    ] = "quanta",
+    openai_port: Annotated[
+        int | None,
+        typer.Option(help="also serve the OpenAI-compatible API on this port (0: any free port)"),
+    ] = None,
 ) -> None:
     """Serve the model repository through tritonserver (HTTP, gRPC, metrics) until Ctrl-C."""
     from quanta.frontends.triton.launcher import LaunchError, ServerOptions, TritonServer
@@ -74,12 +80,16 @@ def serve(
             log_file=log_file,
         )
         signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server cleanly too
+        gateway = None
         try:
             server.start()
             server.wait_ready(ready_timeout)
             typer.echo(f"HTTP    {server.http_url}")
             typer.echo(f"gRPC    {server.grpc_url}")
             typer.echo(f"metrics {server.metrics_url}")
+            if openai_port is not None:
+                gateway = _start_gateway(server, repo, host, openai_port, model_name)
+                typer.echo(f"OpenAI  {gateway.url}/v1")
             if demo is not None:
                 _demo(server.http_url, model_name, demo)
                 return
@@ -93,7 +103,29 @@ def serve(
         except KeyboardInterrupt:
             typer.echo("\nshutting down tritonserver ...")
         finally:
+            if gateway is not None:
+                gateway.stop()
             server.stop()
+
+
+def _start_gateway(server: Any, repo: Path, host: str, port: int, model_name: str) -> Any:
+    from quanta.frontends.openai.server import (
+        GatewayError,
+        model_dir_from_repository,
+        start_gateway,
+    )
+    from quanta.frontends.triton.launcher import LaunchError, free_port
+
+    try:
+        return start_gateway(
+            server.grpc_url,
+            host=host,
+            port=port or free_port(host),
+            model_name=model_name,
+            model_dir=model_dir_from_repository(repo, model_name),
+        )
+    except GatewayError as exc:  # reported (and Triton stopped) like a failed launch
+        raise LaunchError(str(exc)) from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

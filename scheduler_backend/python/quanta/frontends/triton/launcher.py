@@ -268,6 +268,10 @@ class TritonServer:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(self._proc.pid, signal.SIGKILL)
                     self._proc.wait()
+            # NOTE: a backend stub that Triton gave up on outlives the server in its process
+            # group, holding its shared memory; nothing of the group may survive a stop.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
             code = self._proc.returncode
             self._proc = None
         if self._log is not None:

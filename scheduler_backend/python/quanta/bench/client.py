@@ -1,0 +1,383 @@
+"""Replay a request list against a live endpoint with real timing (asyncio, streaming).
+
+Three transports: Triton gRPC streaming (one stream per request, as the OpenAI gateway does),
+Triton HTTP ``generate_stream`` (SSE), and an OpenAI-compatible ``/v1/completions`` endpoint
+(Quanta's gateway, or vLLM's OpenAI server as the peer). Every request is sent at its arrival
+offset (or as soon as a slot frees under ``concurrency_limit``) and the client stamps the send,
+every streamed chunk that carries tokens, and the end, on one monotonic clock — the numbers a
+user sees, network and queueing included.
+
+A prompt is text, or a length in tokens, sent as token ids (``input_ids`` to Triton, a token
+array to ``/v1/completions``) so lengths are exact on any tokenizer; the ids are a function of
+the request id. ``poisson_requests`` and ``summarize`` are small local helpers until
+``quanta.bench.workloads`` / ``quanta.bench.metrics`` take over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+Transport = Literal["grpc", "http", "openai"]
+_JSON = {"Content-Type": "application/json"}
+TRANSPORTS: tuple[Transport, ...] = ("grpc", "http", "openai")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """One request of a workload."""
+
+    request_id: str
+    arrival_s: float  # offset from the start of the replay
+    prompt: str | int  # text, or a prompt length in tokens
+    max_tokens: int
+    tenant: str = "default"
+    priority_class: str | None = None  # None: the server's default ("online")
+    ignore_eos: bool = True  # so the output length is the workload's, not the model's whim
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where and how to send."""
+
+    url: str  # host:port (gRPC), http://host:port (Triton HTTP, OpenAI; "/v1" optional)
+    transport: Transport
+    model: str = "quanta"
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+    token_id_range: tuple[int, int] = (10, 250)  # ids of length-only prompts, [lo, hi)
+    send_metadata: bool = True  # tenant and priority class (off for peers that reject them)
+
+
+@dataclass(slots=True)
+class ClientResult:
+    """What one request did; times are seconds since the replay started."""
+
+    request_id: str
+    scheduled_s: float
+    tenant: str
+    priority_class: str | None
+    send_s: float = math.nan
+    chunk_s: list[float] = field(default_factory=list)  # chunks that carried >= 1 token
+    end_s: float = math.nan
+    num_output_tokens: int = 0
+    num_prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_s[0] - self.send_s if self.chunk_s else None
+
+    @property
+    def e2e(self) -> float:
+        return self.end_s - self.send_s
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1); None for one-token outputs."""
+        if self.ttft is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.num_output_tokens - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        """Each gap between streamed chunks."""
+        return [b - a for a, b in itertools.pairwise(self.chunk_s)]
+
+    @property
+    def normalized_latency(self) -> float | None:
+        return self.e2e / self.num_output_tokens if self.num_output_tokens else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Sender(Protocol):
+    """One transport: ``prepare`` builds a request's payload before the clock starts."""
+
+    def prepare(self, request: ClientRequest) -> Any: ...
+
+    async def send(self, payload: Any, result: ClientResult, now: Clock) -> None: ...
+
+
+Clock = Callable[[], float]
+
+
+async def replay(
+    requests: Sequence[ClientRequest],
+    target: Target,
+    *,
+    concurrency_limit: int | None = None,
+    on_result: Callable[[ClientResult], None] | None = None,
+) -> list[ClientResult]:
+    """Send every request at its arrival offset; results in the order of ``requests``.
+
+    Failures are recorded in ``ClientResult.error``, never raised, so one bad request does not
+    end a benchmark.
+    """
+    slots = asyncio.Semaphore(concurrency_limit) if concurrency_limit else None
+    start = math.nan
+
+    def now() -> float:
+        return time.perf_counter() - start
+
+    async def one(sender: _Sender, request: ClientRequest, payload: Any) -> ClientResult:
+        await asyncio.sleep(max(0.0, request.arrival_s - now()))
+        result = ClientResult(
+            request.request_id, request.arrival_s, request.tenant, request.priority_class
+        )
+        async with slots or contextlib.nullcontext():
+            result.send_s = now()
+            try:
+                await asyncio.wait_for(sender.send(payload, result, now), target.timeout_s)
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            result.end_s = now()
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    async with _sender(target) as sender:
+        payloads = [sender.prepare(r) for r in requests]
+        start = time.perf_counter()
+        return list(
+            await asyncio.gather(
+                *(one(sender, r, p) for r, p in zip(requests, payloads, strict=True))
+            )
+        )
+
+
+@contextlib.asynccontextmanager
+async def _sender(target: Target) -> AsyncIterator[_Sender]:
+    if target.transport == "grpc":
+        from quanta.frontends.openai.upstream import TritonGrpc
+
+        upstream = TritonGrpc(target.url)
+        await upstream.is_model_ready(target.model)  # connect before the clock starts
+        try:
+            yield _GrpcSender(target, upstream)
+        finally:
+            await upstream.close()
+        return
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=target.timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)  # NOTE: no client-side cap unless asked for
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        if target.transport == "http":
+            yield _TritonHttpSender(target, session)
+        elif target.transport == "openai":
+            yield _OpenAISender(target, session)
+        else:
+            raise ValueError(f"unknown transport {target.transport!r}; use one of {TRANSPORTS}")
+
+
+def prompt_value(request: ClientRequest, target: Target) -> str | list[int]:
+    """The text, or ``prompt`` token ids drawn from ``Random(request_id)``."""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    rng = random.Random(request.request_id)
+    lo, hi = target.token_id_range
+    return [rng.randrange(lo, hi) for _ in range(request.prompt)]
+
+
+def _triton_inputs(request: ClientRequest, target: Target) -> dict[str, Any]:
+    from quanta.core.request import RequestMetadata, SamplingParams
+    from quanta.frontends.triton.client import request_inputs
+
+    params = SamplingParams(
+        max_tokens=request.max_tokens,
+        temperature=target.temperature,
+        ignore_eos=request.ignore_eos,
+    )
+    metadata = None
+    if target.send_metadata:
+        fields: dict[str, Any] = {"tenant": request.tenant}
+        if request.priority_class is not None:
+            fields["priority_class"] = request.priority_class
+        metadata = RequestMetadata(**fields)
+    return request_inputs(prompt_value(request, target), params, stream=True, metadata=metadata)
+
+
+def _record_triton(event: dict[str, Any], result: ClientResult, now: Clock) -> None:
+    from quanta.frontends.triton.client import output_ids
+
+    n = len(output_ids(event))
+    if n:
+        result.chunk_s.append(now())
+        result.num_output_tokens += n
+    if "finish_reason" in event:
+        result.finish_reason = event["finish_reason"]
+        result.num_prompt_tokens = event.get("num_prompt_tokens")
+
+
+class _GrpcSender:
+    def __init__(self, target: Target, upstream: Any) -> None:
+        self._target, self._upstream = target, upstream
+
+    def prepare(self, request: ClientRequest) -> Any:
+        return _triton_inputs(request, self._target)
+
+    async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
+        stream = self._upstream.stream(self._target.model, payload)
+        try:
+            async for event in stream:
+                _record_triton(event, result, now)
+        finally:
+            await stream.aclose()
+
+
+class _TritonHttpSender:
+    def __init__(self, target: Target, session: Any) -> None:
+        base = target.url if "://" in target.url else f"http://{target.url}"
+        self._url = f"{base.rstrip('/')}/v2/models/{target.model}/generate_stream"
+        self._target, self._session = target, session
+
+    def prepare(self, request: ClientRequest) -> Any:
+        return json.dumps(_triton_inputs(request, self._target))
+
+    async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
+        async with self._session.post(self._url, data=payload, headers=_JSON) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+            async for data in _sse_data(resp):
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(str(event["error"]))
+                _record_triton(event, result, now)
+        if result.finish_reason is None:
+            raise RuntimeError("the stream ended before its final response")
+
+
+class _OpenAISender:
+    def __init__(self, target: Target, session: Any) -> None:
+        base = target.url if "://" in target.url else f"http://{target.url}"
+        base = base.rstrip("/")
+        self._url = f"{base if base.endswith('/v1') else base + '/v1'}/completions"
+        self._target, self._session = target, session
+
+    def prepare(self, request: ClientRequest) -> Any:
+        body: dict[str, Any] = {
+            "model": self._target.model,
+            "prompt": prompt_value(request, self._target),
+            "max_tokens": request.max_tokens,
+            "temperature": self._target.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.ignore_eos:
+            body["ignore_eos"] = True  # a Quanta and vLLM extension
+        if self._target.send_metadata:
+            body["user"] = request.tenant
+            if request.priority_class is not None:
+                body["priority_class"] = request.priority_class
+        return json.dumps(body)
+
+    async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
+        async with self._session.post(self._url, data=payload, headers=_JSON) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+            done = False
+            async for data in _sse_data(resp):
+                if data == "[DONE]":
+                    done = True
+                    break
+                self._record(json.loads(data), result, now)
+        if not done:
+            raise RuntimeError("the stream ended without data: [DONE]")
+
+    @staticmethod
+    def _record(chunk: dict[str, Any], result: ClientResult, now: Clock) -> None:
+        if "error" in chunk:
+            raise RuntimeError(str(chunk["error"].get("message", chunk["error"])))
+        for choice in chunk.get("choices") or []:
+            if choice.get("text"):
+                result.chunk_s.append(now())
+                result.num_output_tokens += 1  # corrected by usage, when the server sends it
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+        if chunk.get("usage"):
+            result.num_output_tokens = chunk["usage"]["completion_tokens"]
+            result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
+
+
+async def _sse_data(resp: Any) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent event stream."""
+    async for raw in resp.content:
+        line = raw.decode("utf-8").strip()
+        if line.startswith("data:"):
+            yield line[len("data:") :].strip()
+
+
+# -- local helpers until quanta.bench.workloads / metrics are wired in ------------------------
+def poisson_requests(
+    num_requests: int,
+    rate: float,
+    *,
+    seed: int = 0,
+    prompt_tokens: tuple[int, int] = (16, 64),
+    output_tokens: tuple[int, int] = (8, 32),
+    tenants: Sequence[str] = ("default",),
+    priority_class: str | None = None,
+) -> list[ClientRequest]:
+    """Poisson arrivals at ``rate`` req/s (inf: all at once), uniform lengths in [lo, hi]."""
+    rng = random.Random(seed)
+    arrival, requests = 0.0, []
+    for i in range(num_requests):
+        if i and math.isfinite(rate):
+            arrival += rng.expovariate(rate)
+        requests.append(
+            ClientRequest(
+                request_id=f"s{seed}-r{i}",
+                arrival_s=arrival,
+                prompt=rng.randint(*prompt_tokens),
+                max_tokens=rng.randint(*output_tokens),
+                tenant=tenants[rng.randrange(len(tenants))],
+                priority_class=priority_class,
+            )
+        )
+    return requests
+
+
+def summarize(results: Sequence[ClientResult]) -> dict[str, Any]:
+    """Counts, throughput, and mean/p50/p95/p99 of TTFT, TPOT, ITL, E2E, normalized latency."""
+    ok = [r for r in results if r.ok]
+    summary: dict[str, Any] = {"num_requests": len(results), "num_errors": len(results) - len(ok)}
+    if not ok:
+        return summary
+    duration = max(r.end_s for r in ok) - min(r.send_s for r in ok)
+    tokens = sum(r.num_output_tokens for r in ok)
+    summary.update(
+        duration_s=duration,
+        request_throughput=len(ok) / duration if duration > 0 else math.nan,
+        output_token_throughput=tokens / duration if duration > 0 else math.nan,
+        ttft_s=_stats([r.ttft for r in ok]),
+        tpot_s=_stats([r.tpot for r in ok]),
+        itl_s=_stats([gap for r in ok for gap in r.itl]),
+        e2e_s=_stats([r.e2e for r in ok]),
+        normalized_latency_s=_stats([r.normalized_latency for r in ok]),
+    )
+    return summary
+
+
+def _stats(values: Sequence[float | None]) -> dict[str, float]:
+    import numpy as np
+
+    data = np.array([v for v in values if v is not None], dtype=float)
+    if data.size == 0:
+        return {"mean": math.nan, "p50": math.nan, "p95": math.nan, "p99": math.nan}
+    p50, p95, p99 = np.percentile(data, [50, 95, 99])
+    return {"mean": float(data.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99)}

@@ -1,0 +1,273 @@
+"""The FastAPI application: OpenAI routes over ``TritonGrpc`` streams.
+
+Every request is validated here first (so the common mistakes get a precise 400 without a round
+trip), then forwarded as one Triton request. The first Triton response is awaited before any
+HTTP header is sent, so errors the engine finds (prompt too long, throttled) still get their
+status code; after that a streamed response reports errors inside the stream, as OpenAI does.
+A client that disconnects — while waiting, streaming or not — cancels its Triton request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from quanta.core.request import SamplingParams
+from quanta.frontends.openai.chat import ChatTemplate
+from quanta.frontends.openai.errors import OpenAIError, classify, invalid
+from quanta.frontends.openai.protocol import (
+    FINISH_REASONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    usage,
+)
+from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
+from quanta.frontends.triton.client import request_inputs
+
+Body = CompletionRequest | ChatCompletionRequest
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+
+
+class GatewaySettings(BaseModel):
+    """What the gateway serves and where it forwards to."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    triton_grpc_url: str
+    model_name: str = "quanta"  # the name clients ask for
+    triton_model: str | None = None  # the model's name in Triton (default: model_name)
+    default_max_tokens: int = Field(16, ge=1)  # completions, as OpenAI's default
+    default_chat_max_tokens: int = Field(256, ge=1)  # chat has no OpenAI default that fits
+    request_timeout_s: float | None = Field(None, gt=0)
+
+
+def create_app(settings: GatewaySettings, chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The gateway as an ASGI app; its gRPC channel opens on first use and closes on shutdown."""
+    gateway = Gateway(settings, chat_template or ChatTemplate())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gateway.upstream.close()
+
+    app = FastAPI(title="Quanta OpenAI-compatible gateway", lifespan=lifespan)
+    app.post("/v1/completions", response_model=None)(gateway.completions)
+    app.post("/v1/chat/completions", response_model=None)(gateway.chat_completions)
+    app.get("/v1/models")(gateway.models)
+    app.get("/v1/models/{model}")(gateway.model)
+    app.get("/health", response_model=None)(gateway.health)
+    app.exception_handler(OpenAIError)(_openai_error)
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(HTTPException)(_http_error)
+    app.exception_handler(Exception)(_internal_error)
+    return app
+
+
+class Gateway:
+    """The route handlers; one instance per app."""
+
+    def __init__(self, settings: GatewaySettings, chat_template: ChatTemplate) -> None:
+        self.settings = settings
+        self.template = chat_template
+        self.upstream = TritonGrpc(settings.triton_grpc_url, timeout_s=settings.request_timeout_s)
+        self.triton_model = settings.triton_model or settings.model_name
+        self.created = int(time.time())
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check(body)
+        prompt = body.single_prompt()
+        params = body.sampling_params(self.settings.default_max_tokens)
+        return await self._generate(request, body, prompt, params)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check(body)
+        params = body.sampling_params(self.settings.default_chat_max_tokens)
+        return await self._generate(request, body, self.template.render(body.messages), params)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str) -> dict[str, Any]:
+        if model != self.settings.model_name:
+            raise _unknown_model(model)
+        return self._model_card()
+
+    async def health(self) -> Response:
+        """200 when Triton has the model ready, else 503 (for load balancers and tests)."""
+        if await self.upstream.is_model_ready(self.triton_model):
+            return JSONResponse({"status": "ok"})
+        raise OpenAIError(503, f"model '{self.triton_model}' is not ready in Triton")
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "quanta",
+        }
+
+    def _check(self, body: Body) -> None:
+        if body.model != self.settings.model_name:
+            raise _unknown_model(body.model)
+        error = body.unsupported()
+        if error is not None:
+            raise error
+
+    async def _generate(
+        self, request: Request, body: Body, prompt: str | list[int], params: SamplingParams
+    ) -> Response:
+        inputs = request_inputs(prompt, params, stream=body.stream, metadata=body.metadata())
+        stream = self.upstream.stream(self.triton_model, inputs)
+        chat = isinstance(body, ChatCompletionRequest)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"
+        watcher = DisconnectWatcher(request, stream.cancel)
+        try:
+            first = await _next(stream)
+            if body.stream:
+                sse = _sse(self._chunks(rid, body, first, stream), stream, watcher)
+                watcher = None  # NOTE: the SSE generator owns it from here
+                return StreamingResponse(sse, media_type="text/event-stream", headers=_SSE_HEADERS)
+            events = [first, *[e async for e in _mapped(stream)]]
+        finally:
+            if watcher is not None:
+                watcher.stop()
+                stream.cancel()
+        text = "".join(e.get("text_output", "") for e in events)
+        final = events[-1]
+        finish = _finish(final)
+        use = usage(final.get("num_prompt_tokens", 0), final.get("num_output_tokens", 0))
+        if chat:
+            return JSONResponse(chat_body(rid, body.model, text, finish, use))
+        return JSONResponse(completion_body(rid, body.model, text, finish, use, chunk=False))
+
+    async def _chunks(
+        self, rid: str, body: Body, first: dict[str, Any], stream: GenerationStream
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The chunk objects of a streamed response, ending with the usage chunk if asked."""
+        chat = isinstance(body, ChatCompletionRequest)
+        if chat:
+            yield chat_chunk(rid, body.model, {"role": "assistant", "content": ""})
+        event = first
+        while True:
+            text, finish = event.get("text_output", ""), _finish(event)
+            if text or finish:
+                if chat:
+                    yield chat_chunk(rid, body.model, {"content": text} if text else {}, finish)
+                else:
+                    yield completion_body(rid, body.model, text, finish, None, chunk=True)
+            if stream.done:
+                break
+            event = await _next(stream)
+        if body.include_usage:
+            use = usage(event.get("num_prompt_tokens", 0), event.get("num_output_tokens", 0))
+            if chat:
+                yield chat_chunk(rid, body.model, None, use=use)
+            else:
+                yield completion_body(rid, body.model, "", None, use, chunk=True)
+
+
+class DisconnectWatcher:
+    """Calls ``on_disconnect`` when the HTTP client goes away; ``stop()`` when done.
+
+    Why not rely on Starlette: it notices a disconnect only while it streams, so a request still
+    waiting for its first token (or a non-streamed one) would keep running on the server.
+    """
+
+    def __init__(self, request: Request, on_disconnect: Callable[[], None]) -> None:
+        self._task = asyncio.create_task(self._watch(request, on_disconnect))
+
+    @staticmethod
+    async def _watch(request: Request, on_disconnect: Callable[[], None]) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        on_disconnect()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def _sse(
+    chunks: AsyncIterator[dict[str, Any]], stream: GenerationStream, watcher: DisconnectWatcher
+) -> AsyncIterator[str]:
+    """Server-sent events of ``chunks``; an error mid-stream is one ``{"error": ...}`` event."""
+    try:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except OpenAIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.stop()
+        stream.cancel()
+
+
+async def _next(stream: GenerationStream) -> dict[str, Any]:
+    try:
+        return await stream.__anext__()
+    except UpstreamError as exc:
+        raise _upstream_error(exc) from None
+
+
+async def _mapped(stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
+    while not stream.done:
+        yield await _next(stream)
+
+
+def _finish(event: dict[str, Any]) -> str | None:
+    reason = event.get("finish_reason")
+    return None if reason is None else FINISH_REASONS.get(reason, reason)
+
+
+def _upstream_error(exc: UpstreamError) -> OpenAIError:
+    if exc.unavailable:
+        return OpenAIError(503, exc.message)
+    return classify(exc.message)
+
+
+def _unknown_model(model: str) -> OpenAIError:
+    return OpenAIError(
+        404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+    )
+
+
+# -- exception handlers: every error leaves in OpenAI's shape ----------------------------------
+async def _openai_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OpenAIError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    parts, param = [], None
+    for err in exc.errors():
+        if err["type"] == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return await _openai_error(request, invalid(f"the body is not valid JSON: {detail}"))
+        loc = [str(p) for p in err["loc"] if p != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc)}: {err['msg']}" if loc else str(err["msg"]))
+    return await _openai_error(request, invalid("; ".join(parts), param))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return await _openai_error(request, OpenAIError(exc.status_code, str(exc.detail)))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return await _openai_error(request, OpenAIError(500, f"internal error: {exc}"))

@@ -1,0 +1,95 @@
+"""Chat messages -> one prompt string.
+
+Why two ways: Quanta's tiny checkpoints (and OPT) ship no chat template, so the gateway has a
+plain documented default; checkpoints that do ship one (``chat_template`` in
+``tokenizer_config.json``, as HF writes it) get theirs, rendered with jinja2's sandbox the way
+HF's ``apply_chat_template`` does (``messages``, ``add_generation_prompt=True``, ``bos_token``,
+``eos_token``, ``raise_exception``). jinja2 is imported only when such a template is used.
+
+The default template writes one ``<role>: <content>`` line per message and ends with
+``assistant:``, so the model continues as the assistant::
+
+    system: You are terse.
+    user: Hi!
+    assistant:
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from quanta.frontends.openai.errors import invalid
+from quanta.frontends.openai.protocol import ChatMessage
+
+
+class ChatTemplate:
+    """Renders a conversation; ``source`` is a jinja2 template or ``None`` for the default."""
+
+    def __init__(
+        self, source: str | None = None, *, bos_token: str = "", eos_token: str = ""
+    ) -> None:
+        self.source = source
+        self._special = {"bos_token": bos_token, "eos_token": eos_token}
+        self._template: Any = None
+        if source is not None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(source)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
+        """The checkpoint's template if its ``tokenizer_config.json`` has one, else the default."""
+        if model_dir is None:
+            return cls()
+        path = Path(model_dir) / "tokenizer_config.json"
+        if not path.is_file():
+            return cls()
+        config = json.loads(path.read_text(encoding="utf-8"))
+        source = config.get("chat_template")
+        if isinstance(source, list):  # HF's named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not isinstance(source, str):
+            return cls()
+        return cls(
+            source, bos_token=_token(config, "bos_token"), eos_token=_token(config, "eos_token")
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ChatTemplate:
+        """A jinja2 template from a file (``--chat-template``)."""
+        return cls(Path(path).read_text(encoding="utf-8"))
+
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        if self._template is None:
+            lines = [f"{m.role}: {m.text()}\n" for m in messages]
+            return "".join(lines) + "assistant:"
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return str(
+                self._template.render(
+                    messages=conversation, add_generation_prompt=True, **self._special
+                )
+            )
+        except _TemplateError as exc:
+            raise invalid(f"chat template: {exc}", "messages") from None
+
+
+class _TemplateError(Exception):
+    """``raise_exception(...)`` called by a chat template (e.g. roles must alternate)."""
+
+
+def _raise(message: str) -> None:
+    raise _TemplateError(message)
+
+
+def _token(config: dict[str, Any], key: str) -> str:
+    value = config.get(key)
+    if isinstance(value, dict):  # AddedToken serialised as a dict
+        value = value.get("content")
+    return value if isinstance(value, str) else ""

@@ -1,0 +1,64 @@
+"""``quanta openai``: the OpenAI-compatible gateway in front of an already running Triton.
+
+(``quanta serve --openai-port N`` starts the same gateway next to the Triton it launches.)
+Imports of FastAPI, uvicorn and tritonclient happen inside the command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    """Add ``openai`` to the main app."""
+    app.command("openai")(openai)
+
+
+def openai(
+    triton_grpc_url: Annotated[
+        str, typer.Option(help="Triton's gRPC endpoint, host:port")
+    ] = "127.0.0.1:8001",
+    host: Annotated[str, typer.Option(help="address the gateway binds to")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gateway HTTP port")] = 9000,
+    model_name: Annotated[
+        str, typer.Option(help="model name clients use (and Triton's)")
+    ] = "quanta",
+    triton_model: Annotated[
+        str | None, typer.Option(help="the model's name in Triton, if not --model-name")
+    ] = None,
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(help="checkpoint dir whose tokenizer_config.json chat_template to use"),
+    ] = None,
+    chat_template: Annotated[
+        Path | None, typer.Option(help="a jinja2 chat template file (overrides --model-dir's)")
+    ] = None,
+    default_chat_max_tokens: Annotated[
+        int, typer.Option(min=1, help="max_tokens of a chat request that gives none")
+    ] = 256,
+    request_timeout: Annotated[
+        float | None, typer.Option(help="seconds a request may take in Triton")
+    ] = None,
+) -> None:
+    """Serve /v1/completions, /v1/chat/completions and /v1/models, forwarding to Triton gRPC."""
+    from quanta.frontends.openai.app import GatewaySettings
+    from quanta.frontends.openai.chat import ChatTemplate
+    from quanta.frontends.openai.server import GatewayServer
+
+    template = (
+        ChatTemplate.from_file(chat_template)
+        if chat_template is not None
+        else ChatTemplate.from_model_dir(model_dir)
+    )
+    settings = GatewaySettings(
+        triton_grpc_url=triton_grpc_url,
+        model_name=model_name,
+        triton_model=triton_model,
+        default_chat_max_tokens=default_chat_max_tokens,
+        request_timeout_s=request_timeout,
+    )
+    typer.echo(f"OpenAI  http://{host}:{port}/v1 -> Triton gRPC {triton_grpc_url}")
+    GatewayServer(settings, host=host, port=port, chat_template=template, log_level="info").run()

@@ -1,0 +1,90 @@
+"""Errors in OpenAI's shape, and the HTTP status of a Triton error message.
+
+Why the message has to be classified: a gRPC *stream* response carries only an error message
+(``ModelStreamInferResponse`` has no status field), so the INVALID_ARG / UNAVAILABLE code the
+backend set is lost on the way. The gateway validates what it can itself (sampling values,
+metadata, model name, empty prompt), so what reaches ``classify`` is mostly what only the engine
+knows (prompt too long, more KV blocks than the pool has, throttling). A message that starts with
+a ``[code]`` tag (``[invalid_argument] ...``) is classified by the tag; otherwise known phrases
+of the backend's messages decide, and anything unknown is a 500.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# HTTP status -> (OpenAI error type, default code)
+_TYPES: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    404: ("invalid_request_error", None),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "backend_unavailable"),
+}
+_TAGS = {
+    "invalid_argument": 400,
+    "not_found": 404,
+    "unavailable": 429,  # the backend's UNAVAILABLE means a policy throttled the request
+    "cancelled": 503,
+    "internal": 500,
+}
+_TAG = re.compile(r"^\[(?P<tag>[a-z_]+)\]\s*")
+# Phrases of the backend's own messages (quanta.core.errors and Triton), lower case.
+_PHRASES: tuple[tuple[str, int], ...] = (
+    ("unknown model", 404),
+    ("is not found", 404),
+    ("throttl", 429),
+    ("rate limit", 429),
+    ("prompt is empty", 400),
+    ("exceeds the model's maximum length", 400),
+    ("kv blocks", 400),
+    ("input_ids must lie", 400),
+    ("input should be", 400),
+    ("unable to parse", 400),
+    ("unexpected shape", 400),
+    ("unexpected datatype", 400),
+    ("being unloaded", 503),
+    ("request cancelled", 503),
+)
+
+
+class OpenAIError(Exception):
+    """An error the gateway answers with ``{"error": {...}}`` and ``status``."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else _TYPES.get(status, _TYPES[500])[1]
+
+    def body(self) -> dict[str, Any]:
+        kind = _TYPES.get(self.status, _TYPES[500])[0]
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(message: str, param: str | None = None) -> OpenAIError:
+    """A 400: the request can never be served as given."""
+    return OpenAIError(400, message, param=param)
+
+
+def classify(message: str) -> OpenAIError:
+    """The OpenAI error for a Triton error ``message``; see the module docstring."""
+    tagged = _TAG.match(message)
+    if tagged and tagged["tag"] in _TAGS:
+        return OpenAIError(_TAGS[tagged["tag"]], message[tagged.end() :])
+    lowered = message.lower()
+    for phrase, status in _PHRASES:
+        if phrase in lowered:
+            return OpenAIError(status, message, code="model_not_found" if status == 404 else None)
+    return OpenAIError(500, message)

@@ -1,0 +1,261 @@
+"""OpenAI request models, their translation to Quanta's sampling settings, and response bodies.
+
+Requests are pydantic models that forbid unknown fields, so a typo is a 400 naming the field
+rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``n > 1``,
+``logprobs``, penalties, tools, ...) are rejected with a message that says so. Scheduling
+metadata are extra top-level fields (``tenant``, ``app``, ``interaction_id``,
+``priority_class``, ``ttft_slo_ms``, ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless
+``tenant`` is given. Sampling values are validated by Quanta's own ``SamplingParams``, so the
+gateway's messages are the backend's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from quanta.core.request import RequestMetadata, SamplingParams
+from quanta.frontends.openai.errors import OpenAIError, invalid
+from quanta.frontends.triton.tensors import validation_message
+
+# Triton finish reasons -> OpenAI's; anything else ("abort", "error") arrives as an error.
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Quanta extensions
+    top_k: int | None = None
+    ignore_eos: bool = False
+    tenant: str | None = None
+    app: str | None = None
+    interaction_id: str | None = None
+    priority_class: str | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Clients send ``null`` for fields they leave unset (``"n": null``): take the default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    def unsupported(self) -> OpenAIError | None:
+        """The first requested feature Quanta does not offer, as a 400."""
+        if self.n != 1:
+            return invalid(f"n={self.n} is not supported: Quanta returns one choice (n=1)", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return invalid(f"{name} is not supported (only 0)", name)
+        if self.logit_bias:
+            return invalid("logit_bias is not supported", "logit_bias")
+        return None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Quanta's sampling settings; a bad value raises a 400 naming the OpenAI field."""
+        fields: dict[str, Any] = {
+            "max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            "ignore_eos": self.ignore_eos,
+        }
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.stop is not None:
+            fields["stop"] = self.stop
+        return _validated(SamplingParams, fields)
+
+    def metadata(self) -> RequestMetadata:
+        """Scheduling metadata; ``tenant`` wins over OpenAI's ``user``."""
+        fields = {
+            name: getattr(self, name)
+            for name in ("app", "interaction_id", "priority_class", "ttft_slo_ms", "tpot_slo_ms")
+            if getattr(self, name) is not None
+        }
+        tenant = self.tenant if self.tenant is not None else self.user
+        if tenant is not None:
+            fields["tenant"] = tenant
+        return _validated(RequestMetadata, fields)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``; ``prompt`` is one text or one list of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> OpenAIError | None:
+        if self.logprobs is not None:
+            return invalid("logprobs is not supported by Quanta", "logprobs")
+        if self.echo:
+            return invalid("echo is not supported", "echo")
+        if self.suffix:
+            return invalid("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            return invalid("best_of is not supported (only 1)", "best_of")
+        return super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (OpenAI allows a batch; Quanta takes one)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise invalid("give one prompt per request (batched prompts are not supported)")
+            prompt = prompt[0]
+        if not prompt:
+            raise invalid("prompt is empty: it must contain at least one token", "prompt")
+        return prompt  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> OpenAIError | None:
+        if self.logprobs or self.top_logprobs is not None:
+            return invalid("logprobs is not supported by Quanta", "logprobs")
+        if self.tools or self.tool_choice not in (None, "none"):
+            return invalid("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            return invalid("only response_format {'type': 'text'} is supported", "response_format")
+        if not self.messages:
+            return invalid("messages is empty", "messages")
+        return super().unsupported()
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``max_completion_tokens`` (OpenAI's newer name) stands in for ``max_tokens``."""
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            default_max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+
+def _validated(model: type[Any], fields: dict[str, Any]) -> Any:
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]["loc"]
+        raise invalid(validation_message(exc), str(first[0]) if first else None) from None
+
+
+# -- response bodies ----------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None, *, chunk: bool
+) -> dict[str, Any]:
+    """A ``text_completion`` object, whole or as one streamed chunk."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice] if text or finish or not chunk else [],
+    }
+    if use is not None or not chunk:
+        body["usage"] = use
+    return body
+
+
+def chat_body(
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None
+) -> dict[str, Any]:
+    """A whole ``chat.completion``."""
+    message = {"role": "assistant", "content": text}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": use,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    delta: dict[str, str] | None,
+    finish: str | None = None,
+    use: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    if use is not None:
+        body["usage"] = use
+    return body

@@ -1,0 +1,140 @@
+"""Async gRPC streaming to Triton: one bidirectional stream per request, cancellable.
+
+Why one stream per request: cancelling a gRPC call is how a client tells Triton to cancel the
+requests on it (the backend then sees ``is_cancelled()`` and aborts, freeing the KV blocks), so a
+stream of its own makes "this client went away" cancel exactly its request. The streams share
+one channel (HTTP/2 multiplexes them). ``tritonclient.grpc.aio`` does the framing; its request
+iterator yields the one request and ends, which half-closes the stream while Triton goes on
+sending responses until the final one.
+
+Used by the OpenAI gateway and by ``quanta bench serve``'s gRPC transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quanta.frontends.triton.client import grpc_inputs, grpc_outputs
+
+
+class UpstreamError(RuntimeError):
+    """Triton answered with an error, or could not be reached (``unavailable``)."""
+
+    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.unavailable = unavailable
+
+
+class TritonGrpc:
+    """A gRPC channel to one Triton server; create and use it inside one event loop."""
+
+    def __init__(self, url: str, *, timeout_s: float | None = None) -> None:
+        self.url = url.split("://", 1)[1] if "://" in url else url
+        self.timeout_s = timeout_s
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        # NOTE: created on first use, so the channel binds to the loop that runs the requests.
+        if self._client is None:
+            import tritonclient.grpc.aio as grpcaio
+
+            self._client = grpcaio.InferenceServerClient(self.url)
+        return self._client
+
+    def stream(
+        self, model: str, inputs: dict[str, Any], *, request_id: str | None = None
+    ) -> GenerationStream:
+        """The responses of one request; nothing is sent until it is first iterated."""
+        return GenerationStream(self, model, inputs, request_id or uuid.uuid4().hex)
+
+    async def is_model_ready(self, model: str) -> bool:
+        try:
+            return bool(await self.client.is_model_ready(model))
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+class GenerationStream:
+    """Iterates one request's responses as dicts (``grpc_outputs``); ends after the final one.
+
+    ``cancel()`` (or ``aclose()``, or cancelling the task that iterates) cancels the gRPC call,
+    which cancels the request in Triton. Errors raise ``UpstreamError``.
+    """
+
+    def __init__(self, upstream: TritonGrpc, model: str, inputs: dict[str, Any], rid: str) -> None:
+        self._upstream = upstream
+        self._model = model
+        self._inputs = inputs
+        self.request_id = rid
+        self._responses: Any = None
+        self.done = False
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        import grpc
+
+        if self.done:
+            raise StopAsyncIteration
+        if self._responses is None:
+            self._responses = self._upstream.client.stream_infer(
+                self._requests(), stream_timeout=self._upstream.timeout_s
+            )
+        try:
+            result, error = await self._responses.__anext__()
+        except StopAsyncIteration:
+            self.done = True
+            raise UpstreamError("Triton closed the stream before the final response") from None
+        except grpc.aio.AioRpcError as exc:
+            self.done = True
+            unavailable = exc.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED,
+            )
+            message = f"Triton gRPC {exc.code().name} at {self._upstream.url}: {exc.details()}"
+            raise UpstreamError(message, unavailable=unavailable) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.done and not (task is not None and task.cancelling()):
+                # cancel() ended the call under us: the request is over, this task is not
+                raise UpstreamError("the request was cancelled", unavailable=True) from None
+            self.cancel()  # the consumer gave up, so must Triton
+            raise
+        if error is not None:
+            self.done = True
+            raise UpstreamError(str(error.message()))
+        params = result.get_response().parameters
+        event = grpc_outputs(result)
+        if "triton_final_response" in params:
+            self.done = params["triton_final_response"].bool_param
+        else:
+            self.done = "finish_reason" in event
+        return event
+
+    def cancel(self) -> None:
+        """Cancel the request in Triton (idempotent; a no-op once the final response came)."""
+        if self._responses is not None and not self.done:
+            self._responses.cancel()
+        self.done = True
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def _requests(self) -> AsyncIterator[dict[str, Any]]:
+        yield {
+            "model_name": self._model,
+            "inputs": grpc_inputs(self._inputs),
+            "request_id": self.request_id,
+        }

@@ -1,0 +1,389 @@
+"""Live tests of the OpenAI-compatible gateway with the official ``openai`` client.
+
+``quanta serve --openai-port`` runs as a subprocess (tritonserver + the gateway thread) on free
+127.0.0.1 ports, once for the module; teardown sends Ctrl-C and checks a clean exit. The device
+pool is small (24 blocks of 16 tokens) so a long request visibly holds blocks.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import quanta
+from quanta import SamplingParams
+from quanta.frontends.triton.launcher import free_port
+from quanta.frontends.triton.repository import write_model_repository
+
+openai = pytest.importorskip("openai")
+
+MODEL = "quanta"
+
+
+@dataclass
+class LiveServe:
+    """A running ``quanta serve --openai-port`` and its endpoints."""
+
+    proc: subprocess.Popen[str]
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    openai_url: str
+    model_dir: Path
+    lines: list[str]
+
+
+def start_serve(
+    root: Path, overrides: dict[str, str] | None = None, timeout: float = 180.0
+) -> LiveServe:
+    """Start ``quanta serve`` with the gateway; return once it printed "ready"."""
+    model_dir = root / "engines" / "opt-tiny"  # built by the backend's preset at model load
+    repo = write_model_repository(
+        root / "models",
+        overrides={
+            "model_dir": str(model_dir),
+            "num_device_blocks": "24",
+            "num_host_blocks": "64",
+            "max_num_batched_tokens": "256",
+            "metrics_interval_ms": "50",
+            "torch_threads": "1",
+            **(overrides or {}),
+        },
+    )
+    cmd = [sys.executable, "-m", "quanta.cli", "serve", "--model-repository", str(repo)]
+    for option in ("--http-port", "--grpc-port", "--metrics-port", "--openai-port"):
+        cmd += [option, str(free_port())]
+    cmd += ["--log-file", str(root / "tritonserver.log")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
+    )
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready"):
+                break
+    finally:
+        watchdog.cancel()
+    urls = {}
+    for line in lines:
+        if m := re.match(r"(HTTP|gRPC|metrics|OpenAI)\s+(\S+)", line):
+            urls[m.group(1)] = m.group(2)
+    if not lines or not lines[-1].startswith("ready"):
+        stop_serve(proc)
+        raise RuntimeError("quanta serve did not become ready:\n" + "".join(lines))
+    return LiveServe(
+        proc, urls["HTTP"], urls["gRPC"], urls["metrics"], urls["OpenAI"], model_dir, lines
+    )
+
+
+def stop_serve(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """Ctrl-C, as a user would; returns the exit code and the rest of the output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out or ""
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    # NOTE: one request runs at a time, so a second one deterministically waits (cancel test).
+    serve = start_serve(tmp_path_factory.mktemp("serve"), {"max_num_seqs": "1"})
+    try:
+        yield serve
+    finally:
+        code, out = stop_serve(serve.proc)
+    assert code == 0, out
+    assert "shutting down" in out
+    port = int(serve.openai_url.rsplit(":", 1)[1].split("/")[0])
+    with __import__("socket").socket() as s:  # the gateway is gone with it
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    with openai.OpenAI(base_url=live.openai_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(live):
+    return quanta.LLM(str(live.model_dir))
+
+
+def scrape(live) -> dict[str, float]:
+    """``quanta_*`` samples keyed by name{labels} without the common labels."""
+    text = urllib.request.urlopen(live.metrics_url, timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("quanta_"):
+            key, value = line.rsplit(" ", 1)
+            key = re.sub(r'(instance|model|version)="[^"]*",?', "", key).replace(",}", "}")
+            samples[key.replace("{}", "")] = float(value)
+    return samples
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+# -- the happy paths -------------------------------------------------------------------------
+def test_models_lists_the_model(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_equals_offline_api(client, llm, stream):
+    prompt = "The quick brown fox"
+    expected = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0))[0]
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0}
+    if stream:
+        chunks = list(
+            client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert len([c for c in chunks if c.choices]) > 1, "not streamed"
+        assert not chunks[-1].choices  # the usage chunk comes last
+        use = chunks[-1].usage
+    else:
+        reply = client.completions.create(**kwargs)
+        text, finish, use = reply.choices[0].text, reply.choices[0].finish_reason, reply.usage
+    assert text == expected.text
+    assert finish == expected.finish_reason == "length"
+    assert use.completion_tokens == len(expected.token_ids)
+    assert use.prompt_tokens == len(llm.tokenizer.encode(prompt))
+    assert use.total_tokens == use.prompt_tokens + use.completion_tokens
+
+
+def test_completion_takes_token_ids_and_seeded_sampling(client, llm):
+    ids = llm.tokenizer.encode("hello there")
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=7)
+    expected = llm.generate([ids], params)[0]
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=12,
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        extra_body={"top_k": 20},
+    )
+    assert reply.choices[0].text == expected.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_uses_the_default_template(client, llm, stream):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi!"},
+    ]
+    prompt = "system: Be brief.\nuser: Hi!\nassistant:"  # the documented default template
+    expected = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0))[0]
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0}
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 10
+        text = reply.choices[0].message.content
+    assert text == expected.text
+
+
+def test_user_and_metadata_reach_the_scheduler(client, live):
+    client.completions.create(model=MODEL, prompt="a", max_tokens=3, user="u-openai")
+    client.completions.create(
+        model=MODEL,
+        prompt="b",
+        max_tokens=4,
+        extra_body={"tenant": "t-openai", "priority_class": "offline", "ttft_slo_ms": 500},
+    )
+    online = 'quanta_generation_tokens_total{priority_class="online",tenant="u-openai"}'
+    offline = 'quanta_generation_tokens_total{priority_class="offline",tenant="t-openai"}'
+    wait_for(
+        lambda: (s := scrape(live)).get(online, 0) >= 1 and s.get(offline, 0) >= 1,
+        what="per-tenant token counters",
+    )
+
+
+# -- errors ----------------------------------------------------------------------------------
+BAD = {
+    "temperature < 0": ({"temperature": -1}, "temperature", "greater than or equal to 0"),
+    "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
+    "n=2": ({"n": 2}, "n", "n=2 is not supported"),
+    "logprobs": ({"logprobs": 1}, "logprobs", "logprobs is not supported"),
+    "unknown field": ({"extra_body": {"tenantt": "x"}}, "tenantt", "Extra inputs"),
+    "bad priority class": ({"extra_body": {"priority_class": "vip"}}, "priority_class", "online"),
+    "too long for the model": ({"max_tokens": 600}, None, "exceeds the model's maximum length"),
+    "too big for the KV pool": ({"max_tokens": 400}, None, "KV blocks"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_invalid_request_is_400_in_openai_format(client, case):
+    changes, param, message = BAD[case]
+    kwargs = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **changes}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs)
+    assert info.value.status_code == 400
+    error = info.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert message in error["message"]
+
+
+def test_invalid_chat_request_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=3
+        )
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    error = info.value.response.json()["error"]
+    assert error["code"] == "model_not_found" and "no-such-model" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+
+
+# -- cancellation ----------------------------------------------------------------------------
+def _post(live, body):
+    """Send a completion request on a raw connection (so the test can hang up) and return it."""
+    host, port = live.openai_url.split("://", 1)[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"model": MODEL, "ignore_eos": True, **body}),
+        headers={"Content-Type": "application/json"},
+    )
+    return conn
+
+
+def _stream_a_while(live):
+    """A streamed request of 360 tokens (seconds on CPU, 23 of the 24 device blocks)."""
+    conn = _post(live, {"prompt": "cancel me", "max_tokens": 360, "stream": True})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 3:
+        events += resp.readline().startswith(b"data:")
+    return conn
+
+
+USED = 'quanta_kv_blocks_used{tier="device"}'
+ABORTED = 'quanta_request_finished_total{reason="abort"}'
+
+
+def test_disconnect_mid_stream_frees_the_blocks(live):
+    before = scrape(live).get(ABORTED, 0.0)
+    conn = _stream_a_while(live)
+    try:
+        wait_for(lambda: scrape(live)[USED] > 0, what="the request to hold blocks")
+    finally:
+        conn.close()  # the client goes away mid-stream
+    samples = wait_for(
+        lambda: (s := scrape(live))[USED] == 0 and s.get(ABORTED, 0.0) == before + 1 and s,
+        what="the request to be aborted and its blocks freed",
+    )
+    assert samples["quanta_num_requests_running"] == 0
+
+
+def test_disconnect_while_waiting_cancels(live):
+    holder = _stream_a_while(live)
+    try:
+        before = scrape(live).get(ABORTED, 0.0)
+        # A non-streamed request waits behind it (max_num_seqs=1); its client gives up.
+        waiting = _post(live, {"prompt": "me too", "max_tokens": 300})
+        wait_for(lambda: scrape(live)["quanta_num_requests_waiting"] == 1, what="it to wait")
+        waiting.close()
+        wait_for(
+            lambda: scrape(live).get(ABORTED, 0.0) == before + 1,
+            what="the waiting request to be aborted",
+        )
+    finally:
+        holder.close()
+    wait_for(
+        lambda: (s := scrape(live))[USED] == 0 and s["quanta_num_requests_running"] == 0,
+        what="all blocks to be freed",
+    )
+
+
+# -- pieces that need no server --------------------------------------------------------------
+def test_jinja_chat_template_from_tokenizer_config(tmp_path):
+    from quanta.frontends.openai.chat import ChatTemplate
+    from quanta.frontends.openai.protocol import ChatMessage
+
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [ChatMessage(role="user", content="hi")]
+    assert ChatTemplate.from_model_dir(tmp_path).render(messages) == "<s><|user|>hi<|assistant|>"
+    assert ChatTemplate.from_model_dir(tmp_path / "nothing").render(messages) == (
+        "user: hi\nassistant:"
+    )
+
+
+def test_triton_error_messages_map_to_http_codes():
+    from quanta.frontends.openai.errors import classify
+
+    assert classify("Request for unknown model: 'x' is not found").status == 404
+    assert classify("prompt is empty: it must contain at least one token").status == 400
+    assert classify("[unavailable] tenant t is over its share").status == 429
+    assert classify("[invalid_argument] bad").message == "bad"
+    assert classify("request throttled: tenant over its share").status == 429
+    assert classify("something broke").status == 500
+
+
+def test_unreachable_triton_is_503():
+    from quanta.frontends.openai.server import start_gateway
+
+    gateway = start_gateway(
+        f"127.0.0.1:{free_port()}", host="127.0.0.1", port=free_port(), model_name=MODEL
+    )
+    try:
+        c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="-", max_retries=0)
+        with c, pytest.raises(openai.InternalServerError) as info:
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert info.value.status_code == 503
+        assert info.value.response.json()["error"]["code"] == "backend_unavailable"
+    finally:
+        gateway.stop()
