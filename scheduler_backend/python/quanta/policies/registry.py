@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from quanta.core.config import SchedulerConfig
 from quanta.policies.base import Policy
 from quanta.policies.fcfs import FCFSPolicy
+from quanta.policies.mlfq import SRPT, FixedPriority, NaiveMLFQ, SkipJoinMLFQ
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {
     "fcfs": FCFSPolicy,
+    # FastServe (seed 000) and the baselines of its Fig. 14 / Fig. 15 ablations.
+    "sj-mlfq": SkipJoinMLFQ,
+    "sj-mlfq-reactive": partial(SkipJoinMLFQ, memory="reactive"),
+    "sj-mlfq-recompute": partial(SkipJoinMLFQ, memory="recompute"),
+    "mlfq": NaiveMLFQ,
+    "fixed-priority": FixedPriority,
+    "srpt": SRPT,
 }
 
 

@@ -1,0 +1,195 @@
+"""FastServe's KV-cache management (§4.2): where preempted jobs' KV lives, and when it moves.
+
+Three strategies, one per ``memory`` setting of the priority policies:
+
+- ``proactive`` (FastServe): the host tier is a second home. A reserve of free device blocks,
+  sized from recent arrivals, is kept for new jobs; when the device falls below it, idle jobs
+  with the largest ENST are swapped out, and when there is room above it, host-resident jobs
+  with the smallest ENST are swapped in *before* they are scheduled, so the copy overlaps the
+  current iteration instead of stalling the next one.
+- ``reactive``: swap out only when the batch needs blocks, swap in only when a job runs.
+- ``recompute``: drop the KV of evicted jobs; they prefill prompt + output again.
+
+Every strategy falls back to recompute when the host tier is full (``BatchPlan.evict``), so no
+decision ever waits on host space: the top job always fits once everything below it is gone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from quanta.core.decision import PreemptMode
+from quanta.core.request import Request, RequestStatus
+from quanta.core.view import SchedulerView
+from quanta.policies.costmodel import CostModel
+from quanta.policies.mlfq_batch import BatchPlan
+
+MEMORY_MODES = ("proactive", "reactive", "recompute")
+
+
+def mlfq_enst(
+    levels: Mapping[str, int],
+    t_promote: Mapping[str, float],
+    quanta: Sequence[float],
+    batch_size: int,
+) -> dict[str, float]:
+    """Estimated next scheduled time of every job (FastServe §4.2).
+
+    ENST(i) = min(T_promote(i), T_execute(i)) with T_promote the time left until starvation
+    promotion and T_execute(i) = (1/B) * sum over higher-priority jobs j of
+    sum_{i.prio < k <= j.prio} q_k: each j is assumed to use every quantum from its own queue
+    down to i's before i runs. Computed per level with prefix sums, O(jobs + levels).
+    """
+    counts = [0] * len(quanta)
+    for level in levels.values():
+        counts[level] += 1
+    prefix = [0.0]  # prefix[L] = q_0 + ... + q_{L-1}
+    for q in quanta:
+        prefix.append(prefix[-1] + q)
+    t_exec: list[float] = []
+    above = 0  # jobs in queues above L
+    above_prefix = 0.0  # sum over those jobs of prefix[their level]
+    for level in range(len(quanta)):
+        t_exec.append((prefix[level] * above - above_prefix) / batch_size)
+        above += counts[level]
+        above_prefix += counts[level] * prefix[level]
+    return {rid: min(t_promote[rid], t_exec[level]) for rid, level in levels.items()}
+
+
+class ReactiveSwap:
+    """Swap only when forced: eviction to host, swap-in when the job is chosen."""
+
+    name = "reactive"
+    evict_mode = PreemptMode.SWAP
+
+    def note_arrival(self, now: float, blocks: int) -> None:
+        return None
+
+    def after_batch(
+        self,
+        view: SchedulerView,
+        plan: BatchPlan,
+        order: Sequence[Request],
+        enst: Mapping[str, float],
+    ) -> None:
+        return None
+
+
+class Recompute(ReactiveSwap):
+    """Evicted jobs lose their KV and prefill again when they next run."""
+
+    name = "recompute"
+    evict_mode = PreemptMode.RECOMPUTE
+
+
+class ProactiveSwap(ReactiveSwap):
+    """Keeps a reserve of free device blocks and moves KV ahead of need, in ENST order.
+
+    After the batch is chosen: (1) below the reserve, idle residents leave for the host,
+    largest ENST first; (2) the host-resident jobs among the next MaxBatchSize in priority
+    order (the public code's swap quota) come back, smallest ENST first, into room above the
+    reserve or in exchange for idle residents with a larger ENST. Exchanges are limited to
+    what the host link copies during one iteration, so they hide behind compute.
+    """
+
+    name = "proactive"
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        cost: CostModel,
+        reserve_window: float,
+        min_reserve_blocks: int | None,
+        max_reserve_fraction: float,
+    ) -> None:
+        if reserve_window < 0 or not 0 <= max_reserve_fraction <= 1:
+            raise ValueError("need reserve_window >= 0 and 0 <= max_reserve_fraction <= 1")
+        self.max_batch_size = max_batch_size
+        self.cost = cost
+        self.reserve_window = reserve_window
+        # Public FastServe code keeps max(max_batch_size, a minimum) blocks free.
+        self.min_reserve_blocks = (
+            max_batch_size if min_reserve_blocks is None else min_reserve_blocks
+        )
+        self.max_reserve_fraction = max_reserve_fraction
+        self._arrivals: deque[tuple[float, int]] = deque()  # (time, prompt blocks)
+        self._recent_blocks = 0
+
+    def note_arrival(self, now: float, blocks: int) -> None:
+        self._arrivals.append((now, blocks))
+        self._recent_blocks += blocks
+
+    def reserve(self, view: SchedulerView) -> int:
+        """Blocks to keep free: what arrived over the last window is what a burst may bring
+        in the next one, at least the minimum, at most a fraction of the pool."""
+        while self._arrivals and self._arrivals[0][0] < view.now - self.reserve_window:
+            self._recent_blocks -= self._arrivals.popleft()[1]
+        wanted = max(self.min_reserve_blocks, self._recent_blocks)
+        return min(wanted, int(view.total_device_blocks * self.max_reserve_fraction))
+
+    def after_batch(
+        self,
+        view: SchedulerView,
+        plan: BatchPlan,
+        order: Sequence[Request],
+        enst: Mapping[str, float],
+    ) -> None:
+        reserve = self.reserve(view)
+        rank = {r.request_id: (enst[r.request_id], i) for i, r in enumerate(order)}
+        idle = [r for r in order if r.request_id not in plan.chosen]
+        idle.sort(key=lambda r: rank[r.request_id])
+        upcoming = idle[: self.max_batch_size]  # the likeliest to run next
+        keep = {r.request_id for r in upcoming}
+        victims = [  # idle residents, largest (ENST, position) first
+            r
+            for r in order
+            if r.status is RequestStatus.RUNNING
+            and r.request_id not in plan.chosen
+            and r.request_id not in plan.moved
+            and r.request_id not in keep
+            and view.num_blocks(r) > 0
+        ]
+        victims.sort(key=lambda r: rank[r.request_id], reverse=True)
+        for victim in list(victims):
+            if plan.free_device >= reserve:
+                break
+            if self._swap_out(view, plan, victim):  # NOTE: never recompute ahead of need
+                victims.remove(victim)
+        if plan.free_device >= reserve:
+            self._prefetch(view, plan, upcoming, victims, rank, reserve)
+
+    def _prefetch(
+        self,
+        view: SchedulerView,
+        plan: BatchPlan,
+        upcoming: Sequence[Request],
+        victims: list[Request],
+        rank: Mapping[str, tuple[float, int]],
+        reserve: int,
+    ) -> None:
+        # What the host link moves during the shortest iteration: the swaps it can hide.
+        budget = int(self.cost.min_iteration_time / self.cost.swap_time(1, view.block_size))
+        wanted = [r for r in upcoming if r.status is RequestStatus.SWAPPED]
+        for req in sorted(wanted, key=lambda r: rank[r.request_id]):
+            held = view.num_blocks(req)
+            while plan.free_device - held < reserve and victims:
+                victim = victims[0]
+                moved = view.num_blocks(victim)
+                if rank[victim.request_id] < rank[req.request_id] or held + moved > budget:
+                    return
+                if not self._swap_out(view, plan, victims.pop(0)):
+                    return
+                budget -= moved
+            if plan.free_device - held < reserve or held > budget:
+                return
+            plan.prefetch(view, req)
+            budget -= held
+
+    @staticmethod
+    def _swap_out(view: SchedulerView, plan: BatchPlan, req: Request) -> bool:
+        if view.num_blocks(req) > plan.free_host:
+            return False
+        plan.evict(view, req, PreemptMode.SWAP)
+        return True

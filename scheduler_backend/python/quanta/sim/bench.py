@@ -1,0 +1,209 @@
+"""``quanta bench policies`` and ``quanta bench scheduler``.
+
+``policies`` runs one seeded trace through the real loop on the real (CPU) engine once per
+policy. Arrivals are honoured on a virtual clock that advances by each step's *measured*
+time (idle gaps are skipped): the engine runs one torch thread and is timed by that thread's
+CPU clock, so the comparison is the engine's own compute, without sleeping and without the
+noise of other processes on a shared machine. The rate comes from a profile measured the
+same way, as a multiple (``load``) of the estimated batched capacity.
+
+``scheduler`` times one ``schedule()`` call over N candidate requests (Apt-Serve Table 6
+reports 0.3 / 1.0 / 10.8 ms for 50 / 200 / 1600 candidates, GPU-side scheduler in Python).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from quanta.core.apply import DecisionApplier
+from quanta.core.blocks import BlockManager
+from quanta.core.clock import VirtualClock
+from quanta.core.config import SchedulerConfig
+from quanta.core.request import Request, RequestStatus, SamplingParams, blocks_for
+from quanta.core.view import SchedulerView
+from quanta.policies import make_policy
+from quanta.policies.costmodel import CostModel, load_profile
+from quanta.sim.driver import build_requests, drive, policy_options, time_runner
+from quanta.sim.metrics import request_metrics
+from quanta.sim.repro import batched_capacity
+from quanta.sim.workloads import TraceRequest, arrival_times, make_workload
+
+APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
+
+
+def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> list[TraceRequest]:
+    """ShareGPT-like lengths scaled by ``scale`` (a small CPU model cannot spend 338 tokens
+    per answer on hundreds of requests); the shape of the distribution is kept."""
+    trace = make_workload("sharegpt", num_requests, 1.0, seed=seed, max_len=max_len)
+    return [
+        replace(
+            r,
+            input_len=max(1, round(r.input_len * scale)),
+            output_len=max(1, round(r.output_len * scale)),
+        )
+        for r in trace
+    ]
+
+
+def bench_policies(
+    model: Path | None,
+    policies: Sequence[str],
+    *,
+    num_requests: int,
+    load: float,
+    seed: int,
+    max_num_seqs: int,
+    profile: Path | None,
+    rate: float | None = None,
+    scale: float = 0.25,
+    echo: Callable[[str], object] = print,
+) -> dict[str, dict[str, float]]:
+    from quanta.core.config import CacheConfig, EngineConfig
+    from quanta.frontends.engine import build_engine
+    from quanta.sim.profile import profile_engine
+
+    if model is None:
+        from quanta.build.checkpoint import ensure_checkpoint
+
+        model = ensure_checkpoint("opt-tiny", Path(tempfile.gettempdir()) / "quanta-opt-tiny")
+    import torch
+
+    # One torch thread timed by its own CPU clock: other processes on a shared machine do
+    # not leak into the measured step times (CPU engine only).
+    torch.set_num_threads(1)
+    timer = time.thread_time
+    cost: CostModel = (
+        load_profile(profile)
+        if profile is not None
+        else profile_engine(model, repeats=3, timer=timer, echo=lambda _: None)
+    )
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    trace = bench_trace(num_requests, cost.max_model_len, seed, scale)
+    capacity = batched_capacity(trace, cost, sched)
+    rate = load * capacity if rate is None else rate
+    times = arrival_times(len(trace), rate, random.Random(seed))
+    trace = [replace(r, arrival_time=t) for r, t in zip(trace, times, strict=True)]
+    # Memory pressure as on the A100: room for about two batches of average jobs.
+    per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / 16
+    cache = CacheConfig(
+        block_size=16,
+        num_device_blocks=max(int(2 * max_num_seqs * per_job), 2 * cost.max_model_len // 16),
+        num_host_blocks=8 * max_num_seqs * int(per_job + 1),
+    )
+    echo(
+        f"{len(trace)} requests at {rate:.2f}/s ({rate / capacity:.2f}x the estimated capacity), "
+        f"{cache.num_device_blocks} "
+        f"device blocks, min iteration {1e3 * cost.min_iteration_time:.2f} ms"
+    )
+    results: dict[str, dict[str, float]] = {}
+    for name in policies:
+        clock = VirtualClock()
+        config = EngineConfig(
+            model=str(model),
+            policy=name,
+            cache=cache,
+            scheduler=sched,
+            policy_options=policy_options(name, sched, {}, cost),
+        )
+        engine = build_engine(config, clock=clock)
+        engine.loop.runner = time_runner(engine.loop.runner, clock, timer)
+        vocab = engine.model_config.vocab_size
+        warm = build_requests(trace[:4], vocab_size=vocab, seed=seed + 1)
+        drive(engine.loop, clock, [replace_id(r, f"warm{i}") for i, r in enumerate(warm)])
+        start = clock.now()
+        requests = build_requests(trace, vocab_size=vocab, seed=seed)
+        for r in requests:
+            r.arrival_time += start
+        drive(engine.loop, clock, requests)
+        stats = engine.loop.stats()
+        results[name] = m = request_metrics(requests)
+        echo(
+            f"{name:>16}: mean {m['mean_normalized_latency'] * 1e3:8.2f} ms/token, "
+            f"p95 {m['p95_normalized_latency'] * 1e3:8.2f}, TTFT {m['mean_ttft']:.3f} s, "
+            f"TPOT {m['mean_tpot'] * 1e3:.2f} ms, preemptions swap/recompute "
+            f"{stats.num_preemptions_swap}/{stats.num_preemptions_recompute}"
+        )
+    if "fcfs" in results:
+        base = results["fcfs"]
+        for name, m in results.items():
+            if name != "fcfs":
+                echo(
+                    f"fcfs / {name}: mean {base['mean_normalized_latency'] / m['mean_normalized_latency']:.2f}x, "  # noqa: E501
+                    f"p95 {base['p95_normalized_latency'] / m['p95_normalized_latency']:.2f}x"
+                )
+    return results
+
+
+def replace_id(r: Request, rid: str) -> Request:
+    return Request(rid, r.prompt_token_ids, r.params, r.arrival_time, r.seed)
+
+
+def candidate_view(
+    n: int, *, seed: int = 0, block_size: int = 16
+) -> tuple[SchedulerView, list[Request]]:
+    """N live requests: a quarter running, a quarter swapped, half waiting, ShareGPT-like
+    lengths, the device pool nearly full so eviction paths run too."""
+    rng = random.Random(seed)
+    lengths = [tr for tr in make_workload("sharegpt", n, 1.0, seed=seed)]
+    held = sum(blocks_for(t.input_len + 1, block_size) for t in lengths[: n // 2])
+    bm = BlockManager(block_size, int(held * 1.05) + 16, held + 16)
+    reqs = []
+    for i, t in enumerate(lengths):
+        r = Request(
+            f"c{i}",
+            [1] * t.input_len,
+            SamplingParams(max_tokens=t.output_len, ignore_eos=True),
+            rng.random(),
+            i,
+        )
+        if i < n // 2:
+            r.num_computed_tokens = t.input_len
+            r.append_token(1, 0.0)
+            r.set_status(RequestStatus.RUNNING)
+            bm.allocate_slots(r.request_id, t.input_len)
+            if i % 2:
+                bm.swap_out(r.request_id)
+                r.set_status(RequestStatus.SWAPPED)
+        reqs.append(r)
+    by = {s: [r for r in reqs if r.status is s] for s in RequestStatus}
+    view = SchedulerView(
+        1.0, by[RequestStatus.WAITING], by[RequestStatus.RUNNING], by[RequestStatus.SWAPPED], bm
+    )
+    return view, reqs
+
+
+def bench_scheduler(
+    policies: Sequence[str],
+    candidates: Sequence[int],
+    *,
+    repeats: int = 20,
+    echo: Callable[[str], object] = print,
+) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for name in policies:
+        for n in candidates:
+            view, reqs = candidate_view(n)
+            policy = make_policy(name, SchedulerConfig())
+            for r in reqs:
+                policy.admit(r, view)
+            decision = policy.schedule(view)
+            DecisionApplier(view.blocks).validate(decision, {r.request_id: r for r in reqs})
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                policy.schedule(view)
+                times.append(time.perf_counter() - t0)
+            ms = 1e3 * statistics.median(times)
+            out.setdefault(name, {})[n] = ms
+            ref = APT_SERVE_TABLE6_MS.get(n)
+            echo(
+                f"{name:>10} {n:5d} candidates: {ms:7.2f} ms"
+                + (f"   (Apt-Serve Table 6: {ref} ms)" if ref is not None else "")
+            )
+    return out

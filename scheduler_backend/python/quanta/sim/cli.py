@@ -1,0 +1,205 @@
+"""``quanta simulate``, ``quanta simulate repro``, ``quanta profile``, ``quanta bench policies``
+and ``quanta bench scheduler``; registered on the lead's Typer app by ``register``.
+
+Heavy imports happen inside the commands so that ``quanta --help`` stays fast and torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+PolicyOpt = Annotated[
+    list[str] | None,
+    typer.Option("--policy-option", help="KEY=VALUE passed to the policy (JSON values)"),
+]
+
+
+def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["starve_limit=2", "memory=reactive"]`` -> ``{"starve_limit": 2, ...}``."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def simulate_cmd(
+    ctx: typer.Context,
+    policy: Annotated[
+        str,
+        typer.Option(
+            help="fcfs, sj-mlfq, mlfq, fixed-priority, srpt, sj-mlfq-reactive, sj-mlfq-recompute"
+        ),
+    ] = "sj-mlfq",
+    workload: Annotated[str, typer.Option(help="sharegpt, alpaca, or a JSONL/CSV trace")] = (
+        "sharegpt"
+    ),
+    rate: Annotated[float, typer.Option(help="arrivals per second")] = 1.0,
+    num_requests: Annotated[int, typer.Option(min=1)] = 500,
+    profile: Annotated[str, typer.Option(help="cost-model preset or profile JSON")] = (
+        "a100-opt13b"
+    ),
+    seed: Annotated[int, typer.Option()] = 0,
+    cv: Annotated[float, typer.Option(help="arrival CV: 1 Poisson, >1 bursty Gamma")] = 1.0,
+    io_ratio: Annotated[float | None, typer.Option(help="rescale to mean in/out ratio")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="MaxBatchSize")] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option()] = 2048,
+    block_size: Annotated[int, typer.Option()] = 16,
+    device_blocks: Annotated[int | None, typer.Option(help="default: the profile's")] = None,
+    host_blocks: Annotated[int | None, typer.Option(help="default: the profile's")] = None,
+    policy_option: PolicyOpt = None,
+    output: Annotated[Path | None, typer.Option(help="write the metrics JSON here")] = None,
+) -> None:
+    """Serve a seeded workload on the cost model with the real loop and policy."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from quanta.core.config import SchedulerConfig
+    from quanta.policies.costmodel import load_profile
+    from quanta.sim import SimSetup, make_workload, simulate, summarize, with_io_ratio
+
+    cost = load_profile(profile)
+    trace = make_workload(
+        workload, num_requests, rate, seed=seed, cv=cv, max_len=cost.max_model_len
+    )
+    if io_ratio is not None:
+        trace = with_io_ratio(trace, io_ratio, cost.max_model_len)
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    setup = SimSetup(
+        policy, cost, sched, block_size, device_blocks, host_blocks, parse_options(policy_option)
+    )
+    result = summarize(simulate(trace, setup))
+    result["workload"] = {
+        "name": workload,
+        "rate": rate,
+        "num_requests": num_requests,
+        "seed": seed,
+        "cv": cv,
+        "io_ratio": io_ratio,
+    }
+    for key in (
+        "mean_normalized_latency",
+        "p95_normalized_latency",
+        "mean_ttft",
+        "p95_ttft",
+        "mean_tpot",
+        "throughput_rps",
+        "num_preemptions",
+        "swap_out_blocks",
+    ):
+        typer.echo(f"{key:>24}: {result[key]}")
+    if output is not None:
+        output.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        typer.echo(f"wrote {output}")
+
+
+def repro_cmd(
+    figure: Annotated[str, typer.Option(help="14, 15a or all")] = "all",
+    output: Annotated[Path, typer.Option(help="markdown file whose tables are (re)written")] = (
+        Path("docs/fastserve.md")
+    ),
+    num_requests: Annotated[int, typer.Option(help="jobs per point")] = 500,
+    seed: Annotated[int, typer.Option()] = 0,
+    loads: Annotated[str, typer.Option(help="Fig. 14 loads, comma-separated")] = "0.7,0.9",
+    jobs: Annotated[int, typer.Option(help="worker processes")] = 2,
+    plots: Annotated[Path | None, typer.Option(help="directory for PNG plots")] = None,
+) -> None:
+    """Reproduce FastServe's Fig. 14 / Fig. 15 on the simulator and update the doc's tables."""
+    from quanta.sim.report import run_repro
+
+    if figure not in ("14", "15a", "all"):
+        raise typer.BadParameter("figure must be 14, 15a or all")
+    run_repro(
+        figure,
+        output,
+        num_requests=num_requests,
+        seed=seed,
+        loads=[float(x) for x in loads.split(",")],
+        jobs=jobs,
+        plots=plots,
+        echo=typer.echo,
+    )
+
+
+def profile_cmd(
+    model: Annotated[Path, typer.Option(help="checkpoint directory")],
+    output: Annotated[Path, typer.Option(help="profile JSON to write")],
+    dtype: Annotated[str | None, typer.Option(help="float32, float16, bfloat16")] = None,
+    device: Annotated[str, typer.Option()] = "cpu",
+    block_size: Annotated[int, typer.Option()] = 16,
+    repeats: Annotated[int, typer.Option(min=1)] = 3,
+) -> None:
+    """Measure the real engine's iteration and swap times and fit a cost-model profile."""
+    from quanta.policies.costmodel import save_profile
+    from quanta.sim.profile import profile_engine
+
+    cost = profile_engine(
+        model, dtype=dtype, device=device, block_size=block_size, repeats=repeats, echo=typer.echo
+    )
+    save_profile(cost, output)
+    typer.echo(f"wrote {output}")
+
+
+def bench_policies_cmd(
+    model: Annotated[Path | None, typer.Option(help="checkpoint dir (default: opt-tiny)")] = None,
+    policies: Annotated[str, typer.Option()] = "fcfs,sj-mlfq",
+    num_requests: Annotated[int, typer.Option(min=1)] = 200,
+    load: Annotated[float, typer.Option(help="rate as a multiple of estimated capacity")] = 2.0,
+    rate: Annotated[float | None, typer.Option(help="arrivals/s (overrides --load)")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    max_num_seqs: Annotated[int, typer.Option()] = 8,
+    profile: Annotated[Path | None, typer.Option(help="profile JSON (default: measure)")] = None,
+) -> None:
+    """The same seeded trace through the real loop on the real engine, per policy."""
+    from quanta.sim.bench import bench_policies
+
+    bench_policies(
+        model,
+        [p for p in policies.split(",") if p],
+        num_requests=num_requests,
+        load=load,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        profile=profile,
+        rate=rate,
+        echo=typer.echo,
+    )
+
+
+def bench_scheduler_cmd(
+    policies: Annotated[str, typer.Option()] = "sj-mlfq,fcfs",
+    candidates: Annotated[str, typer.Option(help="comma-separated request counts")] = (
+        "50,200,1600"
+    ),
+    repeats: Annotated[int, typer.Option(min=1)] = 20,
+) -> None:
+    """Time one schedule() call against the number of candidate requests."""
+    from quanta.sim.bench import bench_scheduler
+
+    bench_scheduler(
+        [p for p in policies.split(",") if p],
+        [int(n) for n in candidates.split(",") if n],
+        repeats=repeats,
+        echo=typer.echo,
+    )
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    """Add the simulator's commands to the ``quanta`` CLI."""
+    sim_app = typer.Typer(help="Simulate policies on a cost model (see `repro`).")
+    sim_app.callback(invoke_without_command=True)(simulate_cmd)
+    sim_app.command("repro")(repro_cmd)
+    app.add_typer(sim_app, name="simulate")
+    app.command("profile")(profile_cmd)
+    bench_app.command("policies")(bench_policies_cmd)
+    bench_app.command("scheduler")(bench_scheduler_cmd)

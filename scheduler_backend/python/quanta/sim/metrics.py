@@ -1,0 +1,157 @@
+"""Latency and memory metrics of a run, as a flat JSON-able dict, plus optional plots.
+
+Conventions (shared/design/REFERENCE_FACTS.md): normalized latency = E2E / output tokens
+(FastServe's "per-token latency"), TTFT = first token - arrival, TPOT = (E2E - TTFT) /
+(output - 1). Time breakdown per request (FastServe Fig. 15b): executing = steps it took part
+in, less the part of them stalled on its swaps; swapping = that stall; queued = the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from quanta.core.request import Request
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default), NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def request_metrics(
+    requests: Sequence[Request], stall_by_request: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """Latency statistics over the requests that finished without error."""
+    done = [r for r in requests if r.finish_time is not None and r.error is None]
+    stall = stall_by_request or {}
+    e2e = [r.finish_time - r.arrival_time for r in done]  # type: ignore[operator]
+    norm = [e / max(1, r.num_output_tokens) for e, r in zip(e2e, done, strict=True)]
+    ttft = [r.first_token_time - r.arrival_time for r in done]  # type: ignore[operator]
+    tpot = [
+        (e - t) / (r.num_output_tokens - 1)
+        for e, t, r in zip(e2e, ttft, done, strict=True)
+        if r.num_output_tokens > 1
+    ]
+    swapping = [stall.get(r.request_id, 0.0) for r in done]
+    executing = [r.attained_service - s for r, s in zip(done, swapping, strict=True)]
+    queued = [e - r.attained_service for e, r in zip(e2e, done, strict=True)]
+    span = (
+        max(r.finish_time for r in done) - min(r.arrival_time for r in done)  # type: ignore[type-var]
+        if done
+        else math.nan
+    )
+    total = sum(e2e) or math.nan
+    return {
+        "num_requests": len(requests),
+        "num_finished": len(done),
+        "mean_normalized_latency": _mean(norm),
+        "p50_normalized_latency": percentile(norm, 50),
+        "p95_normalized_latency": percentile(norm, 95),
+        "p99_normalized_latency": percentile(norm, 99),
+        "mean_e2e": _mean(e2e),
+        "p95_e2e": percentile(e2e, 95),
+        "mean_ttft": _mean(ttft),
+        "p50_ttft": percentile(ttft, 50),
+        "p95_ttft": percentile(ttft, 95),
+        "mean_tpot": _mean(tpot),
+        "p95_tpot": percentile(tpot, 95),
+        "throughput_rps": len(done) / span if span and span > 0 else math.nan,
+        "throughput_tokens_s": (
+            sum(r.num_output_tokens for r in done) / span if span and span > 0 else math.nan
+        ),
+        "mean_time_queued": _mean(queued),
+        "mean_time_swapping": _mean(swapping),
+        "mean_time_executing": _mean(executing),
+        "frac_queued": sum(queued) / total,
+        "frac_swapping": sum(swapping) / total,
+        "frac_executing": sum(executing) / total,
+        "num_preemptions": sum(r.num_preemptions for r in requests),
+        "num_swap_outs": sum(r.num_swap_outs for r in requests),
+        "num_recomputed_tokens": sum(r.num_recomputed_tokens for r in requests),
+    }
+
+
+def json_safe(obj: Any) -> Any:
+    """NaN/inf become None so the output is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def plot_lines(
+    path: Path,
+    x: Sequence[float],
+    series: Mapping[str, Sequence[float]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+) -> Path | None:
+    """One line per series; returns None (and draws nothing) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for name, ys in series.items():
+        ax.plot(x, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def summarize(result: Any) -> dict[str, Any]:
+    """The JSON of one simulated run (a ``SimResult``): request metrics, memory traffic and
+    the setup, with the keys ``quanta simulate`` promises at the top level."""
+    setup, runner, loop = result.setup, result.runner, result.loop
+    per_block = setup.profile.bytes_per_block(setup.block_size)
+    device, host = setup.pools()
+    out: dict[str, Any] = {
+        "policy": setup.policy,
+        "profile": setup.profile.name,
+        **request_metrics(result.requests, runner.stall_by_request),
+        "num_rejected": len(result.rejected),
+        "num_preemptions_swap": loop.num_preemptions_swap,
+        "num_preemptions_recompute": loop.num_preemptions_recompute,
+        "swap_out_blocks": runner.swap_out_blocks,
+        "swap_in_blocks": runner.swap_in_blocks,
+        "swap_bytes": (runner.swap_out_blocks + runner.swap_in_blocks) * per_block,
+        "num_steps": runner.steps,
+        "compute_s": runner.compute_s,
+        "stall_s": runner.stall_s,
+        "device_blocks": device,
+        "host_blocks": host,
+        "block_size": setup.block_size,
+        "max_num_seqs": setup.scheduler.max_num_seqs,
+        "max_num_batched_tokens": setup.scheduler.max_num_batched_tokens,
+        "policy_options": dict(setup.policy_options),
+    }
+    return json_safe(out)

@@ -1,0 +1,93 @@
+"""The cost model: presets consistent with the published figures, JSON profiles, purity."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from quanta.policies.costmodel import (
+    PRESETS,
+    CostModel,
+    available_profiles,
+    get_profile,
+    load_profile,
+    save_profile,
+)
+
+LAYERS_HIDDEN = {
+    "a100-opt13b": (40, 5120),
+    "a100x4-opt66b": (64, 9216),
+    "a100x16-opt175b": (96, 12288),
+}
+
+
+def test_presets_exist():
+    assert available_profiles() == sorted(LAYERS_HIDDEN)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS_HIDDEN))
+def test_kv_bytes_per_token_follows_fastserve(name):
+    layers, hidden = LAYERS_HIDDEN[name]
+    assert PRESETS[name].kv_bytes_per_token == 4 * layers * hidden
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS_HIDDEN))
+def test_decode_iterations_are_tens_of_ms_and_prefill_grows(name):
+    m = PRESETS[name]
+    assert 0.010 <= m.min_iteration_time <= m.decode_time(16, 16 * 500) <= 0.100
+    times = [m.prefill_time(n) for n in (1, 128, 256, 512, 1024, 2048)]
+    assert times == sorted(times) and times[-1] > 4 * times[2]
+    assert m.prefill_time(1) == pytest.approx(m.min_iteration_time)
+
+
+def test_opt175b_matches_the_papers_swap_example():
+    """FastServe §4.2: a 512-token OPT-175B job holds ~2.3 GB (GiB), swapped in ~36 ms;
+    a decode iteration takes ~60 ms."""
+    m = PRESETS["a100x16-opt175b"]
+    assert m.kv_bytes_per_token * 512 / 2**30 == pytest.approx(2.25, abs=0.05)
+    assert m.swap_time(512 // 16, 16) == pytest.approx(0.036, rel=0.1)
+    assert m.decode_time(16, 16 * 500) == pytest.approx(0.060, rel=0.1)
+
+
+def test_opt13b_fits_its_a100_and_uses_pcie4():
+    m = PRESETS["a100-opt13b"]
+    assert m.swap_bandwidth == pytest.approx(25e9)
+    device, host = m.num_blocks(16)
+    assert 800 <= device <= 1000  # ~12 GB of KV at 0.8 MB per token
+    assert host > device
+
+
+def test_step_time_mixes_prefill_and_decode():
+    m = PRESETS["a100-opt13b"]
+    mixed = m.step_time([(512, 0), (1, 300), (1, 40)])
+    assert mixed > m.prefill_time(512)
+    assert mixed < m.prefill_time(512) + m.decode_time(2, 342)  # one weight read, not two
+    assert m.step_time([]) == 0.0
+
+
+def test_json_round_trip_and_lookup(tmp_path):
+    m = PRESETS["a100x4-opt66b"]
+    path = save_profile(m, tmp_path / "p.json")
+    assert load_profile(path) == m
+    assert load_profile("a100x4-opt66b") is m
+    assert get_profile(m.model_dump()) == m
+    assert get_profile(m) is m
+    with pytest.raises(ValueError, match="a100-opt13b"):
+        get_profile("h100-nope")
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_invalid_profiles_are_rejected():
+    with pytest.raises(ValueError):
+        CostModel.model_validate({**PRESETS["a100-opt13b"].model_dump(), "swap_bandwidth": 0})
+
+
+def test_cost_model_and_policies_stay_torch_free():
+    code = (
+        "import sys, quanta.policies, quanta.policies.costmodel, quanta.sim; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

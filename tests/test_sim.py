@@ -1,0 +1,275 @@
+"""The simulator: workloads, the cost-model runner's timeline, determinism, metrics, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+from quanta.cli import app
+from quanta.core.clock import VirtualClock
+from quanta.core.output import ScheduledSeq, SchedulerOutput
+from quanta.core.request import Request, SamplingParams
+from quanta.policies.costmodel import PRESETS
+from quanta.sim import SimRunner, SimSetup, make_workload, simulate, summarize, with_io_ratio
+from quanta.sim.metrics import percentile, request_metrics
+from quanta.sim.report import write_sections
+from quanta.sim.workloads import TraceRequest, arrival_times, load_trace, save_trace
+from typer.testing import CliRunner
+
+COST = PRESETS["a100-opt13b"]
+
+
+# -- workloads -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "mean_in", "mean_out"), [("sharegpt", 161, 338), ("alpaca", 19, 58)]
+)
+def test_synthetic_lengths_have_the_quoted_means(name, mean_in, mean_out):
+    trace = make_workload(name, 4000, 1.0, seed=1)
+    assert statistics.mean(r.input_len for r in trace) == pytest.approx(mean_in, rel=0.1)
+    assert statistics.mean(r.output_len for r in trace) == pytest.approx(mean_out, rel=0.1)
+    assert all(r.input_len + r.output_len <= 2048 and r.output_len >= 1 for r in trace)
+
+
+def test_workloads_are_seeded():
+    assert make_workload("sharegpt", 50, 2.0, seed=3) == make_workload("sharegpt", 50, 2.0, seed=3)
+    assert make_workload("sharegpt", 50, 2.0, seed=3) != make_workload("sharegpt", 50, 2.0, seed=4)
+
+
+@pytest.mark.parametrize("cv", [1.0, 3.0])
+def test_arrivals_have_the_asked_rate_and_burstiness(cv):
+    times = arrival_times(20000, 4.0, random.Random(0), cv)
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.05)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(cv, rel=0.1)
+
+
+def test_io_ratio_keeps_shapes_and_total():
+    base = make_workload("sharegpt", 3000, 1.0, seed=0)
+    total = statistics.mean(r.input_len + r.output_len for r in base)
+    for ratio in (0.25, 4.0):
+        t = with_io_ratio(base, ratio, 2048)
+        mean_in = statistics.mean(r.input_len for r in t)
+        mean_out = statistics.mean(r.output_len for r in t)
+        assert mean_in / mean_out == pytest.approx(ratio, rel=0.1)
+        assert mean_in + mean_out == pytest.approx(total, rel=0.05)
+
+
+def test_trace_files(tmp_path):
+    trace = make_workload("alpaca", 20, 3.0, seed=2)
+    save_trace(trace, tmp_path / "t.jsonl")
+    t0 = trace[0].arrival_time  # a file's times are taken relative to its first arrival
+    loaded = make_workload(str(tmp_path / "t.jsonl"), 20, 1.0)
+    assert [(r.arrival_time + t0, r.input_len, r.output_len) for r in loaded] == [
+        (pytest.approx(r.arrival_time), r.input_len, r.output_len) for r in trace
+    ]
+    (tmp_path / "nots.jsonl").write_text('{"input_len": 5, "output_len": 7}\n' * 3)
+    untimed = make_workload(str(tmp_path / "nots.jsonl"), 10, 2.0, seed=1)
+    assert [(r.input_len, r.output_len) for r in untimed] == [(5, 7)] * 3
+    assert untimed[0].arrival_time == 0.0 < untimed[1].arrival_time
+    (tmp_path / "b.csv").write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5.0,ChatGPT,100,20,120,Conversation log\n7.5,GPT-4,40,0,40,API log\n"
+        "9.0,GPT-4,30,10,40,API log\n"
+    )
+    assert load_trace(tmp_path / "b.csv") == [(5.0, 100, 20), (9.0, 30, 10)]
+    assert make_workload(str(tmp_path / "b.csv"), 5, 1.0)[1] == TraceRequest(4.0, 30, 10)
+    (tmp_path / "bench.jsonl").write_text(
+        '{"request_id": "r0", "arrival_time": 0.5, "prompt_tokens": 9, "output_tokens": 4}\n'
+    )
+    assert make_workload(str(tmp_path / "bench.jsonl"), 5, 1.0) == [TraceRequest(0.0, 9, 4)]
+    (tmp_path / "bad.jsonl").write_text('{"input_len": 5}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        make_workload(str(tmp_path / "bad.jsonl"), 5, 1.0)
+    with pytest.raises(ValueError, match="neither a dataset"):
+        make_workload("nope", 5, 1.0)
+
+
+# -- the runner's timeline -----------------------------------------------------------------
+def seq(rid: str, new: int, start: int, table: tuple[int, ...]) -> ScheduledSeq:
+    return ScheduledSeq(rid, (1,) * new, start, table, True, 0.0, 1.0, 0, 0, 0)
+
+
+def test_step_time_is_the_cost_models():
+    clock = VirtualClock()
+    runner = SimRunner(COST, clock, 16)
+    so = SchedulerOutput((seq("a", 300, 0, tuple(range(19))), seq("b", 1, 40, (20, 21, 22))))
+    out = runner.execute(so)
+    assert out.sampled_token_ids == (1, 1)
+    assert clock.now() == pytest.approx(COST.step_time([(300, 0), (1, 40)]))
+
+
+def test_reactive_swap_in_stalls_but_prefetch_overlaps():
+    swap = COST.swap_time(8, 16)
+    decode = COST.step_time([(1, 100)])
+    table = tuple(range(8))
+    # Reactive: the blocks come in and are read in the same step.
+    clock = VirtualClock()
+    runner = SimRunner(COST, clock, 16)
+    pairs = tuple(zip(table, table, strict=True))
+    runner.execute(SchedulerOutput((seq("a", 1, 100, table),), swap_in=pairs))
+    assert clock.now() == pytest.approx(swap + decode)
+    assert runner.stats.stall_by_request["a"] == pytest.approx(swap)
+    # Proactive: they come in during another job's step and are ready by the next one.
+    clock = VirtualClock()
+    runner = SimRunner(COST, clock, 16)
+    other = seq("b", 1, 100, tuple(range(100, 108)))
+    runner.execute(SchedulerOutput((other,), swap_in=pairs))
+    runner.execute(SchedulerOutput((seq("a", 1, 100, table),)))
+    assert clock.now() == pytest.approx(2 * decode) and runner.stats.stall_s == 0
+
+
+def test_swapped_out_block_is_reused_only_after_its_copy():
+    clock = VirtualClock()
+    runner = SimRunner(COST, clock, 16)
+    runner.execute(SchedulerOutput((seq("n", 16, 0, (5,)),), swap_out=((5, 0),)))
+    assert clock.now() == pytest.approx(COST.swap_time(1, 16) + COST.step_time([(16, 0)]))
+    assert runner.stats.swap_out_blocks == 1
+
+
+# -- whole runs ----------------------------------------------------------------------------
+def test_same_seed_same_json():
+    runs = []
+    for _ in range(2):
+        trace = make_workload("sharegpt", 120, 2.0, seed=5)
+        runs.append(
+            json.dumps(summarize(simulate(trace, SimSetup("sj-mlfq", COST))), sort_keys=True)
+        )
+    assert runs[0] == runs[1]
+    other = make_workload("sharegpt", 120, 2.0, seed=6)
+    assert (
+        json.dumps(summarize(simulate(other, SimSetup("sj-mlfq", COST))), sort_keys=True) != runs[0]
+    )
+
+
+def test_every_request_stops_at_its_trace_length_under_memory_pressure():
+    trace = make_workload("sharegpt", 60, 4.0, seed=2)
+    for policy in ("fcfs", "sj-mlfq", "sj-mlfq-reactive", "sj-mlfq-recompute"):
+        res = simulate(trace, SimSetup(policy, COST, num_device_blocks=120, num_host_blocks=60))
+        assert [r.num_output_tokens for r in res.requests] == [t.output_len for t in trace]
+        assert not res.rejected
+    assert res.loop.num_preemptions_recompute > 0
+
+
+def test_requests_that_cannot_fit_are_rejected_not_dropped():
+    trace = [TraceRequest(0.0, 1000, 100), TraceRequest(0.1, 10, 10)]
+    res = simulate(trace, SimSetup("sj-mlfq", COST, num_device_blocks=20))
+    assert [r.request_id for r, _ in res.rejected] == ["r0"]
+    assert "could never complete" in res.rejected[0][1]
+    assert res.requests[1].num_output_tokens == 10
+
+
+def test_skip_join_beats_fcfs_and_srpt_bounds_both():
+    trace = make_workload("sharegpt", 200, 1.75, seed=0)
+    lat = {
+        p: summarize(simulate(trace, SimSetup(p, COST)))["mean_normalized_latency"]
+        for p in ("fcfs", "sj-mlfq", "srpt")
+    }
+    assert lat["srpt"] < lat["sj-mlfq"] < lat["fcfs"]
+
+
+# -- metrics -------------------------------------------------------------------------------
+def test_metrics_conventions():
+    r = Request("a", [1, 2], SamplingParams(max_tokens=3), arrival_time=1.0, seed=0)
+    for t in (2.0, 2.5, 3.0):
+        r.append_token(7, t)
+    r.finish_time, r.attained_service = 3.0, 1.5
+    m = request_metrics([r], {"a": 0.25})
+    assert m["mean_ttft"] == 1.0 and m["mean_e2e"] == 2.0
+    assert m["mean_tpot"] == 0.5 and m["mean_normalized_latency"] == pytest.approx(2 / 3)
+    assert m["mean_time_queued"] == 0.5 and m["mean_time_swapping"] == 0.25
+    assert m["mean_time_executing"] == 1.25
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 95) == 5
+
+
+def test_write_sections_keeps_the_prose(tmp_path):
+    doc = tmp_path / "d.md"
+    write_sections(doc, {"a": "one"}, "T")
+    doc.write_text(doc.read_text() + "\nprose after\n")
+    write_sections(doc, {"a": "two", "b": "three"}, "T")
+    text = doc.read_text()
+    assert "one" not in text and "two" in text and "three" in text and "prose after" in text
+
+
+# -- the CLI -------------------------------------------------------------------------------
+def test_cli_simulate_writes_the_promised_keys(tmp_path: Path):
+    out = tmp_path / "r.json"
+    args = [
+        "simulate",
+        "--policy",
+        "sj-mlfq",
+        "--workload",
+        "sharegpt",
+        "--rate",
+        "1.5",
+        "--num-requests",
+        "40",
+        "--profile",
+        "a100-opt13b",
+        "--seed",
+        "1",
+        "--output",
+        str(out),
+        "--policy-option",
+        "memory=reactive",
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    for key in (
+        "mean_normalized_latency",
+        "p95_normalized_latency",
+        "mean_ttft",
+        "p95_ttft",
+        "mean_tpot",
+        "throughput_rps",
+        "num_preemptions",
+        "swap_out_blocks",
+    ):
+        assert key in data
+    assert data["num_finished"] == 40 and data["policy_options"] == {"memory": "reactive"}
+    again = tmp_path / "again.json"
+    assert (
+        CliRunner()
+        .invoke(app, [*args[:-4], "--output", str(again), "--policy-option", "memory=reactive"])
+        .exit_code
+        == 0
+    )
+    assert again.read_text() == out.read_text()
+    for policy in ("fcfs", "mlfq", "fixed-priority", "srpt"):
+        res = CliRunner().invoke(app, ["simulate", "--policy", policy, "--num-requests", "10"])
+        assert res.exit_code == 0, res.output
+    bad = CliRunner().invoke(app, ["simulate", "--policy", "nope", "--num-requests", "5"])
+    assert bad.exit_code != 0 and "unknown policy" in str(bad.exception)
+
+
+def test_cli_repro_updates_the_doc(tmp_path: Path):
+    doc = tmp_path / "fastserve.md"
+    res = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "repro",
+            "--figure",
+            "15a",
+            "--num-requests",
+            "20",
+            "--jobs",
+            "1",
+            "--output",
+            str(doc),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    text = doc.read_text()
+    assert "<!-- BEGIN repro:fig15 -->" in text and "sj-mlfq-reactive" in text
+
+
+def test_cli_bench_scheduler():
+    res = CliRunner().invoke(
+        app, ["bench", "scheduler", "--candidates", "50,200", "--repeats", "2"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "Apt-Serve Table 6: 1.0 ms" in res.output
