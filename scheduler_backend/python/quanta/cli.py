@@ -95,13 +95,21 @@ def bench_engine(
     compare_hf: Annotated[bool, typer.Option(help="also time HF transformers generate")] = True,
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
     output: Annotated[Path | None, typer.Option(help="also write the rows as JSON")] = None,
+    repeat: Annotated[int, typer.Option(min=1, help="runs per measurement; the best counts")] = 3,
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer."""
     from quanta.bench.engine import run_engine_bench
 
     sizes = [int(b) for b in batch.split(",") if b.strip()]
     run_engine_bench(
-        model, sizes, prompt_len, gen_len, compare_hf=compare_hf, threads=threads, output=output
+        model,
+        sizes,
+        prompt_len,
+        gen_len,
+        compare_hf=compare_hf,
+        threads=threads,
+        output=output,
+        repeat=repeat,
     )
 
 
