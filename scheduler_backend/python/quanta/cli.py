@@ -119,6 +119,7 @@ def _register_optional() -> None:
         "quanta.frontends.triton.cli",
         "quanta.frontends.openai.cli",
         "quanta.bench.serve_cli",
+        "quanta.bench.peer_cli",
         "quanta.sim.cli",
     ):
         try:

