@@ -13,21 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from quanta.bench.metrics import mean as _mean
+from quanta.bench.metrics import percentile
 from quanta.core.request import Request
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default), NaN for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
 
 
 def request_metrics(

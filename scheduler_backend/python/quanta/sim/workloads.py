@@ -14,76 +14,29 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import random
-from dataclasses import dataclass, replace
 from pathlib import Path
 
+# NOTE: the generators live in ``quanta.bench.workloads`` (one workload format for bench,
+# simulator and load tests); this module keeps the simulator's names and its trace helpers.
+from quanta.bench.workloads import (
+    DATASETS,
+    LengthDist,
+    TraceRequest,
+    arrival_times,
+    with_io_ratio,
+)
 
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    arrival_time: float
-    input_len: int
-    output_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class LengthDist:
-    """Independent log-normal input and output lengths with the given means."""
-
-    mean_input: float
-    mean_output: float
-    sigma_input: float
-    sigma_output: float
-
-    def sample(self, rng: random.Random, max_len: int) -> tuple[int, int]:
-        mu_in = math.log(self.mean_input) - self.sigma_input**2 / 2
-        mu_out = math.log(self.mean_output) - self.sigma_output**2 / 2
-        while True:
-            n_in = max(1, round(rng.lognormvariate(mu_in, self.sigma_input)))
-            n_out = max(1, round(rng.lognormvariate(mu_out, self.sigma_output)))
-            if n_in + n_out <= max_len:
-                return n_in, n_out
-
-
-DATASETS: dict[str, LengthDist] = {
-    "sharegpt": LengthDist(161, 338, sigma_input=1.0, sigma_output=0.9),
-    "alpaca": LengthDist(19, 58, sigma_input=0.6, sigma_output=0.8),
-}
-
-
-def arrival_times(n: int, rate: float, rng: random.Random, cv: float = 1.0) -> list[float]:
-    """Arrivals of a renewal process with mean rate ``rate``: Poisson for ``cv == 1``, else
-    Gamma inter-arrivals with shape 1/CV^2 (smaller shape is burstier)."""
-    if rate <= 0 or cv <= 0:
-        raise ValueError(f"need rate > 0 and cv > 0, got rate={rate}, cv={cv}")
-    shape = 1.0 / cv**2
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.gammavariate(shape, 1.0 / (rate * shape))
-        out.append(t)
-    return out
-
-
-def with_io_ratio(trace: list[TraceRequest], ratio: float, max_len: int) -> list[TraceRequest]:
-    """FastServe Fig. 14: the same jobs with mean input / mean output = ``ratio``.
-
-    Every input length is scaled by one factor and every output length by another, so each
-    distribution keeps its shape (and inputs stay independent of outputs) while the mean
-    total length is preserved; lengths are then clipped to [1, max_len - 1] and to the model.
-    """
-    if ratio <= 0 or not trace:
-        raise ValueError("need ratio > 0 and a non-empty trace")
-    mean_in = sum(r.input_len for r in trace) / len(trace)
-    mean_out = sum(r.output_len for r in trace) / len(trace)
-    total = mean_in + mean_out
-    a, b = total * ratio / (1 + ratio) / mean_in, total / (1 + ratio) / mean_out
-    out = []
-    for r in trace:
-        n_in = min(max_len - 1, max(1, round(r.input_len * a)))
-        n_out = min(max_len - n_in, max(1, round(r.output_len * b)))
-        out.append(replace(r, input_len=n_in, output_len=n_out))
-    return out
+__all__ = [
+    "DATASETS",
+    "LengthDist",
+    "TraceRequest",
+    "arrival_times",
+    "load_trace",
+    "make_workload",
+    "save_trace",
+    "with_io_ratio",
+]
 
 
 def make_workload(
@@ -95,7 +48,7 @@ def make_workload(
     cv: float = 1.0,
     max_len: int = 2048,
 ) -> list[TraceRequest]:
-    """A dataset name (``sharegpt``, ``alpaca``) or a trace file. A file's first
+    """A dataset name (``sharegpt``, ``alpaca``, ...) or a trace file. A file's first
     ``num_requests`` rows are used, its times shifted so the first arrival is at 0; a file
     without timestamps gets arrivals from ``rate``/``cv``. Rows too long for ``max_len`` are
     dropped from files and redrawn for datasets."""
