@@ -242,6 +242,11 @@ BAD = {
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
     "n=2": ({"n": 2}, "n", "n=2 is not supported"),
     "logprobs": ({"logprobs": 1}, "logprobs", "logprobs is not supported"),
+    "repetition penalty": (
+        {"extra_body": {"repetition_penalty": 1.2}},
+        "repetition_penalty",
+        "repetition_penalty is not supported",
+    ),
     "unknown field": ({"extra_body": {"tenantt": "x"}}, "tenantt", "Extra inputs"),
     "bad priority class": ({"extra_body": {"priority_class": "vip"}}, "priority_class", "online"),
     "too long for the model": ({"max_tokens": 600}, None, "exceeds the model's maximum length"),
@@ -261,6 +266,17 @@ def test_invalid_request_is_400_in_openai_format(client, case):
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert message in error["message"]
+
+
+def test_neutral_penalties_are_accepted(client, llm):
+    """vLLM's benchmark client sends ``repetition_penalty: 1.0`` and ``logprobs: null``."""
+    expected = llm.generate(["hi"], SamplingParams(max_tokens=4, temperature=0.0))[0].text
+    extra = {"repetition_penalty": 1.0, "logprobs": None, "ignore_eos": True}
+    out = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=4, temperature=0, frequency_penalty=0,
+        extra_body=extra,
+    )  # fmt: skip
+    assert out.choices[0].text == expected
 
 
 def test_invalid_chat_request_is_400(client):
@@ -366,10 +382,14 @@ def test_triton_error_messages_map_to_http_codes():
     from quanta.frontends.openai.errors import classify
 
     assert classify("Request for unknown model: 'x' is not found").status == 404
-    assert classify("prompt is empty: it must contain at least one token").status == 400
+    assert classify("[invalid_argument] prompt is empty").status == 400
     assert classify("[unavailable] tenant t is over its share").status == 429
+    assert classify("[cancelled] the model is being unloaded").status == 503
+    assert classify("[internal] engine step failed").status == 500
     assert classify("[invalid_argument] bad").message == "bad"
-    assert classify("request throttled: tenant over its share").status == 429
+    assert classify("unexpected shape for input 'max_tokens'").status == 400
+    # Untagged messages come from Triton itself; only its known phrases are classified.
+    assert classify("request throttled: tenant over its share").status == 500
     assert classify("something broke").status == 500
 
 

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from quanta.core.errors import InvalidRequestError, RequestAbortedError
+from quanta.core.errors import (
+    EngineStepError,
+    InvalidRequestError,
+    RequestAbortedError,
+    ThrottledError,
+)
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
 from quanta.frontends.triton.responder import InflightRequest, Responder
@@ -237,6 +242,43 @@ def test_responder_rejects_with_typed_error():
     _wait(lambda: len(sender.sent) == 1)
     responder.stop()
     assert sender.sent == [(("error", "invalid_argument", "bad"), 1)]
+
+
+class _FakePbUtils:
+    """The two ``triton_python_backend_utils`` names ``TritonResponses.error`` uses."""
+
+    class TritonError:
+        INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = range(4)
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    class InferenceResponse:
+        def __init__(self, error):
+            self.error = error
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+
+@pytest.mark.parametrize(
+    ("error", "triton_code", "http"),
+    [
+        (InvalidRequestError("prompt is empty"), "INVALID_ARG", 400),
+        (ThrottledError("tenant t is over its share"), "UNAVAILABLE", 429),
+        (RequestAbortedError("request cancelled"), "CANCELLED", 503),
+        (EngineStepError("internal error: boom"), "INTERNAL", 500),
+    ],
+)
+def test_error_code_survives_a_grpc_stream_as_a_message_tag(error, triton_code, http):
+    """gRPC stream errors carry text only: the ``[code]`` tag is what the gateway reads."""
+    from quanta.frontends.openai.errors import classify
+    from quanta.frontends.triton.backend import TritonResponses
+
+    response = TritonResponses(_FakePbUtils).error(error.code, str(error))
+    assert response.error.code == getattr(_FakePbUtils.TritonError, triton_code)
+    assert response.error.message == f"[{error.code}] {error}"
+    mapped = classify(response.error.message)
+    assert (mapped.status, mapped.message) == (http, str(error))
 
 
 def test_failed_engine_step_reaches_its_client_as_internal_and_the_loop_goes_on(make_loop):

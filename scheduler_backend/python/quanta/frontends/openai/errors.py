@@ -2,11 +2,10 @@
 
 Why the message has to be classified: a gRPC *stream* response carries only an error message
 (``ModelStreamInferResponse`` has no status field), so the INVALID_ARG / UNAVAILABLE code the
-backend set is lost on the way. The gateway validates what it can itself (sampling values,
-metadata, model name, empty prompt), so what reaches ``classify`` is mostly what only the engine
-knows (prompt too long, more KV blocks than the pool has, throttling). A message that starts with
-a ``[code]`` tag (``[invalid_argument] ...``) is classified by the tag; otherwise known phrases
-of the backend's messages decide, and anything unknown is a 500.
+backend set is lost on the way. The backend therefore starts every message with its code
+(``[unavailable] ...``, see ``quanta.frontends.triton.backend.TritonResponses.error``), and the
+tag decides. Messages of Triton itself carry no tag (unknown model, malformed tensors): known
+phrases of those decide, and anything else is a 500.
 """
 
 from __future__ import annotations
@@ -30,22 +29,13 @@ _TAGS = {
     "internal": 500,
 }
 _TAG = re.compile(r"^\[(?P<tag>[a-z_]+)\]\s*")
-# Phrases of the backend's own messages (quanta.core.errors and Triton), lower case.
+# Phrases of Triton's own (untagged) messages, lower case.
 _PHRASES: tuple[tuple[str, int], ...] = (
     ("unknown model", 404),
     ("is not found", 404),
-    ("throttl", 429),
-    ("rate limit", 429),
-    ("prompt is empty", 400),
-    ("exceeds the model's maximum length", 400),
-    ("kv blocks", 400),
-    ("input_ids must lie", 400),
-    ("input should be", 400),
     ("unable to parse", 400),
     ("unexpected shape", 400),
     ("unexpected datatype", 400),
-    ("being unloaded", 503),
-    ("request cancelled", 503),
 )
 
 

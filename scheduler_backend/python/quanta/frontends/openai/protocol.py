@@ -47,6 +47,7 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension; its bench client sends 1.0
     logit_bias: dict[str, float] | None = None
     # Quanta extensions
     top_k: int | None = None
@@ -73,6 +74,8 @@ class _GenerationRequest(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 return invalid(f"{name} is not supported (only 0)", name)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            return invalid("repetition_penalty is not supported (only 1.0)", "repetition_penalty")
         if self.logit_bias:
             return invalid("logit_bias is not supported", "logit_bias")
         return None

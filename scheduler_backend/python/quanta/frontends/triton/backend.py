@@ -53,9 +53,12 @@ class TritonResponses:
         return self._pb.InferenceResponse(output_tensors=tensors)
 
     def error(self, code: str, message: str) -> Any:
+        """The message starts with ``[code]``: a gRPC stream error carries no status, so this
+        tag is how a client (the OpenAI gateway's ``classify``) tells throttling (429) from a
+        bad request (400) or an engine failure (500)."""
         err = self._pb.TritonError
         status = getattr(err, _ERROR_CODES.get(code, "INTERNAL"), err.INTERNAL)
-        return self._pb.InferenceResponse(error=err(message, status))
+        return self._pb.InferenceResponse(error=err(f"[{code}] {message}", status))
 
 
 class TritonPythonModel:
