@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import typer
-from quanta.bench.client import ClientRequest, Target, poisson_requests, replay, summarize
-from quanta.bench.serve_cli import register
+from quanta.bench.client import ClientRequest, Target, replay
+from quanta.bench.metrics import from_client_results, summarize
+from quanta.bench.serve_cli import WorkloadSpec, register
+from quanta.bench.workloads import WorkloadRequest, load_workload, save_workload
 from test_openai_gateway import start_serve, stop_serve
 from typer.testing import CliRunner
 
@@ -56,9 +59,8 @@ def test_bench_serve_over_each_transport(live, cli, tmp_path, transport):
     assert report["config"]["transport"] == transport
     assert [run["rate"] for run in report["runs"]] == [20.0, "inf"]
     for run, rate in zip(report["runs"], (20.0, float("inf")), strict=True):
-        expected = poisson_requests(
-            4, rate, seed=3, prompt_tokens=(4, 12), output_tokens=(3, 8), tenants=("a", "b")
-        )
+        spec = WorkloadSpec(None, 4, seed=3, prompt_tokens=(4, 12), output_tokens=(3, 8))
+        expected = replace(spec, tenants="a,b").build(rate)
         summary = run["summary"]
         assert summary["num_requests"] == 4 and summary["num_errors"] == 0
         for key in ("ttft_s", "tpot_s", "e2e_s", "normalized_latency_s", "itl_s"):
@@ -68,8 +70,8 @@ def test_bench_serve_over_each_transport(live, cli, tmp_path, transport):
         for res, req in zip(run["results"], expected, strict=True):
             assert res["error"] is None
             assert res["request_id"] == req.request_id and res["tenant"] == req.tenant
-            assert res["num_output_tokens"] == req.max_tokens  # ignore_eos
-            assert res["num_prompt_tokens"] == req.prompt
+            assert res["num_output_tokens"] == req.output_tokens  # ignore_eos
+            assert res["num_prompt_tokens"] == req.prompt_tokens
             assert res["finish_reason"] == "length"
             assert res["send_s"] >= res["scheduled_s"]
             chunks = res["chunk_s"]
@@ -93,7 +95,7 @@ def test_concurrency_limit_serializes_requests(live):
     assert all(r.ok and r.num_output_tokens == 4 for r in results)
     spans = sorted((r.send_s, r.end_s) for r in results)
     assert all(prev_end <= start for (_, prev_end), (start, _) in itertools.pairwise(spans))
-    assert summarize(results)["num_errors"] == 0
+    assert summarize(from_client_results(results))["num_errors"] == 0
 
 
 def test_errors_are_recorded_not_raised(live):
@@ -103,5 +105,81 @@ def test_errors_are_recorded_not_raised(live):
         bad, good = asyncio.run(replay(requests, target))
         assert bad.error is not None and "maximum length" in bad.error, (transport, bad.error)
         assert good.ok and good.num_output_tokens == 2, (transport, good.error)
-    summary = summarize([bad, good])
+    summary = summarize(from_client_results([bad, good]))
     assert summary["num_errors"] == 1 and summary["num_requests"] == 2
+
+
+def test_bench_serve_replays_a_workload_file_with_its_metadata(live, cli, tmp_path):
+    rows = [
+        WorkloadRequest(0.0, 6, 3, "a0", tenant="gold", app="chat", interaction_id="g-i0"),
+        WorkloadRequest(0.05, 5, 4, "a1", tenant="gold", app="chat", interaction_id="g-i0"),
+        WorkloadRequest(0.1, 8, 2, "b0", tenant="batch", priority_class="offline"),
+        WorkloadRequest(0.1, 4, 5, "c0", tenant="free", ttft_slo_ms=60_000, tpot_slo_ms=60_000),
+    ]
+    path = save_workload(tmp_path / "w.jsonl", rows)
+    out = tmp_path / "bench.json"
+    for transport in ("grpc", "openai"):
+        args = ["bench", "serve", "--url", targets(live)[transport], "--transport", transport]
+        result = CliRunner().invoke(cli, [*args, "--workload", str(path), "--output", str(out)])
+        assert result.exit_code == 0, result.output
+        (run,) = json.loads(out.read_text())["runs"]
+        assert run["rate"] is None  # the file's own times
+        got = {r["request_id"]: r for r in run["results"]}
+        for row in rows:
+            res = got[row.request_id]
+            assert res["error"] is None and res["num_output_tokens"] == row.output_tokens
+            assert (res["tenant"], res["priority_class"]) == (row.tenant, row.priority_class)
+        by_tenant = run["summary"]["by_tenant"]["tenants"]
+        assert set(by_tenant) == {"gold", "batch", "free"}
+        assert set(run["summary"]["by_class"]) == {"online", "offline"}
+
+
+def test_bench_serve_rejects_an_unknown_workload(cli):
+    args = ["bench", "serve", "--url", "127.0.0.1:1", "--workload", "no-such-thing"]
+    result = CliRunner().invoke(cli, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert "neither a file nor a dataset" in result.output
+
+
+def test_workload_spec_scales_a_file_to_each_rate(tmp_path):
+    rows = [WorkloadRequest(10.0 + 2 * i, 5, 3, f"r{i}") for i in range(5)]
+    path = save_workload(tmp_path / "w.jsonl", rows)
+    spec = WorkloadSpec(str(path), num_requests=4)
+    assert [r.arrival_time for r in spec.build(None)] == [0.0, 2.0, 4.0, 6.0]
+    assert [r.arrival_time for r in spec.build(1.0)] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    assert {r.arrival_time for r in spec.build(float("inf"))} == {0.0}
+
+
+def test_bench_workload_writes_the_shared_format(cli, tmp_path):
+    out = tmp_path / "w.jsonl"
+    args = ["bench", "workload", str(out), "--dataset", "alpaca", "--num-requests", "30"]
+    args += ["--rate", "5", "--tenants", "gold:1,abuser:9", "--seed", "4"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    rows = load_workload(out)
+    assert len(rows) == 30 and rows == WorkloadSpec(
+        "alpaca", 30, seed=4, tenants="gold:1,abuser:9"
+    ).build(5.0)
+    assert sum(r.tenant == "abuser" for r in rows) > 15
+
+
+def test_payloads_carry_metadata_and_vllm_priority():
+    from quanta.bench.client import _OpenAISender, triton_inputs
+
+    request = ClientRequest(
+        "r1", 0.0, 5, 3, tenant="t", priority_class="offline", app="chat",
+        interaction_id="i7", ttft_slo_ms=500.0, tpot_slo_ms=50.0, priority=12,
+    )  # fmt: skip
+    triton = triton_inputs(request, Target(url="x:1", transport="grpc"))
+    assert len(triton["input_ids"]) == 5
+    for key, value in request.metadata().items():
+        assert triton[key] == value
+    assert "priority" not in triton  # vLLM's field; Quanta's scheduling reads the metadata
+    body = json.loads(
+        _OpenAISender(Target(url="http://x", transport="openai"), None).prepare(request)
+    )
+    assert body["user"] == "t" and body["app"] == "chat" and body["interaction_id"] == "i7"
+    assert body["ttft_slo_ms"] == 500.0 and body["priority"] == 12
+    bare = Target(url="http://x", transport="openai", send_metadata=False)
+    body = json.loads(_OpenAISender(bare, None).prepare(request))
+    assert "user" not in body and "app" not in body and body["priority"] == 12

@@ -113,25 +113,18 @@ def bench_engine(
     )
 
 
-def _register_optional() -> None:
-    """Sub-systems add their commands here; a missing one only hides its commands."""
-    for module in (
-        "quanta.frontends.triton.cli",
-        "quanta.frontends.openai.cli",
-        "quanta.bench.serve_cli",
-        "quanta.bench.peer_cli",
-        "quanta.sim.cli",
-    ):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module.startswith(exc.name):
-                raise
-            continue
-        mod.register(app, bench_app)
+def _register_subcommands() -> None:
+    """Each sub-system adds its own commands; their heavy imports happen inside them."""
+    from quanta.bench import peer_cli, serve_cli
+    from quanta.frontends.openai import cli as openai_cli
+    from quanta.frontends.triton import cli as triton_cli
+    from quanta.sim import cli as sim_cli
+
+    for module in (triton_cli, openai_cli, serve_cli, peer_cli, sim_cli):
+        module.register(app, bench_app)
 
 
-_register_optional()
+_register_subcommands()
 
 if __name__ == "__main__":
     app()

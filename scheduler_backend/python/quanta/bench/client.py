@@ -9,8 +9,11 @@ user sees, network and queueing included.
 
 A prompt is text, or a length in tokens, sent as token ids (``input_ids`` to Triton, a token
 array to ``/v1/completions``) so lengths are exact on any tokenizer; the ids are a function of
-the request id. ``poisson_requests`` and ``summarize`` are small local helpers until
-``quanta.bench.workloads`` / ``quanta.bench.metrics`` take over.
+the request id. Scheduling metadata (tenant, app, interaction, class, SLOs) travel as the
+Triton metadata tensors or the gateway's extra fields; ``priority`` is vLLM's per-request
+integer (lower runs first under ``--scheduling-policy priority``), sent only when set because
+vLLM refuses it under FCFS and Quanta's gateway has no such field. Workloads come from
+``quanta.bench.workloads`` and summaries from ``quanta.bench.metrics``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ class ClientRequest:
     tenant: str = "default"
     priority_class: str | None = None  # None: the server's default ("online")
     ignore_eos: bool = True  # so the output length is the workload's, not the model's whim
+    app: str = "default"
+    interaction_id: str | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    priority: int | None = None  # vLLM's request priority (lower first); None: not sent
+
+    def metadata(self) -> dict[str, Any]:
+        """The scheduling metadata to send: everything that is not the server's default."""
+        fields: dict[str, Any] = {"tenant": self.tenant}
+        if self.app != "default":
+            fields["app"] = self.app
+        for name in ("priority_class", "interaction_id", "ttft_slo_ms", "tpot_slo_ms"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +72,7 @@ class Target:
     temperature: float = 0.0
     timeout_s: float = 600.0
     token_id_range: tuple[int, int] = (10, 250)  # ids of length-only prompts, [lo, hi)
-    send_metadata: bool = True  # tenant and priority class (off for peers that reject them)
+    send_metadata: bool = True  # tenant, app, class, SLOs (off for peers that reject them)
 
 
 @dataclass(slots=True)
@@ -194,7 +212,9 @@ def prompt_value(request: ClientRequest, target: Target) -> str | list[int]:
     return [rng.randrange(lo, hi) for _ in range(request.prompt)]
 
 
-def _triton_inputs(request: ClientRequest, target: Target) -> dict[str, Any]:
+def triton_inputs(request: ClientRequest, target: Target) -> dict[str, Any]:
+    """The Triton model inputs of ``request`` (streaming), metadata included unless the target
+    says not to; JSON-able, so also the body of an HTTP ``generate_stream`` call."""
     from quanta.core.request import RequestMetadata, SamplingParams
     from quanta.frontends.triton.client import request_inputs
 
@@ -203,12 +223,7 @@ def _triton_inputs(request: ClientRequest, target: Target) -> dict[str, Any]:
         temperature=target.temperature,
         ignore_eos=request.ignore_eos,
     )
-    metadata = None
-    if target.send_metadata:
-        fields: dict[str, Any] = {"tenant": request.tenant}
-        if request.priority_class is not None:
-            fields["priority_class"] = request.priority_class
-        metadata = RequestMetadata(**fields)
+    metadata = RequestMetadata(**request.metadata()) if target.send_metadata else None
     return request_inputs(prompt_value(request, target), params, stream=True, metadata=metadata)
 
 
@@ -229,7 +244,7 @@ class _GrpcSender:
         self._target, self._upstream = target, upstream
 
     def prepare(self, request: ClientRequest) -> Any:
-        return _triton_inputs(request, self._target)
+        return triton_inputs(request, self._target)
 
     async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
         stream = self._upstream.stream(self._target.model, payload)
@@ -247,7 +262,7 @@ class _TritonHttpSender:
         self._target, self._session = target, session
 
     def prepare(self, request: ClientRequest) -> Any:
-        return json.dumps(_triton_inputs(request, self._target))
+        return json.dumps(triton_inputs(request, self._target))
 
     async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
         async with self._session.post(self._url, data=payload, headers=_JSON) as resp:
@@ -281,9 +296,11 @@ class _OpenAISender:
         if request.ignore_eos:
             body["ignore_eos"] = True  # a Quanta and vLLM extension
         if self._target.send_metadata:
-            body["user"] = request.tenant
-            if request.priority_class is not None:
-                body["priority_class"] = request.priority_class
+            meta = request.metadata()
+            body["user"] = meta.pop("tenant")  # OpenAI's user is the gateway's tenant
+            body |= meta
+        if request.priority is not None:
+            body["priority"] = request.priority
         return json.dumps(body)
 
     async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
@@ -320,64 +337,3 @@ async def _sse_data(resp: Any) -> AsyncIterator[str]:
         line = raw.decode("utf-8").strip()
         if line.startswith("data:"):
             yield line[len("data:") :].strip()
-
-
-# -- local helpers until quanta.bench.workloads / metrics are wired in ------------------------
-def poisson_requests(
-    num_requests: int,
-    rate: float,
-    *,
-    seed: int = 0,
-    prompt_tokens: tuple[int, int] = (16, 64),
-    output_tokens: tuple[int, int] = (8, 32),
-    tenants: Sequence[str] = ("default",),
-    priority_class: str | None = None,
-) -> list[ClientRequest]:
-    """Poisson arrivals at ``rate`` req/s (inf: all at once), uniform lengths in [lo, hi]."""
-    rng = random.Random(seed)
-    arrival, requests = 0.0, []
-    for i in range(num_requests):
-        if i and math.isfinite(rate):
-            arrival += rng.expovariate(rate)
-        requests.append(
-            ClientRequest(
-                request_id=f"s{seed}-r{i}",
-                arrival_s=arrival,
-                prompt=rng.randint(*prompt_tokens),
-                max_tokens=rng.randint(*output_tokens),
-                tenant=tenants[rng.randrange(len(tenants))],
-                priority_class=priority_class,
-            )
-        )
-    return requests
-
-
-def summarize(results: Sequence[ClientResult]) -> dict[str, Any]:
-    """Counts, throughput, and mean/p50/p95/p99 of TTFT, TPOT, ITL, E2E, normalized latency."""
-    ok = [r for r in results if r.ok]
-    summary: dict[str, Any] = {"num_requests": len(results), "num_errors": len(results) - len(ok)}
-    if not ok:
-        return summary
-    duration = max(r.end_s for r in ok) - min(r.send_s for r in ok)
-    tokens = sum(r.num_output_tokens for r in ok)
-    summary.update(
-        duration_s=duration,
-        request_throughput=len(ok) / duration if duration > 0 else math.nan,
-        output_token_throughput=tokens / duration if duration > 0 else math.nan,
-        ttft_s=_stats([r.ttft for r in ok]),
-        tpot_s=_stats([r.tpot for r in ok]),
-        itl_s=_stats([gap for r in ok for gap in r.itl]),
-        e2e_s=_stats([r.e2e for r in ok]),
-        normalized_latency_s=_stats([r.normalized_latency for r in ok]),
-    )
-    return summary
-
-
-def _stats(values: Sequence[float | None]) -> dict[str, float]:
-    import numpy as np
-
-    data = np.array([v for v in values if v is not None], dtype=float)
-    if data.size == 0:
-        return {"mean": math.nan, "p50": math.nan, "p95": math.nan, "p99": math.nan}
-    p50, p95, p99 = np.percentile(data, [50, 95, 99])
-    return {"mean": float(data.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99)}

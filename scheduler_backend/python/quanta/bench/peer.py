@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import platform
@@ -46,6 +45,14 @@ _VLLM_BENCH = (
     "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
 )
 SYSTEMS = ("vllm-fcfs", "vllm-priority", "quanta-fcfs", "quanta-sj-mlfq")
+# What vLLM's priority policy is told per request (lower runs first). "prompt-length" is the
+# nearest a client can get to skip-join MLFQ's placement by input length: shortest prompt
+# first; "class" is online 0 / offline 1; "none" sends nothing (so it runs as FCFS).
+VLLM_PRIORITIES: dict[str, Callable[[WorkloadRequest], int] | None] = {
+    "prompt-length": lambda r: r.prompt_tokens,
+    "class": lambda r: 0 if r.priority_class == "online" else 1,
+    "none": None,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,7 @@ class PeerSetup:
     vllm_bench_rate: float = 0.5
     vllm_bench_prompts: int = 20
     sj_profile: Path | None = None  # cost profile for sj-mlfq (default: measured here)
+    vllm_priority: str = "prompt-length"  # a key of VLLM_PRIORITIES
     ready_timeout_s: float = 600.0
 
 
@@ -272,11 +280,20 @@ def _target(server: Server, *, timeout_s: float = 900.0) -> Any:
     )
 
 
+def request_priority(server: Server) -> Callable[[WorkloadRequest], int] | None:
+    """vLLM's per-request priority for ``server``'s requests: only its priority policy takes
+    one (vLLM refuses a non-zero priority under FCFS; Quanta's gateway has no such field)."""
+    if isinstance(server, VllmServer) and server.policy == "priority":
+        return VLLM_PRIORITIES[server.setup.vllm_priority]
+    return None
+
+
 def replay_workload(server: Server, workload: Sequence[WorkloadRequest]) -> list[Any]:
     from quanta.bench.client import replay
     from quanta.bench.workloads import to_client_requests
 
-    return asyncio.run(replay(to_client_requests(workload), _target(server)))
+    requests = to_client_requests(workload, priority=request_priority(server))
+    return asyncio.run(replay(requests, _target(server)))
 
 
 def _warm_up(server: Server) -> None:
@@ -440,12 +457,9 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
     # NOTE: vLLM logs to stdout too (also after our line, at shutdown): find the result.
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith('{"rows"'))
     vllm_rows = json.loads(line)
-    extra = {"repeat": setup.engine_repeat}
-    if "repeat" not in inspect.signature(run_engine_bench).parameters:
-        extra = {}  # NOTE: an engine bench without best-of-N timing; vLLM's side still has it
     quanta_rows = run_engine_bench(
         setup.model_dir, list(setup.engine_batches), setup.engine_prompt_len,
-        setup.engine_gen_len, compare_hf=False, threads=setup.threads, **extra,
+        setup.engine_gen_len, compare_hf=False, threads=setup.threads, repeat=setup.engine_repeat,
     )  # fmt: skip
     rows = []
     for q, v in zip(quanta_rows, vllm_rows["rows"], strict=True):

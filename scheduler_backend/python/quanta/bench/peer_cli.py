@@ -1,8 +1,6 @@
 """``quanta bench peer``: Quanta vs vLLM (CPU build) on one checkpoint and one workload.
 
-Registered through ``register(app, bench_app)``; until ``quanta.cli`` lists this module,
-``python -m quanta.bench.peer_cli`` runs the same command. Imports happen inside the command,
-so ``quanta --help`` loads neither torch nor the client.
+Imports happen inside the command, so ``quanta --help`` loads neither torch nor the client.
 """
 
 from __future__ import annotations
@@ -51,11 +49,22 @@ def bench_peer(
     sj_profile: Annotated[
         Path | None, typer.Option(help="cost profile JSON for sj-mlfq (default: fit one)")
     ] = None,
+    vllm_priority: Annotated[
+        str,
+        typer.Option(
+            help="what vllm-priority is told per request: prompt-length (shortest prompt "
+            "first), class (online before offline) or none"
+        ),
+    ] = "prompt-length",
 ) -> None:
     """Serve the same checkpoint with vLLM and Quanta, replay one seeded workload per rate
     through the same client, and print the side-by-side table."""
     from quanta.bench.metrics import SLO
-    from quanta.bench.peer import PeerSetup, render_markdown, run_peer
+    from quanta.bench.peer import VLLM_PRIORITIES, PeerSetup, render_markdown, run_peer
+
+    if vllm_priority not in VLLM_PRIORITIES:
+        choices = ", ".join(VLLM_PRIORITIES)
+        raise typer.BadParameter(f"one of {choices}", param_hint="--vllm-priority")
 
     python = vllm_venv / "bin" / "python"
     if not python.is_file():
@@ -86,6 +95,7 @@ def bench_peer(
         engine_repeat=engine_repeat,
         vllm_bench=vllm_bench,
         sj_profile=sj_profile,
+        vllm_priority=vllm_priority,
     )
     report = run_peer(setup, typer.echo)
     typer.echo(render_markdown(report))
@@ -102,9 +112,3 @@ def _range(text: str) -> tuple[int, int]:
     if not 0 < lo <= hi:
         raise typer.BadParameter(f"need 0 < lo <= hi, got {text!r}")
     return lo, hi
-
-
-if __name__ == "__main__":
-    standalone = typer.Typer(add_completion=False)
-    standalone.command()(bench_peer)
-    standalone()

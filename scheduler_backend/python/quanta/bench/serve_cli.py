@@ -1,8 +1,13 @@
-"""``quanta bench serve``: a seeded Poisson workload against a live endpoint, one run per rate.
+"""``quanta bench serve``: replay a workload against a live endpoint, one run per rate; and
+``quanta bench workload``: write a seeded workload file.
 
-Writes every request's raw timings and a summary per rate to ``--output`` (JSON), prints the
-summaries, and with ``--plot-dir`` draws latency-vs-rate and CDF plots (matplotlib, imported
-only then). The same seed gives the same requests at every rate, so rates are comparable.
+The workload is a file in the shared JSONL format (or a BurstGPT CSV), or generated: Poisson or
+Gamma arrivals, lengths from a named distribution or uniform ranges, and a weighted tenant mix.
+A generated workload uses the same seed at every rate, so rates see the same requests; a file
+is replayed at its own times, or stretched to each ``--rate`` (``scale_to_rate``). Writes every
+request's raw timings and a summary per rate (``quanta.bench.metrics``) to ``--output``
+(JSON), prints the summaries, and with ``--plot-dir`` draws latency-vs-rate and CDF plots
+(matplotlib, imported only then).
 """
 
 from __future__ import annotations
@@ -10,15 +15,69 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from quanta.bench.workloads import WorkloadRequest
+
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add ``bench serve``."""
+    """Add ``bench serve`` and ``bench workload``."""
     bench_app.command("serve")(bench_serve)
+    bench_app.command("workload")(bench_workload)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """What to replay: a file, or how to generate requests (seeded)."""
+
+    source: str | None = None  # a JSONL/CSV file or a dataset name; None: uniform lengths
+    num_requests: int = 32
+    seed: int = 0
+    cv: float = 1.0
+    prompt_tokens: tuple[int, int] = (16, 64)
+    output_tokens: tuple[int, int] = (8, 32)
+    tenants: str = "default"
+    priority_class: str = "online"
+    max_len: int = 2048
+
+    def build(self, rate: float | None) -> list[WorkloadRequest]:
+        """The requests at ``rate`` (None: a file's own times; required to generate)."""
+        from quanta.bench import workloads as wl
+
+        if self.source is not None and self.source not in wl.DATASETS:
+            if not Path(self.source).is_file():
+                known = ", ".join(sorted(wl.DATASETS))
+                raise wl.WorkloadError(f"{self.source!r} is neither a file nor a dataset ({known})")
+            rows = wl.load_workload(self.source, rate=rate, cv=self.cv, seed=self.seed)
+            rows = wl.rebase(rows[: self.num_requests])
+            if rate is None or not any(r.arrival_time for r in rows):
+                return rows
+            if math.isinf(rate):
+                return [replace(r, arrival_time=0.0) for r in rows]
+            return wl.scale_to_rate(rows, rate)
+        if rate is None:
+            raise wl.WorkloadError("a generated workload needs --rate")
+        lengths = self.source or wl.UniformLengths(self.prompt_tokens, self.output_tokens)
+        tenants = [
+            replace(t, priority_class=self.priority_class) for t in wl.tenant_mix(self.tenants)
+        ]
+        return wl.synthesize(
+            self.num_requests,
+            arrivals=rate,
+            cv=self.cv,
+            lengths=lengths,
+            tenants=tenants,
+            seed=self.seed,
+            max_len=self.max_len,
+            id_prefix=f"s{self.seed}-r",
+        )
+
+
+_WORKLOAD_HELP = "a workload file (JSONL or BurstGPT CSV) or sharegpt, alpaca, humaneval, longbench"
 
 
 def bench_serve(
@@ -28,30 +87,47 @@ def bench_serve(
     ],
     transport: Annotated[str, typer.Option(help="grpc, http or openai")] = "grpc",
     model: Annotated[str, typer.Option(help="model name")] = "quanta",
-    rate: Annotated[str, typer.Option(help="requests/s, comma-separated for a sweep; inf")] = "1",
+    workload: Annotated[
+        str | None, typer.Option(help=_WORKLOAD_HELP + "; default: uniform lengths")
+    ] = None,
+    rate: Annotated[
+        str | None,
+        typer.Option(
+            help="requests/s, comma-separated for a sweep; inf. Default: 1, or a file's own times"
+        ),
+    ] = None,
     num_requests: Annotated[int, typer.Option(min=1, help="requests per rate")] = 32,
     seed: Annotated[int, typer.Option(help="seed of arrivals, lengths and tenants")] = 0,
+    cv: Annotated[float, typer.Option(help="arrival burstiness (1: Poisson)")] = 1.0,
     prompt_tokens: Annotated[str, typer.Option(help="uniform prompt length lo:hi")] = "16:64",
     output_tokens: Annotated[str, typer.Option(help="uniform output length lo:hi")] = "8:32",
-    tenants: Annotated[str, typer.Option(help="comma-separated, drawn uniformly")] = "default",
-    priority_class: Annotated[str | None, typer.Option(help="online or offline")] = None,
+    tenants: Annotated[
+        str, typer.Option(help='weighted tenants, e.g. "gold:1,abuser:10" (no weight: 1)')
+    ] = "default",
+    priority_class: Annotated[str, typer.Option(help="online or offline")] = "online",
     concurrency_limit: Annotated[
         int | None, typer.Option(min=1, help="at most this many requests in flight")
     ] = None,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
     token_id_range: Annotated[str, typer.Option(help="ids of synthetic prompts lo:hi")] = "10:250",
     metadata: Annotated[
-        bool, typer.Option(help="send tenant/priority class (off for peers that reject them)")
+        bool, typer.Option(help="send tenant, app, class, SLOs (off for peers that reject them)")
     ] = True,
+    ttft_slo: Annotated[float | None, typer.Option(help="TTFT SLO (s) for goodput")] = None,
+    tpot_slo: Annotated[float | None, typer.Option(help="TPOT SLO (s) for goodput")] = None,
     timeout: Annotated[float, typer.Option(help="seconds one request may take")] = 600.0,
     output: Annotated[Path | None, typer.Option(help="write raw results + summaries here")] = None,
     plot_dir: Annotated[Path | None, typer.Option(help="write PNG plots here")] = None,
 ) -> None:
-    """Replay a seeded Poisson workload at each rate with real timing; print the summaries."""
+    """Replay a workload at each rate with real timing; print the summaries."""
     from quanta.bench.client import TRANSPORTS, Target
+    from quanta.bench.metrics import SLO
+    from quanta.bench.workloads import WorkloadError
 
     if transport not in TRANSPORTS:
         raise typer.BadParameter(f"--transport must be one of {', '.join(TRANSPORTS)}")
+    if (ttft_slo is None) != (tpot_slo is None):
+        raise typer.BadParameter("give both --ttft-slo and --tpot-slo, or neither")
     target = Target(
         url=url,
         transport=transport,  # type: ignore[arg-type]
@@ -61,16 +137,26 @@ def bench_serve(
         token_id_range=_range(token_id_range, "--token-id-range"),
         send_metadata=metadata,
     )
-    workload = {
-        "num_requests": num_requests,
-        "seed": seed,
-        "prompt_tokens": _range(prompt_tokens, "--prompt-tokens"),
-        "output_tokens": _range(output_tokens, "--output-tokens"),
-        "tenants": [t for t in tenants.split(",") if t],
-        "priority_class": priority_class,
-    }
-    rates = [float(r) for r in rate.split(",") if r.strip()]
-    runs = asyncio.run(_sweep(target, rates, workload, concurrency_limit))
+    spec = WorkloadSpec(
+        source=workload,
+        num_requests=num_requests,
+        seed=seed,
+        cv=cv,
+        prompt_tokens=_range(prompt_tokens, "--prompt-tokens"),
+        output_tokens=_range(output_tokens, "--output-tokens"),
+        tenants=tenants,
+        priority_class=priority_class,
+    )
+    generated = workload is None or not Path(workload).is_file()
+    rates: list[float | None] = [float(r) for r in (rate or "").split(",") if r.strip()]
+    if not rates:
+        rates = [1.0] if generated else [None]
+    try:
+        plans = [(r, spec.build(r)) for r in rates]
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--workload") from None
+    slo = SLO(ttft_s=ttft_slo, tpot_s=tpot_slo) if ttft_slo is not None else None
+    runs = asyncio.run(_sweep(target, plans, concurrency_limit, slo))
     _print(runs)
     if output is not None:
         config = {
@@ -79,7 +165,7 @@ def bench_serve(
             "model": model,
             "temperature": temperature,
             "concurrency_limit": concurrency_limit,
-            **workload,
+            "workload": {k: getattr(spec, k) for k in spec.__slots__},
         }
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(_jsonable({"config": config, "runs": runs}), indent=1))
@@ -93,28 +179,66 @@ def bench_serve(
         raise typer.Exit(1)
 
 
+def bench_workload(
+    out: Annotated[Path, typer.Argument(help="JSONL file to write")],
+    dataset: Annotated[
+        str | None, typer.Option(help="sharegpt, alpaca, humaneval, longbench; default uniform")
+    ] = None,
+    num_requests: Annotated[int, typer.Option(min=1)] = 100,
+    rate: Annotated[float, typer.Option(help="requests/s (inf: all at once)")] = 1.0,
+    cv: Annotated[float, typer.Option(help="arrival burstiness (1: Poisson)")] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    prompt_tokens: Annotated[str, typer.Option(help="uniform prompt length lo:hi")] = "16:64",
+    output_tokens: Annotated[str, typer.Option(help="uniform output length lo:hi")] = "8:32",
+    tenants: Annotated[str, typer.Option(help='weighted tenants, e.g. "gold:1,abuser:10"')] = (
+        "default"
+    ),
+    priority_class: Annotated[str, typer.Option(help="online or offline")] = "online",
+    max_len: Annotated[int, typer.Option(min=2, help="prompt + output must fit")] = 2048,
+) -> None:
+    """Write a seeded workload in the JSONL format ``bench serve``, ``simulate`` and Locust
+    read (see ``quanta.bench.workloads`` for the format and the Python API for richer mixes)."""
+    from quanta.bench.workloads import WorkloadError, save_workload
+
+    spec = WorkloadSpec(
+        source=dataset,
+        num_requests=num_requests,
+        seed=seed,
+        cv=cv,
+        prompt_tokens=_range(prompt_tokens, "--prompt-tokens"),
+        output_tokens=_range(output_tokens, "--output-tokens"),
+        tenants=tenants,
+        priority_class=priority_class,
+        max_len=max_len,
+    )
+    if dataset is not None and Path(dataset).is_file():
+        raise typer.BadParameter("give a dataset name, not a file", param_hint="--dataset")
+    try:
+        rows = spec.build(rate)
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(f"wrote {save_workload(out, rows)} ({len(rows)} requests)")
+
+
 async def _sweep(
-    target: Any, rates: list[float], workload: dict[str, Any], limit: int | None
+    target: Any,
+    plans: list[tuple[float | None, list[WorkloadRequest]]],
+    limit: int | None,
+    slo: Any,
 ) -> list[dict[str, Any]]:
     from rich.progress import Progress
 
-    from quanta.bench.client import poisson_requests, replay, summarize
+    from quanta.bench.client import replay
+    from quanta.bench.metrics import from_client_results, summarize
+    from quanta.bench.workloads import to_client_requests
 
     runs = []
     with Progress(transient=False) as progress:
-        for r in rates:
-            requests = poisson_requests(
-                workload["num_requests"],
-                r,
-                seed=workload["seed"],
-                prompt_tokens=workload["prompt_tokens"],
-                output_tokens=workload["output_tokens"],
-                tenants=workload["tenants"] or ["default"],
-                priority_class=workload["priority_class"],
-            )
-            task = progress.add_task(f"rate {r:g} req/s", total=len(requests))
+        for r, rows in plans:
+            label = "file times" if r is None else f"rate {r:g} req/s"
+            task = progress.add_task(label, total=len(rows))
             results = await replay(
-                requests,
+                to_client_requests(rows),
                 target,
                 concurrency_limit=limit,
                 on_result=lambda _, task=task: progress.advance(task),
@@ -122,11 +246,23 @@ async def _sweep(
             runs.append(
                 {
                     "rate": r,
-                    "summary": summarize(results),
+                    "offered_rate": r if r is not None else _offered_rate(rows),
+                    "summary": summarize(from_client_results(results, rows), slo),
                     "results": [x.to_dict() for x in results],
                 }
             )
     return runs
+
+
+def _offered_rate(rows: list[WorkloadRequest]) -> float:
+    """Arrivals per second of a replayed file: (n - 1) / span; inf when all arrive at once."""
+    last = max((r.arrival_time for r in rows), default=0.0)
+    return (len(rows) - 1) / last if last > 0 else math.inf
+
+
+def _label(run: dict[str, Any]) -> str:
+    rate = f"{run['offered_rate']:g}"
+    return rate if run["rate"] is not None else f"{rate} (file)"
 
 
 def _print(runs: list[dict[str, Any]]) -> None:
@@ -139,7 +275,7 @@ def _print(runs: list[dict[str, Any]]) -> None:
     for run in runs:
         s = run["summary"]
         ok = s["num_requests"] - s["num_errors"]
-        cells = [f"{run['rate']:g}", f"{ok}/{s['num_errors']}"]
+        cells = [_label(run), f"{ok}/{s['num_errors']}"]
         if ok:
             cells += [f"{s['request_throughput']:.2f}", f"{s['output_token_throughput']:.1f}"]
             for key in ("ttft_s", "tpot_s", "e2e_s", "normalized_latency_s"):
@@ -159,7 +295,7 @@ def write_plots(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     from quanta.bench.client import ClientResult
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    rates = [run["rate"] for run in runs]
+    rates = [run["offered_rate"] for run in runs]
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, title in zip(
@@ -181,7 +317,7 @@ def write_plots(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             if values:
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))])
         ax.set(xlabel="seconds", ylabel="fraction of requests", title=f"CDF of {title}")
-        ax.legend([f"{r:g} req/s" for r in rates])
+        ax.legend([f"{_label(run)} req/s" for run in runs])
         paths.append(_save(fig, out_dir / f"cdf_{key}.png"))
     return paths
 

@@ -739,10 +739,14 @@ def _estimate_tokens(text: str) -> int:
 
 # -- to the client -------------------------------------------------------------------------
 def to_client_requests(
-    requests: Sequence[WorkloadRequest], *, ignore_eos: bool = True
+    requests: Sequence[WorkloadRequest],
+    *,
+    ignore_eos: bool = True,
+    priority: Callable[[WorkloadRequest], int] | None = None,
 ) -> list[Any]:
     """``quanta.bench.client.ClientRequest`` s for ``replay``: text when the request has it,
-    else a token count the client turns into seeded token ids."""
+    else a token count the client turns into seeded token ids; all scheduling metadata, and
+    ``priority(row)`` as vLLM's per-request priority when given."""
     from quanta.bench.client import ClientRequest
 
     return [
@@ -754,6 +758,11 @@ def to_client_requests(
             tenant=r.tenant,
             priority_class=r.priority_class,
             ignore_eos=ignore_eos,
+            app=r.app,
+            interaction_id=r.interaction_id,
+            ttft_slo_ms=r.ttft_slo_ms,
+            tpot_slo_ms=r.tpot_slo_ms,
+            priority=None if priority is None else priority(r),
         )
         for r in requests
     ]

@@ -1,0 +1,214 @@
+"""The vLLM comparison harness without vLLM: workloads, server commands, priorities, the
+full-vocabulary tokenizer, the server process lifecycle and the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from quanta.bench.metrics import SLO
+from quanta.bench.peer import (
+    VLLM_PRIORITIES,
+    PeerSetup,
+    QuantaServer,
+    Server,
+    VllmServer,
+    full_vocab_checkpoint,
+    kv_bytes_per_block,
+    make_server,
+    render_markdown,
+    request_priority,
+    side_by_side,
+    workload_for,
+)
+from quanta.bench.workloads import WorkloadRequest, to_client_requests
+from quanta.build.checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_checkpoint("opt-tiny", tmp_path_factory.mktemp("peer") / "opt-tiny")
+
+
+def setup_for(model_dir: Path, tmp_path: Path, **changes) -> PeerSetup:
+    return PeerSetup(
+        model_dir=model_dir, vllm_python=Path(sys.executable), out_dir=tmp_path, **changes
+    )
+
+
+def test_every_rate_gets_the_same_requests_scaled_in_time(model_dir, tmp_path):
+    setup = setup_for(model_dir, tmp_path, num_requests=30, prompt_tokens=(8, 16))
+    slow, fast = workload_for(setup, 1.0), workload_for(setup, 4.0)
+    assert [(r.prompt_tokens, r.output_tokens) for r in slow] == [
+        (r.prompt_tokens, r.output_tokens) for r in fast
+    ]
+    assert [r.arrival_time / 4 for r in slow] == pytest.approx([r.arrival_time for r in fast])
+    assert all(8 <= r.prompt_tokens <= 16 for r in slow)
+    assert workload_for(setup, 1.0) == slow  # seeded
+
+
+def test_only_vllms_priority_policy_is_sent_priorities(model_dir, tmp_path):
+    setup = setup_for(model_dir, tmp_path)
+    priority = make_server(setup, "vllm-priority")
+    assert isinstance(priority, VllmServer)
+    assert request_priority(make_server(setup, "vllm-fcfs")) is None
+    assert request_priority(make_server(setup, "quanta-sj-mlfq")) is None
+    rows = [
+        WorkloadRequest(0.0, 90, 5, "long"),
+        WorkloadRequest(0.0, 10, 5, "short", priority_class="offline"),
+    ]
+    sent = to_client_requests(rows, priority=request_priority(priority))
+    assert [r.priority for r in sent] == [90, 10]  # prompt-length: shortest prompt first
+    by_class = make_server(setup_for(model_dir, tmp_path, vllm_priority="class"), "vllm-priority")
+    assert [r.priority for r in to_client_requests(rows, priority=request_priority(by_class))] == [
+        0,
+        1,
+    ]
+    none = make_server(setup_for(model_dir, tmp_path, vllm_priority="none"), "vllm-priority")
+    assert request_priority(none) is None
+    assert set(VLLM_PRIORITIES) == {"prompt-length", "class", "none"}
+
+
+def test_both_servers_get_the_same_limits(model_dir, tmp_path):
+    setup = setup_for(model_dir, tmp_path, kv_cache_bytes=1 << 26, max_num_seqs=7, threads=1)
+    vllm = make_server(setup, "vllm-priority")
+    cmd = vllm.command()
+
+    def flag(name: str) -> str:
+        return cmd[cmd.index(name) + 1]
+
+    assert flag("--scheduling-policy") == "priority"
+    assert flag("--kv-cache-memory-bytes") == str(1 << 26)
+    assert flag("--max-num-seqs") == "7"
+    assert flag("--host") == "127.0.0.1" and int(flag("--port")) == vllm.port
+    assert "--no-enable-prefix-caching" in cmd
+    assert vllm.env()["OMP_NUM_THREADS"] == "1"
+
+    quanta = make_server(setup, "quanta-sj-mlfq")
+    assert isinstance(quanta, QuantaServer)
+    params = quanta.parameters()
+    cfg = json.loads((model_dir / "config.json").read_text())
+    per_block = 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4 * 16
+    assert kv_bytes_per_block(model_dir) == per_block
+    assert params["num_device_blocks"] == str((1 << 26) // per_block)
+    assert params["policy"] == "sj-mlfq" and params["max_num_seqs"] == "7"
+    assert "policy_options" not in params
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"name": "fitted"}))
+    with_profile = make_server(setup_for(model_dir, tmp_path, sj_profile=profile), "quanta-sj-mlfq")
+    options = json.loads(with_profile.parameters()["policy_options"])
+    assert options == {"profile": {"name": "fitted"}}
+    quanta.stop()
+    with_profile.stop()
+    with pytest.raises(ValueError, match="unknown system"):
+        make_server(setup, "tgi-fcfs")
+
+
+def test_full_vocab_tokenizer_names_every_id(model_dir, tmp_path):
+    """Like the opt-125m preset: an embedding with more rows than the tokenizer names."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    small = tmp_path / "small"
+    shutil.copytree(model_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    known = Tokenizer.from_file(str(small / "tokenizer.json")).get_vocab_size(True)
+    vocab = config["vocab_size"] = known + 40
+    (small / "config.json").write_text(json.dumps(config))
+    full = full_vocab_checkpoint(small, tmp_path / "full")
+    tok = Tokenizer.from_file(str(full / "tokenizer.json"))
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab
+    assert tok.decode([vocab - 1]).strip() == f"x{vocab - 1}"
+    assert (
+        tok.encode("hello").ids
+        == Tokenizer.from_file(str(small / "tokenizer.json")).encode("hello").ids
+    )  # the known ids are untouched
+    assert (full / "model.safetensors").resolve() == (small / "model.safetensors").resolve()
+    assert full_vocab_checkpoint(full, tmp_path / "again") == full  # already full: as is
+    assert full_vocab_checkpoint(model_dir, tmp_path / "tiny") == model_dir
+
+
+_FAKE_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.end_headers()
+        self.wfile.write(b"{}")
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class _Fake(Server):
+    name = "fake"
+
+    def __init__(self, port: int, log: Path, code: str) -> None:
+        super().__init__(port, log)
+        self.code = code
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.code, str(self.port)]
+
+
+def test_server_process_is_started_polled_and_stopped(tmp_path):
+    from quanta.bench.peer import free_port
+
+    server = _Fake(free_port(), tmp_path / "logs" / "fake.log", _FAKE_SERVER)
+    server.start()
+    try:
+        assert server.wait_ready(30) >= 0
+        proc = server._proc
+    finally:
+        server.stop(timeout=10)
+    assert proc is not None and proc.poll() is not None  # gone, not orphaned
+    dying = _Fake(free_port(), tmp_path / "logs" / "dying.log", "print('no model here'); exit(3)")
+    dying.start()
+    with pytest.raises(RuntimeError, match=r"(?s)exited early.*no model here"):
+        dying.wait_ready(30)
+    dying.stop()
+
+
+def _summary(rate: float, attainment: float) -> dict:
+    stats = {"mean": 0.5 / rate, "p50": 0.4, "p95": 0.9, "p99": 1.0}
+    return {
+        "num_requests": 40,
+        "num_finished": 40,
+        "ttft_s": stats,
+        "tpot_s": stats,
+        "normalized_latency_s": stats,
+        "request_throughput": rate,
+        "output_token_throughput": 40 * rate,
+        "goodput_rps": rate * attainment,
+        "slo_attainment": attainment,
+    }
+
+
+def test_side_by_side_table_and_max_rate(model_dir, tmp_path):
+    setup = setup_for(model_dir, tmp_path, slo=SLO(ttft_s=2.0, tpot_s=0.3, tbt_s=1.0))
+    runs = [(0.5, 1.0), (1.0, 0.95), (2.0, 0.5)]
+    report = {
+        "setup": {"slo": {"ttft_s": 2.0, "tpot_s": 0.3, "tbt_s": 1.0}, "slo_goal": 0.9},
+        "systems": [
+            {
+                "system": "quanta-fcfs",
+                "runs": [
+                    {"rate": r, "summary": _summary(r, a), "loadavg_before": (1.5, 1, 1)}
+                    for r, a in runs
+                ],
+            }
+        ],
+    }
+    report["table"] = side_by_side(report, setup)
+    assert [row["rate"] for row in report["table"]] == [0.5, 1.0, 2.0]
+    row = report["table"][1]
+    assert row["max_rate"] == 1.0
+    assert math.isclose(row["max_rate_interp"], 1.0 + (0.95 - 0.9) / (0.95 - 0.5))
+    assert row["ttft_mean"] == 0.5 and row["attainment"] == 0.95
+    markdown = render_markdown(report)
+    assert "| quanta-fcfs | 1 | 40/40 | 500 |" in markdown
+    assert "| 1 (1.11) |" in markdown
+    assert "TTFT <= 2000 ms" in markdown
