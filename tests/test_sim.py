@@ -6,6 +6,7 @@ import json
 import random
 import statistics
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from quanta.cli import app
@@ -13,10 +14,25 @@ from quanta.core.clock import VirtualClock
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.core.request import Request, SamplingParams
 from quanta.policies.costmodel import PRESETS
-from quanta.sim import SimRunner, SimSetup, make_workload, simulate, summarize, with_io_ratio
+from quanta.policies.fcfs import FCFSPolicy
+from quanta.sim import (
+    SimRunner,
+    SimSetup,
+    build_requests,
+    make_workload,
+    simulate,
+    summarize,
+    with_io_ratio,
+)
 from quanta.sim.metrics import percentile, request_metrics
 from quanta.sim.report import write_sections
-from quanta.sim.workloads import TraceRequest, arrival_times, load_trace, save_trace
+from quanta.sim.workloads import (
+    TraceRequest,
+    WorkloadRequest,
+    arrival_times,
+    load_workload,
+    save_workload,
+)
 from typer.testing import CliRunner
 
 COST = PRESETS["a100-opt13b"]
@@ -59,7 +75,7 @@ def test_io_ratio_keeps_shapes_and_total():
 
 def test_trace_files(tmp_path):
     trace = make_workload("alpaca", 20, 3.0, seed=2)
-    save_trace(trace, tmp_path / "t.jsonl")
+    save_workload(tmp_path / "t.jsonl", trace)
     t0 = trace[0].arrival_time  # a file's times are taken relative to its first arrival
     loaded = make_workload(str(tmp_path / "t.jsonl"), 20, 1.0)
     assert [(r.arrival_time + t0, r.input_len, r.output_len) for r in loaded] == [
@@ -74,17 +90,58 @@ def test_trace_files(tmp_path):
         "5.0,ChatGPT,100,20,120,Conversation log\n7.5,GPT-4,40,0,40,API log\n"
         "9.0,GPT-4,30,10,40,API log\n"
     )
-    assert load_trace(tmp_path / "b.csv") == [(5.0, 100, 20), (9.0, 30, 10)]
-    assert make_workload(str(tmp_path / "b.csv"), 5, 1.0)[1] == TraceRequest(4.0, 30, 10)
-    (tmp_path / "bench.jsonl").write_text(
-        '{"request_id": "r0", "arrival_time": 0.5, "prompt_tokens": 9, "output_tokens": 4}\n'
+    rows = load_workload(tmp_path / "b.csv")
+    assert [(r.arrival_time, r.input_len, r.output_len) for r in rows] == [
+        (0, 100, 20),
+        (4, 30, 10),
+    ]
+    assert make_workload(str(tmp_path / "b.csv"), 5, 1.0)[1] == TraceRequest(
+        4.0, 30, 10, request_id="r1", tenant="API log", app="GPT-4"
     )
-    assert make_workload(str(tmp_path / "bench.jsonl"), 5, 1.0) == [TraceRequest(0.0, 9, 4)]
+    (tmp_path / "bench.jsonl").write_text(
+        '{"request_id": "q", "arrival_time": 0.5, "prompt_tokens": 9, "output_tokens": 4}\n'
+    )
+    assert make_workload(str(tmp_path / "bench.jsonl"), 5, 1.0) == [
+        TraceRequest(0.0, 9, 4, request_id="q")
+    ]
     (tmp_path / "bad.jsonl").write_text('{"input_len": 5}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         make_workload(str(tmp_path / "bad.jsonl"), 5, 1.0)
     with pytest.raises(ValueError, match="neither a dataset"):
         make_workload("nope", 5, 1.0)
+
+
+def test_workload_metadata_reaches_the_policy_and_the_summary(tmp_path):
+    """A workload file's ids, tenants and classes are what the simulated loop serves."""
+    rows = [
+        WorkloadRequest(0.0, 40, 8, "gold-0", tenant="gold", app="chat", ttft_slo_ms=500),
+        WorkloadRequest(0.1, 60, 8, "abuser-0", tenant="abuser"),
+        WorkloadRequest(0.1, 60, 8, "abuser-1", tenant="abuser"),
+        WorkloadRequest(0.2, 80, 16, "batch-0", tenant="batch", priority_class="offline"),
+    ]
+    path = save_workload(tmp_path / "w.jsonl", rows)
+    trace = make_workload(str(path), 10, 1.0)
+    requests = build_requests(trace)
+    assert [r.request_id for r in requests] == [r.request_id for r in rows]
+    assert [r.metadata.model_dump() for r in requests] == [r.metadata() for r in rows]
+
+    seen: list[tuple[str, str, str]] = []
+
+    class Recording(FCFSPolicy):
+        def admit(self, request, view):  # type: ignore[no-untyped-def]
+            meta = request.metadata
+            seen.append((request.request_id, meta.tenant, meta.priority_class))
+            return super().admit(request, view)
+
+    setup = SimSetup("fcfs", COST)
+    with patch("quanta.sim.driver.make_sim_policy", lambda s: Recording(s.scheduler)):
+        result = summarize(simulate(trace, setup))
+    assert sorted(seen) == sorted((r.request_id, r.tenant, r.priority_class) for r in rows)
+    tenants = result["by_tenant"]["tenants"]
+    assert set(tenants) == {"gold", "abuser", "batch"}
+    assert tenants["abuser"]["num_finished"] == 2
+    assert 0 < result["by_tenant"]["jain_service"] <= 1
+    assert set(result["by_class"]) == {"online", "offline"}
 
 
 # -- the runner's timeline -----------------------------------------------------------------

@@ -40,9 +40,13 @@ def simulate_cmd(
             help="fcfs, sj-mlfq, mlfq, fixed-priority, srpt, sj-mlfq-reactive, sj-mlfq-recompute"
         ),
     ] = "sj-mlfq",
-    workload: Annotated[str, typer.Option(help="sharegpt, alpaca, or a JSONL/CSV trace")] = (
-        "sharegpt"
-    ),
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="sharegpt, alpaca, humaneval, longbench, or a workload file (the JSONL of "
+            "quanta bench workload, or a BurstGPT CSV); its tenants and classes reach the policy"
+        ),
+    ] = "sharegpt",
     rate: Annotated[float, typer.Option(help="arrivals per second")] = 1.0,
     num_requests: Annotated[int, typer.Option(min=1)] = 500,
     profile: Annotated[str, typer.Option(help="cost-model preset or profile JSON")] = (
@@ -65,11 +69,15 @@ def simulate_cmd(
     from quanta.core.config import SchedulerConfig
     from quanta.policies.costmodel import load_profile
     from quanta.sim import SimSetup, make_workload, simulate, summarize, with_io_ratio
+    from quanta.sim.workloads import WorkloadError
 
     cost = load_profile(profile)
-    trace = make_workload(
-        workload, num_requests, rate, seed=seed, cv=cv, max_len=cost.max_model_len
-    )
+    try:
+        trace = make_workload(
+            workload, num_requests, rate, seed=seed, cv=cv, max_len=cost.max_model_len
+        )
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--workload") from None
     if io_ratio is not None:
         trace = with_io_ratio(trace, io_ratio, cost.max_model_len)
     sched = SchedulerConfig(

@@ -19,7 +19,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.errors import InvalidRequestError
 from quanta.core.loop import EngineLoop, LoopStats
 from quanta.core.output import Runner
-from quanta.core.request import Request, SamplingParams
+from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.policies import make_policy
 from quanta.policies.base import Policy
 from quanta.policies.costmodel import CostModel
@@ -62,7 +62,8 @@ class SimResult:
 def build_requests(
     trace: Sequence[TraceRequest], *, vocab_size: int | None = None, seed: int = 0
 ) -> list[Request]:
-    """One request per trace row, stopping exactly at its output length (``ignore_eos``).
+    """One request per trace row, stopping exactly at its output length (``ignore_eos``),
+    with the row's id and scheduling metadata (tenant, class, SLOs) for the policy to read.
 
     Without ``vocab_size`` prompts are a constant token (the simulator never reads them);
     with it they are seeded random ids for a real model.
@@ -75,7 +76,16 @@ def build_requests(
         else:
             prompt = [rng.randrange(4, vocab_size) for _ in range(row.input_len)]
         params = SamplingParams(max_tokens=row.output_len, ignore_eos=True, temperature=0.0)
-        requests.append(Request(f"r{i}", prompt, params, row.arrival_time, seed=seed + i))
+        requests.append(
+            Request(
+                row.request_id or f"r{i}",
+                prompt,
+                params,
+                row.arrival_time,
+                seed=seed + i,
+                metadata=RequestMetadata(**row.metadata()),
+            )
+        )
     return requests
 
 

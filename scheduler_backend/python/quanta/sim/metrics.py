@@ -2,8 +2,10 @@
 
 Conventions (shared/design/REFERENCE_FACTS.md): normalized latency = E2E / output tokens
 (FastServe's "per-token latency"), TTFT = first token - arrival, TPOT = (E2E - TTFT) /
-(output - 1). Time breakdown per request (FastServe Fig. 15b): executing = steps it took part
-in, less the part of them stalled on its swaps; swapping = that stall; queued = the rest.
+(output - 1). Per-tenant service (Jain's index) and per-class figures come from
+``quanta.bench.metrics``, as for a live run. Time breakdown per request (FastServe Fig. 15b):
+executing = steps it took part in, less the part of them stalled on its swaps; swapping = that
+stall; queued = the rest.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from quanta.bench.metrics import from_requests, per_class, per_tenant, percentile
 from quanta.bench.metrics import mean as _mean
-from quanta.bench.metrics import percentile
 from quanta.core.request import Request
 
 
@@ -142,4 +144,7 @@ def summarize(result: Any) -> dict[str, Any]:
         "max_num_batched_tokens": setup.scheduler.max_num_batched_tokens,
         "policy_options": dict(setup.policy_options),
     }
+    records = from_requests(result.requests)
+    out["by_tenant"] = per_tenant(records)  # service shares and Jain's index across tenants
+    out["by_class"] = per_class(records)  # online and offline requests on their own
     return json_safe(out)
