@@ -9,9 +9,22 @@ Besides the ``generate_stream`` request itself, each request reports custom ``ME
 ``time_to_first_token``, ``time_per_output_token`` (mean gap between streamed tokens) and
 ``e2e_latency``, all in ms, so they land in the same stats tables and CSV files.
 
-Prompts and lengths come from a seeded workload: user *i* draws from ``Random((seed, i))``, so
-two runs with the same options and user count send the same requests. HTTP streaming (not
-tritonclient's gRPC stream) is used because gRPC's real threads fight Locust's gevent.
+Two ways to make requests:
+
+- Generated (default): user *i* draws prompts, lengths, tenant and class from
+  ``Random((seed, i))``, so two runs with the same options and user count send the same
+  requests; each user sends one request at a time with a short think time.
+- ``--workload FILE``: replay a workload file in the format ``quanta bench`` and ``quanta
+  simulate`` read (``quanta bench workload`` writes one; BurstGPT CSV works too). Users take the
+  file's requests in arrival order, each with its tenant, app, interaction, class and SLOs; a
+  prompt given only as a length is sent as seeded token ids. With ``--workload-timing arrival``
+  (default) a request is sent at its ``arrival_time`` after the first user started, so give
+  enough users (``-u``) for the requests in flight at once; ``asap`` sends back to back. The
+  run stops when every request has finished. Run it in one process (not ``--processes``
+  or workers): each process would replay the whole file.
+
+HTTP streaming (not tritonclient's gRPC stream) is used because gRPC's real threads fight
+Locust's gevent.
 """
 
 from __future__ import annotations
@@ -20,10 +33,14 @@ import itertools
 import json
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from locust import HttpUser, between, events, task
+import gevent
+from locust import HttpUser, events, task
+from locust.exception import StopUser
+from locust.stats import CSV_STATS_INTERVAL_SEC
 
 # NOTE: prompts are drawn from this text's words; kept as prose so the file stays short.
 CORPUS = (
@@ -73,6 +90,26 @@ def _options(parser: Any) -> None:
         env_var="QUANTA_OFFLINE_FRACTION",
         help="share of requests sent as priority_class=offline",
     )
+    group.add_argument(
+        "--workload",
+        default="",
+        env_var="QUANTA_WORKLOAD",
+        help="replay this workload file (JSONL of `quanta bench workload`, or a BurstGPT CSV) "
+        "instead of generating requests",
+    )
+    group.add_argument(
+        "--workload-timing",
+        choices=["arrival", "asap"],
+        default="arrival",
+        env_var="QUANTA_WORKLOAD_TIMING",
+        help="arrival: send each request at its arrival_time; asap: back to back",
+    )
+    group.add_argument(
+        "--token-id-range",
+        default="10,250",
+        env_var="QUANTA_TOKEN_ID_RANGE",
+        help="lo,hi token ids for workload prompts given only as a length",
+    )
 
 
 @dataclass(frozen=True)
@@ -113,6 +150,58 @@ class Workload:
         }
 
 
+@dataclass
+class Replay:
+    """A workload file shared by all users of this process: who sends what, and when.
+
+    gevent switches only at I/O, so plain fields need no lock.
+    """
+
+    bodies: deque[tuple[float, dict[str, Any]]]  # (arrival offset, generate_stream body)
+    timing: str
+    start: float | None = None
+    in_flight: int = 0
+
+    @classmethod
+    def from_options(cls, options: Any) -> Replay:
+        # NOTE: imported only in replay mode, so the generated mode runs without quanta.
+        from quanta.bench.client import Target, triton_inputs
+        from quanta.bench.workloads import load_workload, to_client_requests
+
+        lo, hi = _range(options.token_id_range)
+        target = Target(url=options.host or "", transport="http", token_id_range=(lo, hi))
+        rows = to_client_requests(load_workload(options.workload))
+        bodies = deque((r.arrival_s, triton_inputs(r, target)) for r in rows)
+        return cls(bodies, options.workload_timing)
+
+    def take(self) -> dict[str, Any] | None:
+        """The next request's body, once it is due; None when the file is used up."""
+        if not self.bodies:
+            return None
+        arrival, body = self.bodies.popleft()
+        self.in_flight += 1
+        if self.start is None:
+            self.start = time.monotonic()
+        if self.timing == "arrival":
+            gevent.sleep(max(0.0, self.start + arrival - time.monotonic()))
+        return body
+
+    def finished_one(self) -> bool:
+        """Count a request as ended; True when it was the file's last."""
+        self.in_flight -= 1
+        return not self.bodies and self.in_flight == 0
+
+
+_replay: Replay | None = None
+
+
+def _shared_replay(options: Any) -> Replay | None:
+    global _replay
+    if options.workload and _replay is None:
+        _replay = Replay.from_options(options)
+    return _replay
+
+
 def _tenant_mix(spec: str) -> tuple[list[str], list[float]]:
     tenants, weights = [], []
     for part in spec.split(","):
@@ -139,17 +228,35 @@ def _metric(name: str, ms: float, length: int = 0) -> None:
 
 
 class StreamingUser(HttpUser):
-    """Sends one streamed generation at a time, with a short think time between them."""
+    """Sends one streamed generation at a time: generated ones with a short think time, or
+    the workload file's requests at their arrival times."""
 
-    wait_time = between(0.05, 0.2)
+    def wait_time(self) -> float:
+        return 0.0 if self.replay is not None else random.uniform(0.05, 0.2)
 
     def on_start(self) -> None:
-        self.workload = Workload.from_options(self.environment.parsed_options, next(_user_ids))
-        self.path = f"/v2/models/{self.environment.parsed_options.model_name}/generate_stream"
+        options = self.environment.parsed_options
+        self.replay = _shared_replay(options)
+        self.workload = Workload.from_options(options, next(_user_ids))
+        self.path = f"/v2/models/{options.model_name}/generate_stream"
 
     @task
     def generate_stream(self) -> None:
-        body = self.workload.next_request()
+        if self.replay is None:
+            self._send(self.workload.next_request())
+            return
+        body = self.replay.take()
+        if body is None:
+            raise StopUser()
+        try:
+            self._send(body)
+        finally:
+            if self.replay.finished_one():  # every request of the file has ended
+                # NOTE: the CSV writer snapshots every CSV_STATS_INTERVAL_SEC; quitting at
+                # once would leave the last requests out of --csv files.
+                gevent.spawn_later(CSV_STATS_INTERVAL_SEC + 0.5, self.environment.runner.quit)
+
+    def _send(self, body: dict[str, Any]) -> None:
         start = time.perf_counter()
         first = last = None
         tokens = 0

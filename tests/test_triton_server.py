@@ -407,6 +407,43 @@ def test_headless_locust_run_has_no_failures(server, tmp_path):
     assert int(rows[("METRIC", "time_per_output_token")]["Request Count"]) > 0
 
 
+def test_locust_replays_a_workload_file_and_stops_when_done(server, tmp_path):
+    from quanta.bench.workloads import WorkloadRequest, save_workload
+
+    rows = [
+        WorkloadRequest(0.0, 6, 4, "a", tenant="locust-gold", app="chat", interaction_id="i0"),
+        WorkloadRequest(0.2, 5, 3, "b", tenant="locust-gold", app="chat", interaction_id="i0"),
+        WorkloadRequest(0.3, 4, 6, "c", tenant="locust-batch", priority_class="offline"),
+        WorkloadRequest(
+            0.3, 7, 2, "d", tenant="locust-free", prompt="hello there", ttft_slo_ms=9e4
+        ),
+        WorkloadRequest(0.5, 3, 5, "e", tenant="locust-free"),
+    ]
+    workload = save_workload(tmp_path / "w.jsonl", rows)
+    before = scrape(server)
+    prefix = tmp_path / "locust"
+    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py")]
+    cmd += ["--headless", "-u", "3", "-r", "3", "--run-time", "60s", "--stop-timeout", "10"]
+    cmd += ["-H", server.http_url, "--csv", str(prefix), "--only-summary"]
+    cmd += ["--workload", str(workload)]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.monotonic() - started < 45, "the run should end when the file is used up"
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        stats = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    assert int(stats[("", "Aggregated")]["Failure Count"]) == 0
+    assert int(stats[("POST", "generate_stream")]["Request Count"]) == len(rows), proc.stderr
+
+    def tokens(tenant, cls="online"):
+        key = f'quanta_generation_tokens_total{{priority_class="{cls}",tenant="{tenant}"}}'
+        return scrape(server).get(key, 0.0) - before.get(key, 0.0)
+
+    wait_for(lambda: tokens("locust-free") == 7, what="metrics of the last request")
+    assert tokens("locust-gold") == 7  # ignore_eos: exactly the file's output lengths
+    assert tokens("locust-batch", "offline") == 6
+
+
 # -- the CLI demo --------------------------------------------------------------------------------
 def test_serve_demo_streams_one_request(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
