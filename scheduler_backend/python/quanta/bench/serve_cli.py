@@ -35,7 +35,7 @@ class WorkloadSpec:
     """What to replay: a file, or how to generate requests (seeded)."""
 
     source: str | None = None  # a JSONL/CSV file or a dataset name; None: uniform lengths
-    num_requests: int = 32
+    num_requests: int | None = None  # None: all of a file, or 32 generated
     seed: int = 0
     cv: float = 1.0
     prompt_tokens: tuple[int, int] = (16, 64)
@@ -53,7 +53,7 @@ class WorkloadSpec:
                 known = ", ".join(sorted(wl.DATASETS))
                 raise wl.WorkloadError(f"{self.source!r} is neither a file nor a dataset ({known})")
             rows = wl.load_workload(self.source, rate=rate, cv=self.cv, seed=self.seed)
-            rows = wl.rebase(rows[: self.num_requests])
+            rows = wl.rebase(rows[: self.num_requests])  # [:None] is all of them
             if rate is None or not any(r.arrival_time for r in rows):
                 return rows
             if math.isinf(rate):
@@ -66,7 +66,7 @@ class WorkloadSpec:
             replace(t, priority_class=self.priority_class) for t in wl.tenant_mix(self.tenants)
         ]
         return wl.synthesize(
-            self.num_requests,
+            32 if self.num_requests is None else self.num_requests,
             arrivals=rate,
             cv=self.cv,
             lengths=lengths,
@@ -96,7 +96,9 @@ def bench_serve(
             help="requests/s, comma-separated for a sweep; inf. Default: 1, or a file's own times"
         ),
     ] = None,
-    num_requests: Annotated[int, typer.Option(min=1, help="requests per rate")] = 32,
+    num_requests: Annotated[
+        int | None, typer.Option(min=1, help="requests per rate (default: 32, or all of a file)")
+    ] = None,
     seed: Annotated[int, typer.Option(help="seed of arrivals, lengths and tenants")] = 0,
     cv: Annotated[float, typer.Option(help="arrival burstiness (1: Poisson)")] = 1.0,
     prompt_tokens: Annotated[str, typer.Option(help="uniform prompt length lo:hi")] = "16:64",
