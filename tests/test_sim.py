@@ -22,7 +22,6 @@ from quanta.sim import (
     make_workload,
     simulate,
     summarize,
-    with_io_ratio,
 )
 from quanta.sim.metrics import percentile, request_metrics
 from quanta.sim.report import write_sections
@@ -60,17 +59,6 @@ def test_arrivals_have_the_asked_rate_and_burstiness(cv):
     gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.05)
     assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(cv, rel=0.1)
-
-
-def test_io_ratio_keeps_shapes_and_total():
-    base = make_workload("sharegpt", 3000, 1.0, seed=0)
-    total = statistics.mean(r.input_len + r.output_len for r in base)
-    for ratio in (0.25, 4.0):
-        t = with_io_ratio(base, ratio, 2048)
-        mean_in = statistics.mean(r.input_len for r in t)
-        mean_out = statistics.mean(r.output_len for r in t)
-        assert mean_in / mean_out == pytest.approx(ratio, rel=0.1)
-        assert mean_in + mean_out == pytest.approx(total, rel=0.05)
 
 
 def test_trace_files(tmp_path):

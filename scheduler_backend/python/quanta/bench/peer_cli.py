@@ -61,6 +61,7 @@ def bench_peer(
     through the same client, and print the side-by-side table."""
     from quanta.bench.metrics import SLO
     from quanta.bench.peer import VLLM_PRIORITIES, PeerSetup, render_markdown, run_peer
+    from quanta.bench.serve_cli import parse_range
 
     if vllm_priority not in VLLM_PRIORITIES:
         choices = ", ".join(VLLM_PRIORITIES)
@@ -82,8 +83,8 @@ def bench_peer(
         out_dir=out,
         rates=tuple(float(r) for r in rates.split(",") if r.strip()),
         num_requests=num_requests,
-        prompt_tokens=_range(prompt_tokens),
-        output_tokens=_range(output_tokens),
+        prompt_tokens=parse_range(prompt_tokens, "--prompt-tokens"),
+        output_tokens=parse_range(output_tokens, "--output-tokens"),
         seed=seed,
         threads=threads,
         systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
@@ -102,13 +103,3 @@ def bench_peer(
     for note in report["notes"]:
         typer.echo(f"note: {note}", err=True)
     typer.echo(f"wrote {out / 'peer.json'} and {out / 'peer.md'} (load {os.getloadavg()[0]:.1f})")
-
-
-def _range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise typer.BadParameter(f"expected lo:hi, got {text!r}") from None
-    if not 0 < lo <= hi:
-        raise typer.BadParameter(f"need 0 < lo <= hi, got {text!r}")
-    return lo, hi

@@ -136,19 +136,11 @@ def bench_serve(
         model=model,
         temperature=temperature,
         timeout_s=timeout,
-        token_id_range=_range(token_id_range, "--token-id-range"),
+        token_id_range=parse_range(token_id_range, "--token-id-range"),
         send_metadata=metadata,
     )
-    spec = WorkloadSpec(
-        source=workload,
-        num_requests=num_requests,
-        seed=seed,
-        cv=cv,
-        prompt_tokens=_range(prompt_tokens, "--prompt-tokens"),
-        output_tokens=_range(output_tokens, "--output-tokens"),
-        tenants=tenants,
-        priority_class=priority_class,
-    )
+    spec = _spec(workload, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
+                 priority_class)  # fmt: skip
     generated = workload is None or not Path(workload).is_file()
     rates: list[float | None] = [float(r) for r in (rate or "").split(",") if r.strip()]
     if not rates:
@@ -202,17 +194,8 @@ def bench_workload(
     read (see ``quanta.bench.workloads`` for the format and the Python API for richer mixes)."""
     from quanta.bench.workloads import WorkloadError, save_workload
 
-    spec = WorkloadSpec(
-        source=dataset,
-        num_requests=num_requests,
-        seed=seed,
-        cv=cv,
-        prompt_tokens=_range(prompt_tokens, "--prompt-tokens"),
-        output_tokens=_range(output_tokens, "--output-tokens"),
-        tenants=tenants,
-        priority_class=priority_class,
-        max_len=max_len,
-    )
+    spec = _spec(dataset, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
+                 priority_class, max_len)  # fmt: skip
     if dataset is not None and Path(dataset).is_file():
         raise typer.BadParameter("give a dataset name, not a file", param_hint="--dataset")
     try:
@@ -254,6 +237,31 @@ async def _sweep(
                 }
             )
     return runs
+
+
+def _spec(
+    source: str | None,
+    num_requests: int | None,
+    seed: int,
+    cv: float,
+    prompt_tokens: str,
+    output_tokens: str,
+    tenants: str,
+    priority_class: str,
+    max_len: int = 2048,
+) -> WorkloadSpec:
+    """The ``WorkloadSpec`` of the shared command-line options."""
+    return WorkloadSpec(
+        source=source,
+        num_requests=num_requests,
+        seed=seed,
+        cv=cv,
+        prompt_tokens=parse_range(prompt_tokens, "--prompt-tokens"),
+        output_tokens=parse_range(output_tokens, "--output-tokens"),
+        tenants=tenants,
+        priority_class=priority_class,
+        max_len=max_len,
+    )
 
 
 def _offered_rate(rows: list[WorkloadRequest]) -> float:
@@ -333,7 +341,8 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _range(text: str, option: str) -> tuple[int, int]:
+def parse_range(text: str, option: str) -> tuple[int, int]:
+    """``lo:hi`` of a length option, with 0 < lo <= hi."""
     try:
         lo, hi = (int(x) for x in text.split(":"))
     except ValueError:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from quanta.bench.metrics import from_requests, per_class, per_tenant, percentile
+from quanta.bench.metrics import from_requests, json_safe, per_class, per_tenant, percentile
 from quanta.bench.metrics import mean as _mean
 from quanta.core.request import Request
 
@@ -71,17 +71,6 @@ def request_metrics(
         "num_swap_outs": sum(r.num_swap_outs for r in requests),
         "num_recomputed_tokens": sum(r.num_recomputed_tokens for r in requests),
     }
-
-
-def json_safe(obj: Any) -> Any:
-    """NaN/inf become None so the output is strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def plot_lines(
