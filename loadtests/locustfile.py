@@ -15,9 +15,11 @@ Two ways to make requests:
   ``Random((seed, i))``, so two runs with the same options and user count send the same
   requests; each user sends one request at a time with a short think time.
 - ``--workload FILE``: replay a workload file in the format ``quanta bench`` and ``quanta
-  simulate`` read (``quanta bench workload`` writes one; BurstGPT CSV works too). Users take the
-  file's requests in arrival order, each with its tenant, app, interaction, class and SLOs; a
-  prompt given only as a length is sent as seeded token ids. With ``--workload-timing arrival``
+  simulate`` read (``quanta bench workload`` writes one; BurstGPT and Azure LLM trace CSVs work
+  too). Users take the file's requests in arrival order, each with its tenant, app,
+  interaction, class and SLOs; a prompt given only as a length is sent as seeded token ids.
+  ``--time-scale``, ``--token-scale`` and ``--too-long`` (against ``--max-len``) act as in
+  ``quanta simulate`` and ``quanta bench serve``. With ``--workload-timing arrival``
   (default) a request is sent at its ``arrival_time`` after the first user started, so give
   enough users (``-u``) for the requests in flight at once; ``asap`` sends back to back. The
   run stops when every request has finished. Run it in one process (not ``--processes``
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -94,8 +98,36 @@ def _options(parser: Any) -> None:
         "--workload",
         default="",
         env_var="QUANTA_WORKLOAD",
-        help="replay this workload file (JSONL of `quanta bench workload`, or a BurstGPT CSV) "
-        "instead of generating requests",
+        help="replay this workload file (JSONL of `quanta bench workload`, or a BurstGPT or "
+        "Azure LLM trace CSV) instead of generating requests",
+    )
+    group.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        env_var="QUANTA_TIME_SCALE",
+        help="divide the workload file's inter-arrival times by this (2: twice as fast)",
+    )
+    group.add_argument(
+        "--token-scale",
+        type=float,
+        default=1.0,
+        env_var="QUANTA_TOKEN_SCALE",
+        help="multiply the workload file's prompt tokens by this (rounded, >= 1)",
+    )
+    group.add_argument(
+        "--too-long",
+        choices=["error", "skip", "clip"],
+        default="error",
+        env_var="QUANTA_TOO_LONG",
+        help="workload rows with prompt + output > --max-len: error, skip or clip them",
+    )
+    group.add_argument(
+        "--max-len",
+        type=int,
+        default=2048,
+        env_var="QUANTA_MAX_LEN",
+        help="the served model's length: a workload row's prompt + output must fit",
     )
     group.add_argument(
         "--workload-timing",
@@ -165,12 +197,19 @@ class Replay:
     @classmethod
     def from_options(cls, options: Any) -> Replay:
         # NOTE: imported only in replay mode, so the generated mode runs without quanta.
-        from quanta.bench.client import Target, triton_inputs
-        from quanta.bench.workloads import load_workload, to_client_requests
+        from quanta.bench.client import Target, to_client_requests, triton_inputs
+        from quanta.workloads import load_workload
 
         lo, hi = _range(options.token_id_range)
         target = Target(url=options.host or "", transport="http", token_id_range=(lo, hi))
-        rows = to_client_requests(load_workload(options.workload))
+        workload = load_workload(
+            options.workload,
+            time_scale=options.time_scale,
+            token_scale=options.token_scale,
+            too_long=options.too_long,
+            max_len=options.max_len,
+        )
+        rows = to_client_requests(workload)
         bodies = deque((r.arrival_s, triton_inputs(r, target)) for r in rows)
         return cls(bodies, options.workload_timing)
 
@@ -200,6 +239,22 @@ def _shared_replay(options: Any) -> Replay | None:
     if options.workload and _replay is None:
         _replay = Replay.from_options(options)
     return _replay
+
+
+@events.init.add_listener
+def _load_workload(environment: Any, **_: Any) -> None:
+    """Read ``--workload`` once at start-up: a bad file (or rows too long for ``--max-len``)
+    stops Locust at once with the file's error, not one traceback per user mid-run."""
+    options = environment.parsed_options
+    if options is None or not options.workload:
+        return
+    from quanta.workloads import WorkloadError
+
+    try:
+        _shared_replay(options)
+    except WorkloadError as exc:
+        logging.getLogger("quanta.locust").error("--workload: %s", exc)
+        sys.exit(2)
 
 
 def _tenant_mix(spec: str) -> tuple[list[str], list[float]]:

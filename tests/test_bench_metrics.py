@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from quanta.bench.metrics import (
+from quanta.metrics import (
     SLO,
     RequestRecord,
     attains_slo,
@@ -27,7 +27,7 @@ from quanta.bench.metrics import (
     summarize,
     throughput,
 )
-from quanta.bench.workloads import WorkloadRequest
+from quanta.workloads import WorkloadRequest
 
 
 def rec(rid, arrival, times, end=None, n=None, **kw) -> RequestRecord:

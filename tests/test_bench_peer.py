@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from quanta.bench.metrics import SLO
+from quanta.bench.client import to_client_requests
 from quanta.bench.peer import (
     VLLM_PRIORITIES,
     PeerSetup,
@@ -24,8 +24,9 @@ from quanta.bench.peer import (
     side_by_side,
     workload_for,
 )
-from quanta.bench.workloads import WorkloadRequest, to_client_requests
 from quanta.build.checkpoint import make_checkpoint
+from quanta.metrics import SLO
+from quanta.workloads import WorkloadRequest
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import statistics
 from dataclasses import replace
 
 import pytest
-from quanta.bench.workloads import (
+from quanta.workloads import (
     DATASETS,
     App,
     RateSchedule,
@@ -28,7 +28,6 @@ from quanta.bench.workloads import (
     scale_to_rate,
     synthesize,
     tenant_mix,
-    to_client_requests,
     with_io_ratio,
 )
 
@@ -343,7 +342,9 @@ def test_burstgpt_trace(tmp_path):
     ]
     assert (reqs[0].app, reqs[0].tenant) == ("ChatGPT", "Conversation log")
     assert (reqs[1].app, reqs[1].tenant) == ("GPT-4", "API log")
-    assert make_workload(str(path), 5, 1.0, max_len=100)[0].prompt_tokens == 30
+    with pytest.raises(WorkloadError, match=r"burst\.csv:2: request 'r0': 100 prompt \+ 20"):
+        make_workload(str(path), 5, 1.0, max_len=100)  # too long for the model: say so
+    assert make_workload(str(path), 5, 1.0, max_len=100, too_long="skip")[0].prompt_tokens == 30
 
 
 @pytest.mark.parametrize(
@@ -370,7 +371,8 @@ def test_bad_burstgpt_rows_name_the_line(tmp_path, body, line, problem):
 
 
 def test_to_client_requests():
-    pytest.importorskip("quanta.bench.client")
+    from quanta.bench.client import to_client_requests
+
     reqs = [
         WorkloadRequest(0.25, 12, 5, "a", tenant="t", priority_class="offline"),
         WorkloadRequest(0.5, 3, 2, "b", prompt="hi there"),

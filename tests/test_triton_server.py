@@ -408,7 +408,7 @@ def test_headless_locust_run_has_no_failures(server, tmp_path):
 
 
 def test_locust_replays_a_workload_file_and_stops_when_done(server, tmp_path):
-    from quanta.bench.workloads import WorkloadRequest, save_workload
+    from quanta.workloads import WorkloadRequest, save_workload
 
     rows = [
         WorkloadRequest(0.0, 6, 4, "a", tenant="locust-gold", app="chat", interaction_id="i0"),

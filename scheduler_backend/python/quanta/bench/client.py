@@ -13,7 +13,8 @@ the request id. Scheduling metadata (tenant, app, interaction, class, SLOs) trav
 Triton metadata tensors or the gateway's extra fields; ``priority`` is vLLM's per-request
 integer (lower runs first under ``--scheduling-policy priority``), sent only when set because
 vLLM refuses it under FCFS and Quanta's gateway has no such field. Workloads come from
-``quanta.bench.workloads`` and summaries from ``quanta.bench.metrics``.
+``quanta.workloads`` (``to_client_requests`` adapts them) and summaries from
+``quanta.metrics``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from quanta.workloads import WorkloadRequest
 
 Transport = Literal["grpc", "http", "openai"]
 _JSON = {"Content-Type": "application/json"}
@@ -60,6 +64,34 @@ class ClientRequest:
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         return fields
+
+
+def to_client_requests(
+    requests: Sequence[WorkloadRequest],
+    *,
+    ignore_eos: bool = True,
+    priority: Callable[[WorkloadRequest], int] | None = None,
+) -> list[ClientRequest]:
+    """``ClientRequest`` s for ``replay`` from workload rows: text when the row has it, else a
+    token count turned into seeded token ids; all scheduling metadata, and ``priority(row)``
+    as vLLM's per-request priority when given."""
+    return [
+        ClientRequest(
+            request_id=r.request_id,
+            arrival_s=r.arrival_time,
+            prompt=r.prompt if r.prompt is not None else r.prompt_tokens,
+            max_tokens=r.output_tokens,
+            tenant=r.tenant,
+            priority_class=r.priority_class,
+            ignore_eos=ignore_eos,
+            app=r.app,
+            interaction_id=r.interaction_id,
+            ttft_slo_ms=r.ttft_slo_ms,
+            tpot_slo_ms=r.tpot_slo_ms,
+            priority=None if priority is None else priority(r),
+        )
+        for r in requests
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,15 @@
 """``quanta bench serve``: replay a workload against a live endpoint, one run per rate; and
-``quanta bench workload``: write a seeded workload file.
+``quanta bench workload``: write a seeded workload file, or convert a trace to one.
 
-The workload is a file in the shared JSONL format (or a BurstGPT CSV), or generated: Poisson or
-Gamma arrivals, lengths from a named distribution or uniform ranges, and a weighted tenant mix.
-A generated workload uses the same seed at every rate, so rates see the same requests; a file
-is replayed at its own times, or stretched to each ``--rate`` (``scale_to_rate``). Writes every
-request's raw timings and a summary per rate (``quanta.bench.metrics``) to ``--output``
-(JSON), prints the summaries, and with ``--plot-dir`` draws latency-vs-rate and CDF plots
-(matplotlib, imported only then).
+The workload is a file in the shared JSONL format (or a BurstGPT or Azure CSV trace), or
+generated: Poisson or Gamma arrivals, lengths from a named distribution or uniform ranges, and
+a weighted tenant mix. A generated workload uses the same seed at every rate, so rates see the
+same requests; a file is replayed at its own times (divided by ``--time-scale``), or stretched
+to each ``--rate`` (``scale_to_rate``); ``--token-scale`` and ``--too-long`` act as in every
+tool that reads a file (``quanta.workloads.load_workload``). Writes every request's raw
+timings and a summary per rate (``quanta.metrics``) to ``--output`` (JSON), prints the
+summaries, and with ``--plot-dir`` draws latency-vs-rate and CDF plots (matplotlib, imported
+only then).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Annotated, Any
 
 import typer
 
-from quanta.bench.workloads import WorkloadRequest
+from quanta.workloads import TooLong, WorkloadRequest
+from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -42,23 +45,43 @@ class WorkloadSpec:
     output_tokens: tuple[int, int] = (8, 32)
     tenants: str = "default"
     priority_class: str = "online"
-    max_len: int = 2048
+    max_len: int = 2048  # the model's: prompt + output must fit
+    time_scale: float = 1.0  # a file's: its inter-arrival times are divided by it
+    token_scale: float = 1.0  # a file's: its prompt lengths are multiplied by it
+    too_long: TooLong = "error"  # a file's rows that do not fit max_len
 
     def build(self, rate: float | None) -> list[WorkloadRequest]:
         """The requests at ``rate`` (None: a file's own times; required to generate)."""
-        from quanta.bench import workloads as wl
+        from quanta import workloads as wl
 
         if self.source is not None and self.source not in wl.DATASETS:
             if not Path(self.source).is_file():
                 known = ", ".join(sorted(wl.DATASETS))
                 raise wl.WorkloadError(f"{self.source!r} is neither a file nor a dataset ({known})")
-            rows = wl.load_workload(self.source, rate=rate, cv=self.cv, seed=self.seed)
-            rows = wl.rebase(rows[: self.num_requests])  # [:None] is all of them
+            if rate is not None and self.time_scale != 1.0:
+                raise wl.WorkloadError("a file is stretched to --rate or sped up by --time-scale")
+            rows = wl.load_workload(
+                self.source,
+                rate=rate,
+                cv=self.cv,
+                seed=self.seed,
+                limit=self.num_requests,
+                time_scale=self.time_scale,
+                token_scale=self.token_scale,
+                too_long=self.too_long,
+                max_len=self.max_len,
+            )
+            rows = wl.rebase(rows)
             if rate is None or not any(r.arrival_time for r in rows):
                 return rows
             if math.isinf(rate):
                 return [replace(r, arrival_time=0.0) for r in rows]
             return wl.scale_to_rate(rows, rate)
+        if self.time_scale != 1.0 or self.token_scale != 1.0:
+            raise wl.WorkloadError(
+                "--time-scale and --token-scale rescale a workload file; a generated "
+                "workload's rate is --rate and its lengths are the dataset's or the ranges'"
+            )
         if rate is None:
             raise wl.WorkloadError("a generated workload needs --rate")
         lengths = self.source or wl.UniformLengths(self.prompt_tokens, self.output_tokens)
@@ -77,7 +100,9 @@ class WorkloadSpec:
         )
 
 
-_WORKLOAD_HELP = "a workload file (JSONL or BurstGPT CSV) or sharegpt, alpaca, humaneval, longbench"
+_WORKLOAD_HELP = (
+    "a workload file (JSONL, BurstGPT or Azure CSV) or sharegpt, alpaca, humaneval, longbench"
+)
 
 
 def bench_serve(
@@ -97,10 +122,17 @@ def bench_serve(
         ),
     ] = None,
     num_requests: Annotated[
-        int | None, typer.Option(min=1, help="requests per rate (default: 32, or all of a file)")
+        int | None,
+        typer.Option(min=1, help="requests per rate (default: 32, or all of a file: its first N)"),
     ] = None,
     seed: Annotated[int, typer.Option(help="seed of arrivals, lengths and tenants")] = 0,
     cv: Annotated[float, typer.Option(help="arrival burstiness (1: Poisson)")] = 1.0,
+    time_scale: TimeScaleOpt = 1.0,
+    token_scale: TokenScaleOpt = 1.0,
+    too_long: TooLongOpt = "error",
+    max_len: Annotated[
+        int, typer.Option(min=2, help="the served model's length: prompt + output must fit")
+    ] = 2048,
     prompt_tokens: Annotated[str, typer.Option(help="uniform prompt length lo:hi")] = "16:64",
     output_tokens: Annotated[str, typer.Option(help="uniform output length lo:hi")] = "8:32",
     tenants: Annotated[
@@ -123,8 +155,8 @@ def bench_serve(
 ) -> None:
     """Replay a workload at each rate with real timing; print the summaries."""
     from quanta.bench.client import TRANSPORTS, Target
-    from quanta.bench.metrics import SLO
-    from quanta.bench.workloads import WorkloadError
+    from quanta.metrics import SLO
+    from quanta.workloads import WorkloadError
 
     if transport not in TRANSPORTS:
         raise typer.BadParameter(f"--transport must be one of {', '.join(TRANSPORTS)}")
@@ -140,7 +172,7 @@ def bench_serve(
         send_metadata=metadata,
     )
     spec = _spec(workload, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
-                 priority_class)  # fmt: skip
+                 priority_class, max_len, time_scale, token_scale, too_long)  # fmt: skip
     generated = workload is None or not Path(workload).is_file()
     rates: list[float | None] = [float(r) for r in (rate or "").split(",") if r.strip()]
     if not rates:
@@ -178,8 +210,20 @@ def bench_workload(
     dataset: Annotated[
         str | None, typer.Option(help="sharegpt, alpaca, humaneval, longbench; default uniform")
     ] = None,
-    num_requests: Annotated[int, typer.Option(min=1)] = 100,
-    rate: Annotated[float, typer.Option(help="requests/s (inf: all at once)")] = 1.0,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="convert this workload file (JSONL, BurstGPT or Azure CSV) instead of "
+            "generating one: its first --num-requests requests, at its own times"
+        ),
+    ] = None,
+    num_requests: Annotated[
+        int | None, typer.Option(min=1, help="default: 100, or all of a --trace")
+    ] = None,
+    rate: Annotated[
+        float | None,
+        typer.Option(help="requests/s (inf: all at once); default 1, or a --trace's own times"),
+    ] = None,
     cv: Annotated[float, typer.Option(help="arrival burstiness (1: Poisson)")] = 1.0,
     seed: Annotated[int, typer.Option()] = 0,
     prompt_tokens: Annotated[str, typer.Option(help="uniform prompt length lo:hi")] = "16:64",
@@ -189,15 +233,30 @@ def bench_workload(
     ),
     priority_class: Annotated[str, typer.Option(help="online or offline")] = "online",
     max_len: Annotated[int, typer.Option(min=2, help="prompt + output must fit")] = 2048,
+    time_scale: TimeScaleOpt = 1.0,
+    token_scale: TokenScaleOpt = 1.0,
+    too_long: TooLongOpt = "error",
 ) -> None:
     """Write a seeded workload in the JSONL format ``bench serve``, ``simulate`` and Locust
-    read (see ``quanta.bench.workloads`` for the format and the Python API for richer mixes)."""
-    from quanta.bench.workloads import WorkloadError, save_workload
+    read, or convert a trace to it (see ``quanta.workloads`` for the format and the Python
+    API for richer mixes)."""
+    from quanta.workloads import WorkloadError, save_workload
 
-    spec = _spec(dataset, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
-                 priority_class, max_len)  # fmt: skip
     if dataset is not None and Path(dataset).is_file():
-        raise typer.BadParameter("give a dataset name, not a file", param_hint="--dataset")
+        raise typer.BadParameter(
+            "give a dataset name, not a file (--trace converts a file)", param_hint="--dataset"
+        )
+    if dataset is not None and trace is not None:
+        raise typer.BadParameter("give --dataset or --trace, not both", param_hint="--trace")
+    if trace is not None and not trace.is_file():
+        raise typer.BadParameter(f"no file {trace}", param_hint="--trace")
+    if num_requests is None and trace is None:
+        num_requests = 100
+    if rate is None and trace is None:
+        rate = 1.0
+    source = str(trace) if trace is not None else dataset
+    spec = _spec(source, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
+                 priority_class, max_len, time_scale, token_scale, too_long)  # fmt: skip
     try:
         rows = spec.build(rate)
     except WorkloadError as exc:
@@ -213,9 +272,8 @@ async def _sweep(
 ) -> list[dict[str, Any]]:
     from rich.progress import Progress
 
-    from quanta.bench.client import replay
-    from quanta.bench.metrics import from_client_results, summarize
-    from quanta.bench.workloads import to_client_requests
+    from quanta.bench.client import replay, to_client_requests
+    from quanta.metrics import from_client_results, summarize
 
     runs = []
     with Progress(transient=False) as progress:
@@ -249,6 +307,9 @@ def _spec(
     tenants: str,
     priority_class: str,
     max_len: int = 2048,
+    time_scale: float = 1.0,
+    token_scale: float = 1.0,
+    too_long: TooLong = "error",
 ) -> WorkloadSpec:
     """The ``WorkloadSpec`` of the shared command-line options."""
     return WorkloadSpec(
@@ -261,6 +322,9 @@ def _spec(
         tenants=tenants,
         priority_class=priority_class,
         max_len=max_len,
+        time_scale=time_scale,
+        token_scale=token_scale,
+        too_long=too_long,
     )
 
 

@@ -1,7 +1,8 @@
 """The simulator: the real loop and policies on a virtual clock, step times from a cost model.
 
 Pure Python like ``quanta.policies`` (no torch); only ``quanta.sim.profile`` and the real-engine
-benchmarks in ``quanta.sim.bench`` load the PyTorch engine, inside their functions.
+benchmarks in ``quanta.sim.bench`` load the PyTorch engine, inside their functions. Traces
+come from ``quanta.workloads`` (``make_workload``), the same requests a live benchmark sends.
 """
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ from __future__ import annotations
 from quanta.sim.driver import SimResult, SimSetup, build_requests, drive, simulate
 from quanta.sim.metrics import request_metrics, summarize
 from quanta.sim.runner import SimRunner, SimStats
-from quanta.sim.workloads import DATASETS, TraceRequest, make_workload, with_io_ratio
+from quanta.workloads import TraceRequest  # the element type of ``simulate``'s trace
 
 __all__ = [
-    "DATASETS",
     "SimResult",
     "SimRunner",
     "SimSetup",
@@ -20,9 +20,7 @@ __all__ = [
     "TraceRequest",
     "build_requests",
     "drive",
-    "make_workload",
     "request_metrics",
     "simulate",
     "summarize",
-    "with_io_ratio",
 ]

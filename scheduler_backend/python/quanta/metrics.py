@@ -1,5 +1,6 @@
 """Latency, throughput, SLO and fairness metrics of a run — pure Python, shared by live
-benchmarks and the simulator.
+benchmarks (``quanta.bench``) and the simulator (``quanta.sim``), which is why it sits beside
+both rather than in either: the simulator must not import the benchmarks.
 
 Every figure is computed from ``RequestRecord`` s: when a request arrived (was sent), when each
 streamed chunk carrying tokens came, when it ended, how many tokens it got. Adapters build

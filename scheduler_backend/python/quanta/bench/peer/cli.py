@@ -59,9 +59,9 @@ def bench_peer(
 ) -> None:
     """Serve the same checkpoint with vLLM and Quanta, replay one seeded workload per rate
     through the same client, and print the side-by-side table."""
-    from quanta.bench.metrics import SLO
     from quanta.bench.peer import VLLM_PRIORITIES, PeerSetup, render_markdown, run_peer
     from quanta.bench.serve_cli import parse_range
+    from quanta.metrics import SLO
 
     if vllm_priority not in VLLM_PRIORITIES:
         choices = ", ".join(VLLM_PRIORITIES)

@@ -1,0 +1,138 @@
+"""Workloads: who sends what, when — one data model, one file format, one set of generators
+and transformations for ``quanta bench``, ``quanta simulate`` and Locust.
+
+A workload is a list of ``WorkloadRequest``: an arrival offset, a prompt (length, optionally
+text), an output length, and the scheduling metadata the policies read (tenant, app,
+interaction, online/offline class, SLOs). Every tool reads the same files (``save_workload`` /
+``load_workload``: JSONL, or a BurstGPT or Azure CSV trace), so a simulated run and a live
+run can be fed exactly the same requests.
+
+One module per concern: ``model`` (the request), ``lengths`` (length samplers, ``DATASETS``),
+``arrivals`` (renewal processes, rate schedules), ``tenants`` (tenants, apps, interactions,
+offline batches), ``transforms`` (merge, rebase, rescale, fit to a model), ``files`` (load and
+save; formats in ``jsonl`` and ``csv_traces``) and ``options`` (the command-line options of
+tools that read workload files). Pure Python: the simulator imports it.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from quanta.workloads.arrivals import Arrivals, RateSchedule, arrival_times, on_off, ramp
+from quanta.workloads.files import load_workload, save_workload
+from quanta.workloads.lengths import (
+    DATASETS,
+    LengthDist,
+    LengthSampler,
+    UniformLengths,
+    length_sampler,
+)
+from quanta.workloads.model import (
+    CLASSES,
+    PriorityClass,
+    TraceRequest,
+    WorkloadError,
+    WorkloadRequest,
+)
+from quanta.workloads.tenants import App, Tenant, offline_batch, synthesize, tenant_mix
+from quanta.workloads.transforms import (
+    TOO_LONG,
+    TooLong,
+    fit_to_model,
+    merge,
+    rebase,
+    scale_time,
+    scale_to_rate,
+    scale_tokens,
+    with_io_ratio,
+)
+
+
+def make_workload(
+    name_or_path: str,
+    num_requests: int,
+    rate: float,
+    *,
+    seed: int = 0,
+    cv: float = 1.0,
+    max_len: int = 2048,
+    time_scale: float = 1.0,
+    token_scale: float = 1.0,
+    too_long: TooLong = "error",
+) -> list[WorkloadRequest]:
+    """The simulator's entry point: a dataset name or a workload file.
+
+    A dataset draws all lengths (redrawn until they fit ``max_len``), then Poisson/Gamma
+    arrivals from one ``Random(seed)``: this order keeps seeded simulations (and the
+    published tables) unchanged. A file's first ``num_requests`` requests by arrival are
+    used, times rebased to 0; a file without times gets arrivals from ``rate``/``cv``;
+    ``time_scale``, ``token_scale`` and ``too_long`` act as in ``load_workload`` (a row longer
+    than ``max_len`` is an error unless ``too_long`` is ``skip`` or ``clip``).
+    """
+    if name_or_path in DATASETS:
+        if time_scale != 1.0 or token_scale != 1.0:
+            raise WorkloadError(
+                "time_scale and token_scale rescale a workload file; a dataset's arrivals "
+                "come from the rate and its lengths from the dataset"
+            )
+        rng = random.Random(seed)
+        dist = DATASETS[name_or_path]
+        lengths = [dist.sample(rng, max_len) for _ in range(num_requests)]
+        times = arrival_times(num_requests, rate, rng, cv)
+        return [
+            WorkloadRequest(t, i, o, request_id=f"r{k}")
+            for k, (t, (i, o)) in enumerate(zip(times, lengths, strict=True))
+        ]
+    path = Path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(DATASETS))
+        raise WorkloadError(f"workload {name_or_path!r} is neither a dataset ({known}) nor a file")
+    rows = load_workload(
+        path,
+        rate=rate,
+        cv=cv,
+        seed=seed,
+        limit=num_requests,
+        time_scale=time_scale,
+        token_scale=token_scale,
+        too_long=too_long,
+        max_len=max_len,
+    )
+    return rebase(rows)
+
+
+__all__ = [
+    "CLASSES",
+    "DATASETS",
+    "TOO_LONG",
+    "App",
+    "Arrivals",
+    "LengthDist",
+    "LengthSampler",
+    "PriorityClass",
+    "RateSchedule",
+    "Tenant",
+    "TooLong",
+    "TraceRequest",
+    "UniformLengths",
+    "WorkloadError",
+    "WorkloadRequest",
+    "arrival_times",
+    "fit_to_model",
+    "length_sampler",
+    "load_workload",
+    "make_workload",
+    "merge",
+    "offline_batch",
+    "on_off",
+    "ramp",
+    "rebase",
+    "save_workload",
+    "scale_time",
+    "scale_to_rate",
+    "scale_tokens",
+    "synthesize",
+    "tenant_mix",
+    "with_io_ratio",
+]

@@ -1,0 +1,124 @@
+"""The JSONL workload format: one request per line, the keys of ``WorkloadRequest``.
+
+::
+
+    {"request_id": "r0", "arrival_time": 0.31, "prompt_tokens": 96, "output_tokens": 48,
+     "tenant": "t1", "app": "chat", "interaction_id": "t1-i0", "priority_class": "online",
+     "ttft_slo_ms": 1000, "tpot_slo_ms": 100, "prompt": "optional text"}
+
+Only ``output_tokens`` and one of ``prompt_tokens`` / ``prompt`` are required. ``arrival_time``
+is an offset in seconds from the start of the run and is kept as is; ``timestamp`` is a trace's
+own clock and is rebased so the first request arrives at 0. Accepted aliases: ``input_len`` /
+``input_tokens`` (prompt_tokens), ``output_len`` / ``max_tokens`` (output_tokens), ``user``
+(tenant). Unknown keys are errors, so a typo cannot silently drop a field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from quanta.workloads.model import (
+    CLASSES,
+    OPTIONAL_DEFAULTS,
+    FileRow,
+    WorkloadError,
+    WorkloadRequest,
+    parse_count,
+    parse_number,
+)
+
+_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "timestamp": "timestamp",
+        "arrival_time": "arrival_time",
+        "prompt_tokens": "prompt_tokens",
+        "input_len": "prompt_tokens",
+        "input_tokens": "prompt_tokens",
+        "output_tokens": "output_tokens",
+        "output_len": "output_tokens",
+        "max_tokens": "output_tokens",
+        "user": "tenant",
+        **{k: k for k in ("request_id", *OPTIONAL_DEFAULTS)},
+    }
+)
+
+
+def write_jsonl(path: Path, requests: Sequence[WorkloadRequest]) -> None:
+    """One JSON object per request, in the given order (``WorkloadRequest.to_dict``)."""
+    with path.open("w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path, count_tokens: Callable[[str], int]) -> list[FileRow]:
+    """The file's requests in file order; blank lines are skipped, a bad line raises
+    ``path:line: problem``."""
+    rows: list[FileRow] = []
+    with path.open(encoding="utf-8") as f:
+        for line, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise WorkloadError(f"{path}:{line}: not JSON ({exc.msg})") from None
+            try:
+                req, when, clock = _parse_object(obj, len(rows), count_tokens)
+            except WorkloadError as exc:
+                raise WorkloadError(f"{path}:{line}: {exc}") from None
+            rows.append(FileRow(line, req, when, clock))
+    return rows
+
+
+def estimate_tokens(text: str) -> int:
+    """About 4 characters per token: an estimate (the server counts the real tokens)."""
+    return max(1, round(len(text) / 4))
+
+
+def _parse_object(
+    obj: Any, index: int, count_tokens: Callable[[str], int]
+) -> tuple[WorkloadRequest, float | None, bool]:
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"expected a JSON object, got {type(obj).__name__}")
+    fields: dict[str, Any] = {}
+    for key, value in obj.items():
+        name = _ALIASES.get(key)
+        if name is None:
+            raise WorkloadError(f"unknown field {key!r} (known: {', '.join(sorted(_ALIASES))})")
+        if name in fields:
+            raise WorkloadError(f"field {name!r} given twice (through an alias)")
+        fields[name] = value
+    if "timestamp" in fields and "arrival_time" in fields:
+        raise WorkloadError("give arrival_time or timestamp, not both")
+    clock = "timestamp" in fields
+    when = fields.pop("timestamp", fields.pop("arrival_time", None))
+    if when is not None:
+        when = parse_number(when, "arrival_time" if not clock else "timestamp", minimum=0.0)
+    prompt = fields.get("prompt")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt):
+        raise WorkloadError("prompt must be a non-empty string")
+    if "prompt_tokens" in fields:
+        fields["prompt_tokens"] = parse_count(fields["prompt_tokens"], "prompt_tokens")
+    elif prompt is not None:
+        fields["prompt_tokens"] = max(1, count_tokens(prompt))
+    else:
+        raise WorkloadError("needs prompt_tokens or prompt")
+    if "output_tokens" not in fields:
+        raise WorkloadError("needs output_tokens")
+    fields["output_tokens"] = parse_count(fields["output_tokens"], "output_tokens")
+    for key in ("tenant", "app", "interaction_id", "request_id"):
+        if key in fields and fields[key] is not None and not isinstance(fields[key], str):
+            raise WorkloadError(f"{key} must be a string")
+    if fields.get("priority_class", "online") not in CLASSES:
+        got = fields["priority_class"]
+        raise WorkloadError(f"priority_class must be online or offline, got {got!r}")
+    for key in ("ttft_slo_ms", "tpot_slo_ms"):
+        if fields.get(key) is not None:
+            fields[key] = parse_number(fields[key], key, minimum=0.0, strict=True)
+    if not fields.get("request_id"):
+        fields["request_id"] = f"r{index}"
+    return WorkloadRequest(arrival_time=0.0, **fields), when, clock

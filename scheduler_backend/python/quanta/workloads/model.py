@@ -1,0 +1,123 @@
+"""The workload data model: one request of a workload, the error every reader raises, and the
+checks that make a file's field a valid count or number.
+
+Kept apart from the generators and readers so that everything else in ``quanta.workloads``
+(and the simulator, the benchmarks and Locust) shares one definition of a request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
+
+PriorityClass = Literal["online", "offline"]
+CLASSES: tuple[PriorityClass, ...] = ("online", "offline")
+
+
+class WorkloadError(ValueError):
+    """A workload file or spec is malformed; the message names the line and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    """One request. Field names are the file's keys; ``input_len``/``output_len`` are the
+    simulator's names for the two lengths, so its driver reads either."""
+
+    arrival_time: float  # seconds from the start of the run
+    prompt_tokens: int
+    output_tokens: int
+    request_id: str = ""
+    prompt: str | None = None  # text to send; None: ``prompt_tokens`` synthetic token ids
+    tenant: str = "default"
+    app: str = "default"
+    interaction_id: str | None = None
+    priority_class: PriorityClass = "online"
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+
+    @property
+    def input_len(self) -> int:
+        return self.prompt_tokens
+
+    @property
+    def output_len(self) -> int:
+        return self.output_tokens
+
+    def metadata(self) -> dict[str, Any]:
+        """Keyword arguments of ``quanta.core.request.RequestMetadata``."""
+        return {
+            "tenant": self.tenant,
+            "app": self.app,
+            "interaction_id": self.interaction_id,
+            "priority_class": self.priority_class,
+            "ttft_slo_ms": self.ttft_slo_ms,
+            "tpot_slo_ms": self.tpot_slo_ms,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object: required keys always, optional ones when not default (an
+        empty ``request_id`` is left out: loading names it ``r<index>``)."""
+        out: dict[str, Any] = {"request_id": self.request_id} if self.request_id else {}
+        out |= {
+            "arrival_time": self.arrival_time,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+        }
+        for key, default in OPTIONAL_DEFAULTS.items():
+            value = getattr(self, key)
+            if value != default:
+                out[key] = value
+        return out
+
+
+# The optional keys of a file's object and the values a writer leaves out.
+OPTIONAL_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
+    {
+        "tenant": "default",
+        "app": "default",
+        "interaction_id": None,
+        "priority_class": "online",
+        "ttft_slo_ms": None,
+        "tpot_slo_ms": None,
+        "prompt": None,
+    }
+)
+
+# The simulator's name for a request of its trace; same positional fields (arrival, input,
+# output). NOTE: kept because the simulator's driver and experiments type their traces by it.
+TraceRequest = WorkloadRequest
+
+
+class FileRow(NamedTuple):
+    """A request as a reader found it, before the file's rows are put on one clock."""
+
+    line: int  # 1-based line of the file, for error messages
+    request: WorkloadRequest  # its ``arrival_time`` is not set yet
+    time: float | None  # the row's time, None when the file gives none
+    clock: bool  # True: ``time`` is a trace's own clock, rebased so the first arrives at 0
+
+
+def parse_count(value: Any, name: str, *, minimum: int = 1) -> int:
+    """An integer token count (``"12"`` and ``12.0`` are accepted, ``12.5`` is not)."""
+    try:
+        number = float(value) if isinstance(value, str | int | float) else math.nan
+    except ValueError:
+        number = math.nan
+    if isinstance(value, bool) or not number.is_integer() or number < minimum:
+        raise WorkloadError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(number)
+
+
+def parse_number(value: Any, name: str, *, minimum: float, strict: bool = False) -> float:
+    """A finite number >= ``minimum`` (> with ``strict``)."""
+    try:
+        number = float(value) if isinstance(value, str | int | float) else math.nan
+    except ValueError:
+        number = math.nan
+    bad = number <= minimum if strict else number < minimum
+    if isinstance(value, bool) or not math.isfinite(number) or bad:
+        op = ">" if strict else ">="
+        raise WorkloadError(f"{name} must be a number {op} {minimum:g}, got {value!r}")
+    return number
