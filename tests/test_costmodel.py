@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from quanta.policies.costmodel import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from quanta.costmodel import (
     PRESETS,
     CostModel,
     available_profiles,
@@ -19,6 +21,7 @@ LAYERS_HIDDEN = {
     "a100-opt13b": (40, 5120),
     "a100x4-opt66b": (64, 9216),
     "a100x16-opt175b": (96, 12288),
+    "a100-llama7b": (32, 4096),
 }
 
 
@@ -48,6 +51,29 @@ def test_opt175b_matches_the_papers_swap_example():
     assert m.kv_bytes_per_token * 512 / 2**30 == pytest.approx(2.25, abs=0.05)
     assert m.swap_time(512 // 16, 16) == pytest.approx(0.036, rel=0.1)
     assert m.decode_time(16, 16 * 500) == pytest.approx(0.060, rel=0.1)
+
+
+def test_llama7b_has_a_4k_context_and_about_40k_tokens_of_kv():
+    """LLaMA-2-7B on an A100-40GB: 0.5 MB of fp16 K+V per token, ~20 GB for KV."""
+    m = PRESETS["a100-llama7b"]
+    assert m.max_model_len == 4096
+    assert m.kv_bytes_per_token == 512 * 1024
+    device, _ = m.num_blocks(16)
+    assert 35_000 <= device * 16 <= 42_000
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 3000)), min_size=1, max_size=20))
+def test_shares_add_up_to_the_step(chunks):
+    m = PRESETS["a100-opt13b"]
+    assert sum(m.shares(chunks)) == pytest.approx(m.step_time(chunks), rel=1e-9)
+
+
+def test_a_decode_token_riding_with_a_long_prefill_pays_about_a_decode_tokens_share():
+    m = PRESETS["a100-opt13b"]
+    alone = m.shares([(1, 500)] * 16)[0]
+    beside_prefill = m.shares([(1, 500), (2000, 0)])[0]
+    assert beside_prefill < 2 * alone < m.step_time([(1, 500), (2000, 0)]) / 10
 
 
 def test_opt13b_fits_its_a100_and_uses_pcie4():
@@ -86,7 +112,7 @@ def test_invalid_profiles_are_rejected():
 
 def test_cost_model_and_policies_stay_torch_free():
     code = (
-        "import sys, quanta.policies, quanta.policies.costmodel, quanta.sim; "
+        "import sys, quanta.policies, quanta.costmodel, quanta.sim; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,10 +18,11 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.loop import EngineLoop
 from quanta.core.output import RunnerOutput
+from quanta.core.plan import PoolView
 from quanta.core.request import Request, RequestStatus, SamplingParams
 from quanta.core.view import SchedulerView
+from quanta.costmodel import PRESETS, CostModel
 from quanta.policies import make_policy
-from quanta.policies.costmodel import PRESETS, CostModel
 from quanta.policies.mlfq_memory import ProactiveSwap, mlfq_enst
 from quanta.sim import SimSetup, TraceRequest, simulate
 from quanta.sim.driver import time_runner
@@ -114,32 +115,33 @@ def run_all(loop: EngineLoop, requests: list[Request]) -> dict[str, list[int]]:
 
 
 def empty_view(blocks: BlockManager | None = None, now: float = 0.0) -> SchedulerView:
-    return SchedulerView(now, [], [], [], blocks or BlockManager(16, 100, 100))
+    return SchedulerView(now, [], [], [], PoolView(blocks or BlockManager(16, 100, 100)))
 
 
 # -- placement, demotion, starvation -------------------------------------------------------
 def test_skip_join_places_each_job_by_its_predicted_prefill():
     cost = PRESETS["a100-opt13b"]
     pol = make_policy("sj-mlfq", SchedulerConfig(), profile=cost)
-    assert pol.quanta[0] == pytest.approx(cost.min_iteration_time)
-    assert pol.quanta[3] == pytest.approx(8 * pol.quanta[0])
+    assert pol.ordering.quanta[0] == pytest.approx(cost.min_iteration_time)
+    assert pol.ordering.quanta[3] == pytest.approx(8 * pol.ordering.quanta[0])
     levels = []
     for n in (1, 64, 256, 512, 1024, 2000):
         req = request(f"p{n}", n, 4)
         assert pol.admit(req, empty_view()) is None
-        level, t = pol.jobs[req.request_id].level, cost.prefill_time(n)
-        assert pol.quanta[level] >= t and (level == 0 or pol.quanta[level - 1] < t)
+        level, t = pol.ordering.jobs[req.request_id].level, cost.prefill_time(n)
+        quanta = pol.ordering.quanta
+        assert quanta[level] >= t and (level == 0 or quanta[level - 1] < t)
         levels.append(level)
     assert levels[0] == 0 and levels == sorted(levels) and levels[-1] >= 4
     naive = make_policy("mlfq", SchedulerConfig(), profile=cost)
     naive.admit(request("long", 2000, 4), empty_view())
-    assert naive.jobs["long"].level == 0
+    assert naive.ordering.jobs["long"].level == 0
 
 
 def test_public_code_quantum_is_a_setting():
     pol = make_policy("sj-mlfq", SchedulerConfig(), base_quantum=0.01, num_queues=3)
-    assert pol.quanta == pytest.approx([0.01, 0.02, 0.04])
-    with pytest.raises(ValueError, match="memory must be one of"):
+    assert pol.ordering.quanta == pytest.approx([0.01, 0.02, 0.04])
+    with pytest.raises(ValueError, match="memory"):
         make_policy("sj-mlfq", SchedulerConfig(), memory="sometimes")
 
 
@@ -161,7 +163,7 @@ def test_demotion_after_each_used_quantum():
         req.all_token_ids.append(1)
         req.output_token_ids.append(1)
         pol.on_step(Decision(run=(("a", 1),)), RunnerOutput(("a",), (1,)), 1.0)
-        levels.append(pol.jobs["a"].level)
+        levels.append(pol.ordering.jobs["a"].level)
     assert levels == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 4, 4]
 
 
@@ -169,9 +171,9 @@ def test_demotion_lands_where_the_next_iteration_fits():
     pol = make_policy("sj-mlfq", SchedulerConfig(), profile=toy_cost(), base_quantum=1.0)
     req = request("a", 12, 4)
     pol.admit(req, empty_view())
-    pol.jobs["a"].level = 0  # e.g. just promoted, with its whole prompt still to prefill
+    pol.ordering.jobs["a"].level = 0  # e.g. just promoted, with its whole prompt still to prefill
     pol.on_step(Decision(run=(("a", 1),)), RunnerOutput(("a",), (None,)), 1.0)
-    assert pol.jobs["a"].level == pol.level_for(12.0) == 4
+    assert pol.ordering.jobs["a"].level == pol.ordering.level_for(12.0) == 4
 
 
 def test_starved_job_is_promoted_to_q1():
@@ -263,8 +265,8 @@ def decide(pol, bm: BlockManager, running=(), swapped=(), waiting=(), levels=Non
     for r in live.values():
         pol.admit(r, empty_view(bm))
     for rid, level in (levels or {}).items():
-        pol.jobs[rid].level = level
-    view = SchedulerView(0.0, list(waiting), list(running), list(swapped), bm)
+        pol.ordering.jobs[rid].level = level
+    view = SchedulerView(0.0, list(waiting), list(running), list(swapped), PoolView(bm))
     decision = pol.schedule(view)
     DecisionApplier(bm).validate(decision, live)  # feasible, or this raises
     return decision
@@ -290,11 +292,11 @@ def test_reserve_follows_recent_arrivals():
     bm = BlockManager(4, 100, 0)
     assert kv.reserve(empty_view(bm, 0.0)) == 4  # MaxBatchSize blocks, as the public code
     for t in (0.1, 0.2, 0.3):
-        kv.note_arrival(t, 10)
+        kv.on_admit(request(f"r{t}", 40, 1), empty_view(bm, t))  # 10 blocks of 4 tokens
     assert kv.reserve(empty_view(bm, 0.5)) == 30
     assert kv.reserve(empty_view(bm, 1.25)) == 10  # the first two left the window
     for t in (1.3, 1.4, 1.5, 1.6, 1.7, 1.8):
-        kv.note_arrival(t, 10)
+        kv.on_admit(request(f"r{t}", 40, 1), empty_view(bm, t))
     assert kv.reserve(empty_view(bm, 1.9)) == 50  # capped at half the pool
 
 
@@ -343,9 +345,22 @@ def test_reactive_and_recompute_variants_move_kv_only_when_needed(policy, mode):
     bm = BlockManager(4, 7, 100)
     a, z = resident(bm, "a", 4), resident(bm, "z", 16)
     n = request("n", 8, 4)  # a new job needing 2 blocks; 2 are free and a needs 1
-    pol = make_policy(policy, SchedulerConfig(max_num_seqs=2), profile=toy_cost())
+    pol = make_policy(
+        policy, SchedulerConfig(max_num_seqs=2), profile=toy_cost(), evict_to_start=True
+    )
     d = decide(pol, bm, running=[a, z], waiting=[n], levels={"a": 0, "n": 0, "z": 5})
     assert d.preempt == (Preemption("z", mode),) and {r for r, _ in d.run} == {"a", "n"}
+
+
+def test_a_newcomer_waits_for_free_blocks_instead_of_evicting_a_paused_resident():
+    """By default a job that is not resident starts only in free blocks: z, paused in a low
+    queue, keeps its KV, and n waits although it ranks higher."""
+    bm = BlockManager(4, 7, 100)
+    a, z = resident(bm, "a", 4), resident(bm, "z", 16)
+    n = request("n", 8, 4)
+    pol = make_policy("sj-mlfq-reactive", SchedulerConfig(max_num_seqs=2), profile=toy_cost())
+    d = decide(pol, bm, running=[a, z], waiting=[n], levels={"a": 0, "n": 0, "z": 5})
+    assert d == Decision(run=(("a", 1), ("z", 1)))
 
 
 def test_host_full_falls_back_to_recompute():
@@ -353,7 +368,9 @@ def test_host_full_falls_back_to_recompute():
     a, z = resident(bm, "a", 4), resident(bm, "z", 16)
     n = request("n", 8, 4)
     d = decide(
-        make_policy("sj-mlfq", SchedulerConfig(max_num_seqs=2), profile=toy_cost()),
+        make_policy(
+            "sj-mlfq", SchedulerConfig(max_num_seqs=2), profile=toy_cost(), evict_to_start=True
+        ),
         bm,
         running=[a, z],
         waiting=[n],

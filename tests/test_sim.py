@@ -13,23 +13,24 @@ from quanta.cli import app
 from quanta.core.clock import VirtualClock
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.core.request import Request, SamplingParams
-from quanta.policies.costmodel import PRESETS
-from quanta.policies.fcfs import FCFSPolicy
+from quanta.costmodel import PRESETS
+from quanta.policies import StagedPolicy, make_policy
+from quanta.policies.stages import Admission
 from quanta.sim import (
     SimRunner,
     SimSetup,
     build_requests,
-    make_workload,
     simulate,
     summarize,
 )
 from quanta.sim.metrics import percentile, request_metrics
 from quanta.sim.report import write_sections
-from quanta.sim.workloads import (
+from quanta.workloads import (
     TraceRequest,
     WorkloadRequest,
     arrival_times,
     load_workload,
+    make_workload,
     save_workload,
 )
 from typer.testing import CliRunner
@@ -115,14 +116,19 @@ def test_workload_metadata_reaches_the_policy_and_the_summary(tmp_path):
 
     seen: list[tuple[str, str, str]] = []
 
-    class Recording(FCFSPolicy):
+    class Recording(Admission):
         def admit(self, request, view):  # type: ignore[no-untyped-def]
             meta = request.metadata
             seen.append((request.request_id, meta.tenant, meta.priority_class))
-            return super().admit(request, view)
+            return None
+
+    def recording_policy(setup: SimSetup) -> StagedPolicy:
+        policy = make_policy("fcfs", setup.scheduler)
+        policy.admission = Recording()
+        return policy
 
     setup = SimSetup("fcfs", COST)
-    with patch("quanta.sim.driver.make_sim_policy", lambda s: Recording(s.scheduler)):
+    with patch("quanta.sim.driver.make_sim_policy", recording_policy):
         result = summarize(simulate(trace, setup))
     assert sorted(seen) == sorted((r.request_id, r.tenant, r.priority_class) for r in rows)
     tenants = result["by_tenant"]["tenants"]
@@ -287,7 +293,25 @@ def test_cli_simulate_writes_the_promised_keys(tmp_path: Path):
         res = CliRunner().invoke(app, ["simulate", "--policy", policy, "--num-requests", "10"])
         assert res.exit_code == 0, res.output
     bad = CliRunner().invoke(app, ["simulate", "--policy", "nope", "--num-requests", "5"])
-    assert bad.exit_code != 0 and "unknown policy" in str(bad.exception)
+    assert bad.exit_code == 2 and "unknown policy 'nope'" in bad.output
+    bad = CliRunner().invoke(app, ["simulate", "--policy-option", "starve_limit=-1"])
+    assert bad.exit_code == 2 and "starve_limit" in bad.output
+
+
+def test_cli_repro_runs_the_real_trace_sweep(tmp_path: Path):
+    trace = tmp_path / "azure.csv"
+    rows = [f"2023-11-16 18:15:{10 + i:02d}.5000000,{100 + 37 * i},{5 + i}" for i in range(12)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    doc = tmp_path / "fastserve.md"
+    args = ["simulate", "repro", "--figure", "azure", "--num-requests", "10", "--jobs", "1"]
+    res = CliRunner().invoke(app, [*args, "--trace", str(trace), "--output", str(doc)])
+    assert res.exit_code == 0, res.output
+    text = doc.read_text()
+    for name in ("azure-a100-opt13b", "azure-a100-llama7b"):
+        assert f"<!-- BEGIN repro:{name} -->" in text
+    assert "sj-mlfq (paper reading) mean / P95" in text and "Splitwise" in text
+    missing = CliRunner().invoke(app, ["simulate", "repro", "--figure", "azure"])
+    assert missing.exit_code == 2 and "--trace" in missing.output
 
 
 def test_cli_repro_updates_the_doc(tmp_path: Path):

@@ -12,13 +12,15 @@ sequence's KV); prefill is compute-bound once enough tokens share the weight rea
 bytes over the host link. Presets come from published figures (the numbers' sources are next to
 them); ``quanta profile`` fits the same coefficients to a real engine.
 
-Pure Python (pydantic only): policies import it, so it must never pull in torch.
+Pure Python (pydantic only): policies and the simulator import it, so it must never pull in
+torch. It lives outside `policies/` because it also drives the simulator clock and reads profile
+files.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,6 +66,25 @@ class CostModel(BaseModel):
             return 0.0
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
         return self.step_overhead_s + self.per_seq_s * num_seqs + dense + attention
+
+    def shares(self, chunks: Sequence[tuple[int, int]]) -> list[float]:
+        """Each chunk's own part of ``step_time(chunks)``; the parts add up to the step.
+
+        A chunk pays its attention, its per-sequence cost, an equal part of the fixed
+        overhead, and the dense part in proportion to its new tokens: a decode token that
+        shares a step with a long prefill pays about what it would pay in a decode batch.
+        """
+        if not chunks:
+            return []
+        num_tokens = sum(new for new, _ in chunks)
+        dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
+        fixed = self.step_overhead_s / len(chunks) + self.per_seq_s
+        out = []
+        for new, start in chunks:
+            pairs = new * (start + (new + 1) / 2)
+            attention = max(self.kv_read_per_token_s * (start + new), self.attn_per_pair_s * pairs)
+            out.append(fixed + dense * new / num_tokens + attention)
+        return out
 
     def prefill_time(self, num_tokens: int, context: int = 0) -> float:
         """A prefill of ``num_tokens`` after ``context`` cached tokens, alone in its batch."""
@@ -112,7 +133,7 @@ _ATTN_FLOPS = 312e12 * 0.3
 _PCIE = 25e9
 
 
-def _opt_preset(
+def _preset(
     name: str,
     *,
     params: float,
@@ -124,9 +145,11 @@ def _opt_preset(
     swap_bandwidth: float,
     device_kv_bytes: int,
     source: str,
+    max_model_len: int = 2048,
 ) -> CostModel:
-    """An OPT model whose critical path crosses ``gpus_per_stage`` tensor-parallel GPUs per
-    pipeline stage; pipeline stages run one after the other for a single iteration."""
+    """A dense fp16 multi-head-attention model (OPT; LLaMA-1/2 7B and 13B) whose critical
+    path crosses ``gpus_per_stage`` tensor-parallel GPUs per pipeline stage; pipeline stages
+    run one after the other for a single iteration."""
     kv_per_token = 4 * layers * hidden
     bw, flops = _HBM * gpus_per_stage, _FLOPS * gpus_per_stage
     return CostModel(
@@ -143,7 +166,7 @@ def _opt_preset(
         device_kv_bytes=device_kv_bytes,
         # Swap space: 32 GB per GPU, as FastServe's public artifact scripts (--swap-space 32).
         host_kv_bytes=32 * GB * gpus_per_stage * stages,
-        max_model_len=2048,
+        max_model_len=max_model_len,
     )
 
 
@@ -155,7 +178,7 @@ PRESETS: dict[str, CostModel] = {
         # paper's SLO of 0.3 s = 10x one decode iteration. KV space: 40 GB - 25.7 GB weights
         # - ~2 GB activations/workspace ~= 12 GB, the >30% of memory vLLM's Fig. 1 shows for
         # a 13B model on an A100-40GB. Host link: one PCIe 4.0 x16.
-        _opt_preset(
+        _preset(
             "a100-opt13b",
             params=12.85e9,
             layers=40,
@@ -171,7 +194,7 @@ PRESETS: dict[str, CostModel] = {
         # (FastServe Fig. 11b). Overhead adds two all-reduces per layer (~20 us each). KV:
         # 160 GB - 131 GB weights - 4 x 2 GB. On a p4d two GPUs share a PCIe switch, so four
         # GPUs reach the host over two x16 links.
-        _opt_preset(
+        _preset(
             "a100x4-opt66b",
             params=65.7e9,
             layers=64,
@@ -189,7 +212,7 @@ PRESETS: dict[str, CostModel] = {
         # stage hop) brings a decode iteration to the ~60 ms FastServe §4.2 reports. Swap:
         # FastServe §4.2 moves a 2.3 GB job in ~36 ms, i.e. ~64 GB/s aggregate.
         # KV: 640 GB - 350 GB - 16 x 2 GB.
-        _opt_preset(
+        _preset(
             "a100x16-opt175b",
             params=175e9,
             layers=96,
@@ -201,6 +224,23 @@ PRESETS: dict[str, CostModel] = {
             device_kv_bytes=258 * GB,
             source="OPT-175B, 16x A100-40GB (PP=2 x TP=8): roofline as a100-opt13b, "
             "decode ~60 ms and 2.3 GB swapped in ~36 ms per FastServe Sec. 4.2",
+        ),
+        # LLaMA-2-7B (6.74e9 params, 32 layers, hidden 4096, 32 heads: multi-head attention,
+        # so K+V is 4 x 32 x 4096 = 0.5 MB per fp16 token; 4k context) on one A100-40GB, as
+        # ConServe's evaluation (§6.1). KV space: vLLM's default 90% of 40 GB = 36 GB, less
+        # 13.5 GB of weights and ~2.5 GB of activations/workspace, ~20 GB (~40k tokens).
+        _preset(
+            "a100-llama7b",
+            params=6.74e9,
+            layers=32,
+            hidden=4096,
+            gpus_per_stage=1,
+            overhead_s=2e-3,
+            swap_bandwidth=_PCIE,
+            device_kv_bytes=20 * GB,
+            max_model_len=4096,
+            source="LLaMA-2-7B, 1x A100-40GB (ConServe Sec. 6.1): roofline as a100-opt13b, "
+            "Llama 2 paper shapes, vLLM's 0.9 memory utilization, PCIe 4.0 x16 ~25 GB/s",
         ),
     )
 }

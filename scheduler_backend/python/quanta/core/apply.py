@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from quanta.core.blocks import BlockManager, Tier
+from quanta.core.blocks import BlockManager
 from quanta.core.decision import Decision, PreemptMode
 from quanta.core.errors import PolicyError
 from quanta.core.output import ScheduledSeq, SchedulerOutput
+from quanta.core.plan import PoolView, StepPlan
 from quanta.core.request import Request, RequestStatus
 
 
@@ -22,45 +23,18 @@ class DecisionApplier:
         self.blocks = blocks
 
     def validate(self, d: Decision, live: Mapping[str, Request]) -> None:
-        """Raise ``PolicyError`` unless ``d`` can be applied as a whole."""
-        bm = self.blocks
-        dev, host = bm.num_free(Tier.DEVICE), bm.num_free(Tier.HOST)
-        touched: set[str] = set()
-        resident: dict[str, int] = {}  # device blocks held after preemptions and swap-ins
+        """Raise ``PolicyError`` unless ``d`` can be applied as a whole.
+
+        Replays ``d`` on a fresh ``StepPlan`` in the order ``apply`` carries it out, so the
+        policies' packers and this check share one ledger.
+        """
+        plan = StepPlan(PoolView(self.blocks))
         for p in d.preempt:
-            r = _get(live, p.request_id, touched)
-            n = bm.num_blocks(r.request_id)
-            if r.status is RequestStatus.RUNNING and p.mode is PreemptMode.SWAP:
-                if n > host:
-                    raise PolicyError(f"swap-out of {r.request_id} needs {n} host blocks")
-                host, dev = host - n, dev + n
-            elif p.mode is PreemptMode.RECOMPUTE and r.status is RequestStatus.RUNNING:
-                dev += n
-            elif p.mode is PreemptMode.RECOMPUTE and r.status is RequestStatus.SWAPPED:
-                host += n
-            else:
-                raise PolicyError(f"cannot {p.mode.value}-preempt {r.request_id} ({r.status})")
+            plan.preempt_req(_get(live, p.request_id), p.mode)
         for rid in d.swap_in:
-            r = _get(live, rid, touched)
-            if r.status is not RequestStatus.SWAPPED:
-                raise PolicyError(f"swap-in of {rid}, which is {r.status.value}")
-            n = bm.num_blocks(rid)
-            dev, host = dev - n, host + n
-            resident[rid] = n
-        ran: set[str] = set()
+            plan.swap_in_req(_get(live, rid))
         for rid, n in d.run:
-            r = live.get(rid)
-            if r is None or rid in ran or (rid in touched and rid not in resident):
-                raise PolicyError(f"run of {rid}: unknown, repeated or preempted this step")
-            ran.add(rid)
-            if r.status is RequestStatus.SWAPPED and rid not in resident:
-                raise PolicyError(f"run of swapped {rid} without a swap-in")
-            if not 1 <= n <= r.num_uncomputed_tokens:
-                raise PolicyError(f"run of {rid} with {n} tokens; {r.num_uncomputed_tokens} left")
-            held = resident.get(rid, bm.num_blocks(rid))
-            dev -= max(0, bm.blocks_for(r.num_computed_tokens + n) - held)
-        if dev < 0 or host < 0:
-            raise PolicyError(f"decision overdraws the pools (device {dev}, host {host})")
+            plan.run_req(_get(live, rid), n)
 
     def apply(self, d: Decision, live: Mapping[str, Request], now: float) -> SchedulerOutput:
         """Validate, then update blocks and statuses and describe the step for the runner."""
@@ -114,9 +88,8 @@ class DecisionApplier:
         )
 
 
-def _get(live: Mapping[str, Request], rid: str, touched: set[str]) -> Request:
+def _get(live: Mapping[str, Request], rid: str) -> Request:
     r = live.get(rid)
-    if r is None or rid in touched:
-        raise PolicyError(f"{rid}: unknown, finished or named twice in one decision")
-    touched.add(rid)
+    if r is None:
+        raise PolicyError(f"{rid}: unknown or finished")
     return r

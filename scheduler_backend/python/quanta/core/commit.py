@@ -16,7 +16,6 @@ from quanta.core.errors import QuantaError
 from quanta.core.output import RunnerOutput, SchedulerOutput
 from quanta.core.request import Request, RequestStatus
 from quanta.core.stream import RequestMetrics, RequestOutput, Sink
-from quanta.policies.base import Policy
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +23,8 @@ log = logging.getLogger(__name__)
 class Committer:
     """Turns runner outputs into request progress and client deltas."""
 
-    def __init__(
-        self, clock: Clock, blocks: BlockManager, policy: Policy, decode: Decode | None
-    ) -> None:
-        self.clock, self.blocks, self.policy, self.decode = clock, blocks, policy, decode
+    def __init__(self, clock: Clock, blocks: BlockManager, decode: Decode | None) -> None:
+        self.clock, self.blocks, self.decode = clock, blocks, decode
         self._sinks: dict[str, Sink] = {}
         self._detok: dict[str, Detokenizer] = {}
         self.num_generated_tokens = 0
@@ -101,7 +98,6 @@ class Committer:
         r.set_status(status)
         r.finish_time = self.clock.now()
         self.blocks.free(r.request_id)
-        self.policy.on_finish(r)
         self._detok.pop(r.request_id, None)
         out = RequestOutput(
             r.request_id, tokens, text, True, r.finish_reason, error, RequestMetrics.of(r)

@@ -50,3 +50,10 @@ class PolicyError(QuantaError):
     """A policy produced a decision the block pools cannot carry out: a policy bug."""
 
     code = "internal"
+
+
+class CapabilityError(QuantaError, ValueError):
+    """A policy needs an engine capability (hidden cache, layer safepoints, async copies) that
+    the runner lacks; raised when the loop is built, before any request is accepted."""
+
+    code = "internal"

@@ -15,6 +15,7 @@ from quanta.core.apply import DecisionApplier
 from quanta.core.blocks import BlockManager, Tier
 from quanta.core.clock import Clock
 from quanta.core.commit import Committer
+from quanta.core.decision import Decision, PreemptMode
 from quanta.core.detokenize import Decode
 from quanta.core.errors import (
     CapacityError,
@@ -25,10 +26,11 @@ from quanta.core.errors import (
     ThrottledError,
 )
 from quanta.core.output import Runner, SchedulerOutput
+from quanta.core.plan import PoolView
+from quanta.core.policy import Policy, check_capabilities
 from quanta.core.request import Request, RequestStatus, validate_prompt
 from quanta.core.stream import RequestStream, Sink
 from quanta.core.view import SchedulerView
-from quanta.policies.base import Decision, Policy, PreemptMode
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +65,12 @@ class EngineLoop:
         max_model_len: int,
         decode: Decode | None = None,
     ) -> None:
+        check_capabilities(policy, runner.capabilities, type(runner).__name__)
         self.runner, self.policy, self.blocks, self.clock = runner, policy, blocks, clock
         self.max_model_len = max_model_len
         self._applier = DecisionApplier(blocks)
-        self._committer = Committer(clock, blocks, policy, decode)
+        self._committer = Committer(clock, blocks, decode)
+        self._pool = PoolView(blocks)
         self._live: dict[str, Request] = {}  # NOTE: insertion order is arrival order
         self._inbox: list[tuple[Request, Sink]] = []
         self._cancels: list[str] = []
@@ -139,9 +143,11 @@ class EngineLoop:
             return True
         step_time = self.clock.now() - now
         self._counts["steps"] += 1
-        for r in self._committer.commit(sched, out, self._live, step_time):
-            del self._live[r.request_id]
+        done = self._committer.commit(sched, out, self._live, step_time)
         self.policy.on_step(decision, out, step_time)
+        for r in done:
+            del self._live[r.request_id]
+            self.policy.on_finish(r)
         self._stats = self._snapshot()
         return True
 
@@ -203,7 +209,7 @@ class EngineLoop:
             by[RequestStatus.WAITING],
             by[RequestStatus.RUNNING],
             by[RequestStatus.SWAPPED],
-            self.blocks,
+            self._pool,
         )
 
     def _fail(
@@ -211,7 +217,8 @@ class EngineLoop:
     ) -> None:
         for r in requests:
             self._committer.finish_with_error(r, kind(msg))
-            self._live.pop(r.request_id, None)
+            if self._live.pop(r.request_id, None) is not None:
+                self.policy.on_finish(r)
 
     def _fail_step(self, decision: Decision, sched: SchedulerOutput, exc: Exception) -> None:
         """Fail only the requests whose KV this step touched; the rest go on."""

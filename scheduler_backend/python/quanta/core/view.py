@@ -5,39 +5,43 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from quanta.core.blocks import BlockManager, Tier
+from quanta.core.plan import PoolView, StepPlan
 from quanta.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerView:
-    """Read-only snapshot handed to a policy. NOTE: policies must not mutate the requests."""
+    """Read-only snapshot handed to a policy. NOTE: policies must not mutate the requests.
+
+    Memory is seen through ``pool`` (counts only); a policy builds its decision on a
+    ``StepPlan`` from ``plan()``, the same ledger the applier checks it with.
+    """
 
     now: float
     waiting: Sequence[Request]
     running: Sequence[Request]
     swapped: Sequence[Request]
-    blocks: BlockManager = field(repr=False)
+    pool: PoolView = field(repr=False)
 
     @property
     def block_size(self) -> int:
-        return self.blocks.block_size
+        return self.pool.block_size
 
     @property
     def free_device_blocks(self) -> int:
-        return self.blocks.num_free(Tier.DEVICE)
+        return self.pool.free_device
 
     @property
     def free_host_blocks(self) -> int:
-        return self.blocks.num_free(Tier.HOST)
+        return self.pool.free_host
 
     @property
     def total_device_blocks(self) -> int:
-        return self.blocks.num_total(Tier.DEVICE)
+        return self.pool.total_device
 
     def num_blocks(self, request: Request) -> int:
         """Blocks the request holds now, in whichever tier its KV is."""
-        return self.blocks.num_blocks(request.request_id)
+        return self.pool.num_blocks(request.request_id)
 
     def blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:
         """Device blocks the request needs to compute ``num_new_tokens`` more tokens.
@@ -46,4 +50,13 @@ class SchedulerView:
         """
         target = request.num_computed_tokens + num_new_tokens
         held = self.num_blocks(request) if request.status is RequestStatus.RUNNING else 0
-        return max(0, self.blocks.blocks_for(target) - held)
+        return max(0, self.pool.blocks_for(target) - held)
+
+    def plan(self, budget: int | None = None, seats: int | None = None) -> StepPlan:
+        """A fresh ledger for this step's decision."""
+        return StepPlan(self.pool, budget, seats)
+
+    @property
+    def candidates(self) -> list[Request]:
+        """Every live request a policy may rank: running, swapped, then waiting."""
+        return [*self.running, *self.swapped, *self.waiting]

@@ -1,7 +1,8 @@
-"""FastServe's skip-join MLFQ (§4.1, Algorithm 1) and the ablation baselines of its Fig. 14.
+"""FastServe's skip-join MLFQ (§4.1, Algorithm 1) and the baselines of its Fig. 14, as
+ordering stages.
 
-All four are preemptive priority policies at token granularity sharing one batch builder
-(``mlfq_batch``) and one KV manager (``mlfq_memory``); they differ only in the priority order:
+All four are preemptive priority orders at token granularity; they share the packer
+(``PriorityPacker``) and the KV placement (``mlfq_memory``):
 
 - ``sj-mlfq``: queues Q1..Qn with quanta q1 < q2 = 2 q1 < ...; q1 is the cost model's minimum
   iteration time. A new job *skip-joins* the highest queue whose quantum covers its predicted
@@ -11,6 +12,12 @@ All four are preemptive priority policies at token granularity sharing one batch
 - ``fixed-priority``: shorter input first, never changes (the paper's strawman).
 - ``srpt``: shortest remaining processing time from the *true* output length, an oracle that
   only the simulator can provide (requests with ``ignore_eos`` run exactly ``max_tokens``).
+
+Attained service (``service``): ``own`` (default) charges each job its own share of a step by
+the cost model (``CostModel.shares``): a decode token that rode along with a 2,000-token
+prefill costs what a decode token costs, not the whole step. ``step`` charges every job the
+whole step's time, as the public FastServe code does; there a job that has prefilled sinks
+below the arrivals that have not and its last few tokens wait behind their prefills.
 """
 
 from __future__ import annotations
@@ -18,29 +25,26 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision
 from quanta.core.output import RunnerOutput
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
-from quanta.policies.costmodel import CostModel, get_profile
-from quanta.policies.mlfq_batch import BatchBuilder
-from quanta.policies.mlfq_memory import (
-    MEMORY_MODES,
-    ProactiveSwap,
-    ReactiveSwap,
-    Recompute,
-    mlfq_enst,
-)
+from quanta.costmodel import CostModel
+from quanta.policies.mlfq_memory import mlfq_enst
+from quanta.policies.stages import Admission, Ordering, Ranking
 
 # NOTE: quantum comparisons tolerate float rounding of accumulated step times.
 _EPS = 1e-9
 
+ServiceMode = Literal["own", "step"]
+
 
 @dataclass(slots=True)
 class Job:
-    """The policy's own state of one live request."""
+    """The ordering's own state of one live request."""
 
     request: Request
     level: int = 0
@@ -49,77 +53,41 @@ class Job:
     last_run: float = 0.0  # last scheduled, joined or promoted: the starvation clock
 
 
-class PriorityPolicy:
-    """Preemptive priority scheduling; subclasses define the order through ``_key``."""
+class PriorityOrder(Ordering):
+    """A priority order over jobs; subclasses define it through ``_key``."""
 
-    name = "priority"
-
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        *,
-        profile: str | CostModel | dict[str, object] = "a100-opt13b",
-        memory: str = "proactive",
-        reserve_window: float = 1.0,
-        min_reserve_blocks: int | None = None,
-        max_reserve_fraction: float = 0.25,
-    ) -> None:
-        if memory not in MEMORY_MODES:
-            raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
+    def __init__(self, config: SchedulerConfig, cost: CostModel, service: ServiceMode = "own"):
         self.config = config
-        self.cost = get_profile(profile)
-        self.kv: ReactiveSwap
-        if memory == "proactive":
-            self.kv = ProactiveSwap(
-                max_batch_size=config.max_num_seqs,
-                cost=self.cost,
-                reserve_window=reserve_window,
-                min_reserve_blocks=min_reserve_blocks,
-                max_reserve_fraction=max_reserve_fraction,
-            )
-        else:
-            self.kv = Recompute() if memory == "recompute" else ReactiveSwap()
-        if memory != "proactive":
-            self.name = f"{type(self).name}-{memory}"
-        self.builder = BatchBuilder(config, self.kv.evict_mode)
+        self.cost = cost
+        self.service = service
         self.jobs: dict[str, Job] = {}
         self._tickets = itertools.count()
+        self._now = 0.0
 
-    # -- protocol ----------------------------------------------------------------------------
-    def admit(self, request: Request, view: SchedulerView) -> str | None:
-        reason = self._refuse(request)
-        if reason is None:
-            self._join(request, view.now)
-            self.kv.note_arrival(view.now, view.blocks.blocks_for(request.num_prompt_tokens))
-        return reason
+    # -- stage events ------------------------------------------------------------------------
+    def on_admit(self, request: Request, view: SchedulerView) -> None:
+        self._join(request, view.now)
 
-    def schedule(self, view: SchedulerView) -> Decision:
-        jobs = self._live_jobs(view)
+    def rank(self, view: SchedulerView) -> Ranking:
+        self._now = view.now
+        jobs = [self.jobs.get(r.request_id) or self._join(r, view.now) for r in view.candidates]
         self._promote_starved(jobs, view.now)
         jobs.sort(key=self._key)
-        order = [j.request for j in jobs]
-        enst = self._enst(jobs, view.now)
-        plan = self.builder.build(view, order, enst)
-        self.kv.after_batch(view, plan, order, enst)
-        for rid in plan.chosen:
-            self.jobs[rid].last_run = view.now
-        return plan.decision()
+        return Ranking([j.request for j in jobs], self._enst(jobs, view.now))
 
     def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
-        for rid, _ in decision.run:
+        charges = self._charges(decision, step_time)
+        for (rid, _), charge in zip(decision.run, charges, strict=True):
             job = self.jobs.get(rid)
-            if job is not None:  # NOTE: finished requests were forgotten in on_finish
-                job.service += step_time
+            if job is not None:
+                job.service += charge
+                job.last_run = self._now
                 self._after_service(job)
 
     def on_finish(self, request: Request) -> None:
         self.jobs.pop(request.request_id, None)
 
     # -- hooks -------------------------------------------------------------------------------
-    def _refuse(self, request: Request) -> str | None:
-        """A reason this policy cannot serve ``request``, or None."""
-        return None
-
     def _initial_level(self, request: Request) -> int:
         return 0
 
@@ -138,41 +106,40 @@ class PriorityPolicy:
         return {j.request.request_id: (i // b) * q for i, j in enumerate(jobs)}
 
     # -- helpers -----------------------------------------------------------------------------
+    def _charges(self, decision: Decision, step_time: float) -> list[float]:
+        """Each run item's attained service for this step."""
+        if self.service == "step":
+            return [step_time] * len(decision.run)
+        chunks = []
+        for rid, n in decision.run:
+            job = self.jobs.get(rid)
+            start = job.request.num_computed_tokens - n if job is not None else 0
+            chunks.append((n, max(0, start)))
+        return self.cost.shares(chunks)
+
     def _join(self, request: Request, now: float) -> Job:
         job = Job(request, self._initial_level(request), 0.0, next(self._tickets), now)
         self.jobs[request.request_id] = job
         return job
 
-    def _live_jobs(self, view: SchedulerView) -> list[Job]:
-        jobs = []
-        for req in itertools.chain(view.running, view.swapped, view.waiting):
-            job = self.jobs.get(req.request_id)
-            jobs.append(job if job is not None else self._join(req, view.now))
-        return jobs
 
-
-class SkipJoinMLFQ(PriorityPolicy):
+class SkipJoinMLFQ(PriorityOrder):
     """FastServe's scheduler; see the module docstring."""
-
-    name = "sj-mlfq"
 
     def __init__(
         self,
         config: SchedulerConfig,
+        cost: CostModel,
         *,
+        service: ServiceMode = "own",
         base_quantum: float | None = None,
         quantum_ratio: float = 2.0,
         num_queues: int = 16,
         starve_limit: float = 3.0,
         starve_check_every: int = 1000,
-        **options: object,
     ) -> None:
-        super().__init__(config, **options)  # type: ignore[arg-type]
-        q1 = self.cost.min_iteration_time if base_quantum is None else base_quantum
-        if q1 <= 0 or quantum_ratio <= 1 or num_queues < 1:
-            raise ValueError("need base_quantum > 0, quantum_ratio > 1 and num_queues >= 1")
-        if starve_limit <= 0 or starve_check_every < 1:
-            raise ValueError("need starve_limit > 0 and starve_check_every >= 1")
+        super().__init__(config, cost, service)
+        q1 = cost.min_iteration_time if base_quantum is None else base_quantum
         self.quanta = [q1 * quantum_ratio**k for k in range(num_queues)]
         # The paper tunes alpha from the SLO without giving a value, and checks
         # "periodically"; the defaults are the public code's: 3 s, every 1000 iterations.
@@ -242,33 +209,19 @@ class SkipJoinMLFQ(PriorityPolicy):
 class NaiveMLFQ(SkipJoinMLFQ):
     """Classic MLFQ: every job enters Q1 and sinks one queue per used quantum."""
 
-    name = "mlfq"
-
     def _fit_level(self, iteration_time: float) -> int:
         return 0
 
 
-class FixedPriority(PriorityPolicy):
+class FixedPriority(PriorityOrder):
     """Shorter input first, for the whole life of the job (FastServe §4.1 strawman)."""
-
-    name = "fixed-priority"
 
     def _key(self, job: Job) -> tuple[float, ...]:
         return (job.request.num_prompt_tokens, job.ticket)
 
 
-class SRPT(PriorityPolicy):
+class SRPT(PriorityOrder):
     """Shortest remaining processing time with the true output length: the oracle bound."""
-
-    name = "srpt"
-
-    def _refuse(self, request: Request) -> str | None:
-        if request.params.ignore_eos:
-            return None
-        return (
-            "policy 'srpt' is an oracle that needs each request's true output length; only "
-            "the simulator provides it (requests with ignore_eos=True run exactly max_tokens)"
-        )
 
     def _key(self, job: Job) -> tuple[float, ...]:
         req = job.request
@@ -278,3 +231,15 @@ class SRPT(PriorityPolicy):
         if left > 1:  # the prefill samples one token itself
             prefill, decodes = self.cost.prefill_time(left, req.num_computed_tokens), decodes - 1
         return (prefill + decodes * self.cost.min_iteration_time, job.ticket)
+
+
+class OracleAdmission(Admission):
+    """SRPT needs each request's true output length; only simulated requests carry it."""
+
+    def admit(self, request: Request, view: SchedulerView) -> str | None:
+        if request.params.ignore_eos:
+            return None
+        return (
+            "policy 'srpt' is an oracle that needs each request's true output length; only "
+            "the simulator provides it (requests with ignore_eos=True run exactly max_tokens)"
+        )

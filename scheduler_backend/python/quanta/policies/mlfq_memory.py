@@ -10,8 +10,13 @@ Three strategies, one per ``memory`` setting of the priority policies:
 - ``reactive``: swap out only when the batch needs blocks, swap in only when a job runs.
 - ``recompute``: drop the KV of evicted jobs; they prefill prompt + output again.
 
-Every strategy falls back to recompute when the host tier is full (``BatchPlan.evict``), so no
+Every strategy falls back to recompute when the host tier is full (``StepPlan.evict``), so no
 decision ever waits on host space: the top job always fits once everything below it is gone.
+
+Moves weigh their cost: a proactive swap-out or an exchange happens only when the job that
+leaves is not expected back (by ENST) before both copies could be made, so the same jobs do
+not ping-pong between tiers step after step, and all proactive traffic of one step fits in
+what the host link copies during the shortest iteration.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from quanta.core.decision import PreemptMode
+from quanta.core.plan import StepPlan
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
-from quanta.policies.costmodel import CostModel
-from quanta.policies.mlfq_batch import BatchPlan
+from quanta.costmodel import CostModel
+from quanta.policies.stages import Placement, Ranking
 
 MEMORY_MODES = ("proactive", "reactive", "recompute")
 
@@ -57,23 +63,19 @@ def mlfq_enst(
     return {rid: min(t_promote[rid], t_exec[level]) for rid, level in levels.items()}
 
 
-class ReactiveSwap:
+class ReactiveSwap(Placement):
     """Swap only when forced: eviction to host, swap-in when the job is chosen."""
 
     name = "reactive"
     evict_mode = PreemptMode.SWAP
 
-    def note_arrival(self, now: float, blocks: int) -> None:
-        return None
-
-    def after_batch(
-        self,
-        view: SchedulerView,
-        plan: BatchPlan,
-        order: Sequence[Request],
-        enst: Mapping[str, float],
-    ) -> None:
-        return None
+    def victims(self, ranking: Ranking, plan: StepPlan) -> list[Request]:
+        """Residents, largest ENST first, lower priority breaking ties."""
+        pos = ranking.position()
+        residents = [r for r in ranking.order if plan.is_resident(r)]
+        return sorted(
+            residents, key=lambda r: (-ranking.next_turn[r.request_id], -pos[r.request_id])
+        )
 
 
 class Recompute(ReactiveSwap):
@@ -89,8 +91,9 @@ class ProactiveSwap(ReactiveSwap):
     After the batch is chosen: (1) below the reserve, idle residents leave for the host,
     largest ENST first; (2) the host-resident jobs among the next MaxBatchSize in priority
     order (the public code's swap quota) come back, smallest ENST first, into room above the
-    reserve or in exchange for idle residents with a larger ENST. Exchanges are limited to
-    what the host link copies during one iteration, so they hide behind compute.
+    reserve or in exchange for idle residents with a larger ENST. Both are limited to what the
+    host link copies during one iteration, so they hide behind compute, and a job moves only
+    when it is not expected to run before its copies there and back would be done.
     """
 
     name = "proactive"
@@ -117,8 +120,9 @@ class ProactiveSwap(ReactiveSwap):
         self._arrivals: deque[tuple[float, int]] = deque()  # (time, prompt blocks)
         self._recent_blocks = 0
 
-    def note_arrival(self, now: float, blocks: int) -> None:
-        self._arrivals.append((now, blocks))
+    def on_admit(self, request: Request, view: SchedulerView) -> None:
+        blocks = view.pool.blocks_for(request.num_prompt_tokens)
+        self._arrivals.append((view.now, blocks))
         self._recent_blocks += blocks
 
     def reserve(self, view: SchedulerView) -> int:
@@ -129,67 +133,78 @@ class ProactiveSwap(ReactiveSwap):
         wanted = max(self.min_reserve_blocks, self._recent_blocks)
         return min(wanted, int(view.total_device_blocks * self.max_reserve_fraction))
 
-    def after_batch(
-        self,
-        view: SchedulerView,
-        plan: BatchPlan,
-        order: Sequence[Request],
-        enst: Mapping[str, float],
-    ) -> None:
+    def after_batch(self, view: SchedulerView, plan: StepPlan, ranking: Ranking) -> None:
         reserve = self.reserve(view)
-        rank = {r.request_id: (enst[r.request_id], i) for i, r in enumerate(order)}
-        idle = [r for r in order if r.request_id not in plan.chosen]
+        enst = ranking.next_turn
+        rank = {r.request_id: (enst[r.request_id], i) for i, r in enumerate(ranking.order)}
+        idle = [r for r in ranking.order if r.request_id not in plan.chosen]
         idle.sort(key=lambda r: rank[r.request_id])
         upcoming = idle[: self.max_batch_size]  # the likeliest to run next
         keep = {r.request_id for r in upcoming}
         victims = [  # idle residents, largest (ENST, position) first
             r
-            for r in order
-            if r.status is RequestStatus.RUNNING
+            for r in ranking.order
+            if plan.is_resident(r)
             and r.request_id not in plan.chosen
             and r.request_id not in plan.moved
             and r.request_id not in keep
-            and view.num_blocks(r) > 0
+            and plan.held(r) > 0
         ]
         victims.sort(key=lambda r: rank[r.request_id], reverse=True)
+        budget = self._link_budget(view)
         for victim in list(victims):
             if plan.free_device >= reserve:
                 break
-            if self._swap_out(view, plan, victim):  # NOTE: never recompute ahead of need
+            held = plan.held(victim)
+            if held > budget or not self._worth_moving(view, enst[victim.request_id], held):
+                break
+            if self._swap_out(plan, victim):  # NOTE: never recompute ahead of need
                 victims.remove(victim)
+                budget -= held
         if plan.free_device >= reserve:
-            self._prefetch(view, plan, upcoming, victims, rank, reserve)
+            self._prefetch(view, plan, upcoming, victims, rank, reserve, budget)
+
+    def _link_budget(self, view: SchedulerView) -> int:
+        """Blocks the host link moves during the shortest iteration: the copies it hides."""
+        return int(self.cost.min_iteration_time / self.cost.swap_time(1, view.block_size))
+
+    def _worth_moving(self, view: SchedulerView, gap: float, blocks: int) -> bool:
+        """A job whose next turn is ``gap`` away is worth moving out only if both copies of
+        its ``blocks`` could be done by then: otherwise it comes back before it has left."""
+        return gap > 2 * self.cost.swap_time(blocks, view.block_size)
 
     def _prefetch(
         self,
         view: SchedulerView,
-        plan: BatchPlan,
+        plan: StepPlan,
         upcoming: Sequence[Request],
         victims: list[Request],
         rank: Mapping[str, tuple[float, int]],
         reserve: int,
+        budget: int,
     ) -> None:
-        # What the host link moves during the shortest iteration: the swaps it can hide.
-        budget = int(self.cost.min_iteration_time / self.cost.swap_time(1, view.block_size))
         wanted = [r for r in upcoming if r.status is RequestStatus.SWAPPED]
         for req in sorted(wanted, key=lambda r: rank[r.request_id]):
-            held = view.num_blocks(req)
+            held = plan.held(req)
             while plan.free_device - held < reserve and victims:
                 victim = victims[0]
-                moved = view.num_blocks(victim)
+                moved = plan.held(victim)
+                gap = rank[victim.request_id][0] - rank[req.request_id][0]
                 if rank[victim.request_id] < rank[req.request_id] or held + moved > budget:
                     return
-                if not self._swap_out(view, plan, victims.pop(0)):
+                if not self._worth_moving(view, gap, moved) or not self._swap_out(
+                    plan, victims.pop(0)
+                ):
                     return
                 budget -= moved
             if plan.free_device - held < reserve or held > budget:
                 return
-            plan.prefetch(view, req)
+            plan.swap_in_req(req)
             budget -= held
 
     @staticmethod
-    def _swap_out(view: SchedulerView, plan: BatchPlan, req: Request) -> bool:
-        if view.num_blocks(req) > plan.free_host:
+    def _swap_out(plan: StepPlan, req: Request) -> bool:
+        if plan.held(req) > plan.free_host:
             return False
-        plan.evict(view, req, PreemptMode.SWAP)
+        plan.evict(req, PreemptMode.SWAP)
         return True

@@ -25,14 +25,15 @@ from quanta.core.apply import DecisionApplier
 from quanta.core.blocks import BlockManager
 from quanta.core.clock import VirtualClock
 from quanta.core.config import SchedulerConfig
+from quanta.core.plan import PoolView
 from quanta.core.request import Request, RequestStatus, SamplingParams, blocks_for
 from quanta.core.view import SchedulerView
+from quanta.costmodel import CostModel, load_profile
 from quanta.policies import make_policy
-from quanta.policies.costmodel import CostModel, load_profile
 from quanta.sim.driver import build_requests, drive, policy_options, time_runner
 from quanta.sim.metrics import request_metrics
 from quanta.sim.repro import batched_capacity
-from quanta.sim.workloads import TraceRequest, arrival_times, make_workload
+from quanta.workloads import TraceRequest, arrival_times, make_workload
 
 APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
 
@@ -44,8 +45,8 @@ def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> lis
     return [
         replace(
             r,
-            input_len=max(1, round(r.input_len * scale)),
-            output_len=max(1, round(r.output_len * scale)),
+            prompt_tokens=max(1, round(r.prompt_tokens * scale)),
+            output_tokens=max(1, round(r.output_tokens * scale)),
         )
         for r in trace
     ]
@@ -109,7 +110,7 @@ def bench_policies(
             policy=name,
             cache=cache,
             scheduler=sched,
-            policy_options=policy_options(name, sched, {}, cost),
+            policy_options=policy_options(name, {}, cost),
         )
         engine = build_engine(config, clock=clock)
         engine.loop.runner = time_runner(engine.loop.runner, clock, timer)
@@ -146,7 +147,7 @@ def replace_id(r: Request, rid: str) -> Request:
 
 def candidate_view(
     n: int, *, seed: int = 0, block_size: int = 16
-) -> tuple[SchedulerView, list[Request]]:
+) -> tuple[SchedulerView, list[Request], BlockManager]:
     """N live requests: a quarter running, a quarter swapped, half waiting, ShareGPT-like
     lengths, the device pool nearly full so eviction paths run too."""
     rng = random.Random(seed)
@@ -173,9 +174,13 @@ def candidate_view(
         reqs.append(r)
     by = {s: [r for r in reqs if r.status is s] for s in RequestStatus}
     view = SchedulerView(
-        1.0, by[RequestStatus.WAITING], by[RequestStatus.RUNNING], by[RequestStatus.SWAPPED], bm
+        1.0,
+        by[RequestStatus.WAITING],
+        by[RequestStatus.RUNNING],
+        by[RequestStatus.SWAPPED],
+        PoolView(bm),
     )
-    return view, reqs
+    return view, reqs, bm
 
 
 def bench_scheduler(
@@ -188,12 +193,12 @@ def bench_scheduler(
     out: dict[str, dict[int, float]] = {}
     for name in policies:
         for n in candidates:
-            view, reqs = candidate_view(n)
+            view, reqs, bm = candidate_view(n)
             policy = make_policy(name, SchedulerConfig())
             for r in reqs:
                 policy.admit(r, view)
             decision = policy.schedule(view)
-            DecisionApplier(view.blocks).validate(decision, {r.request_id: r for r in reqs})
+            DecisionApplier(bm).validate(decision, {r.request_id: r for r in reqs})
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()

@@ -12,6 +12,8 @@ from typing import Annotated, Any
 
 import typer
 
+from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
+
 PolicyOpt = Annotated[
     list[str] | None,
     typer.Option("--policy-option", help="KEY=VALUE passed to the policy (JSON values)"),
@@ -44,17 +46,23 @@ def simulate_cmd(
         str,
         typer.Option(
             help="sharegpt, alpaca, humaneval, longbench, or a workload file (the JSONL of "
-            "quanta bench workload, or a BurstGPT CSV); its tenants and classes reach the policy"
+            "quanta bench workload, a BurstGPT or an Azure LLM trace CSV); its tenants and "
+            "classes reach the policy"
         ),
     ] = "sharegpt",
     rate: Annotated[float, typer.Option(help="arrivals per second")] = 1.0,
-    num_requests: Annotated[int, typer.Option(min=1)] = 500,
+    num_requests: Annotated[
+        int, typer.Option(min=1, help="requests; of a file: its first N by arrival")
+    ] = 500,
     profile: Annotated[str, typer.Option(help="cost-model preset or profile JSON")] = (
         "a100-opt13b"
     ),
     seed: Annotated[int, typer.Option()] = 0,
     cv: Annotated[float, typer.Option(help="arrival CV: 1 Poisson, >1 bursty Gamma")] = 1.0,
     io_ratio: Annotated[float | None, typer.Option(help="rescale to mean in/out ratio")] = None,
+    time_scale: TimeScaleOpt = 1.0,
+    token_scale: TokenScaleOpt = 1.0,
+    too_long: TooLongOpt = "error",
     max_num_seqs: Annotated[int, typer.Option(help="MaxBatchSize")] = 16,
     max_num_batched_tokens: Annotated[int, typer.Option()] = 2048,
     block_size: Annotated[int, typer.Option()] = 16,
@@ -67,14 +75,23 @@ def simulate_cmd(
     if ctx.invoked_subcommand is not None:
         return
     from quanta.core.config import SchedulerConfig
-    from quanta.policies.costmodel import load_profile
-    from quanta.sim import SimSetup, make_workload, simulate, summarize, with_io_ratio
-    from quanta.sim.workloads import WorkloadError
+    from quanta.costmodel import load_profile
+    from quanta.policies import parse_policy
+    from quanta.sim import SimSetup, simulate, summarize
+    from quanta.workloads import WorkloadError, make_workload, with_io_ratio
 
     cost = load_profile(profile)
     try:
         trace = make_workload(
-            workload, num_requests, rate, seed=seed, cv=cv, max_len=cost.max_model_len
+            workload,
+            num_requests,
+            rate,
+            seed=seed,
+            cv=cv,
+            max_len=cost.max_model_len,
+            time_scale=time_scale,
+            token_scale=token_scale,
+            too_long=too_long,
         )
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
@@ -83,8 +100,13 @@ def simulate_cmd(
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
+    options = parse_options(policy_option)
+    try:
+        parse_policy(policy, options)  # NOTE: names and options fail here, before any run
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--policy/--policy-option") from None
     setup = SimSetup(
-        policy, cost, sched, block_size, device_blocks, host_blocks, parse_options(policy_option)
+        policy, cost, sched, block_size, device_blocks, host_blocks, options
     )
     result = summarize(simulate(trace, setup))
     result["workload"] = {
@@ -94,6 +116,9 @@ def simulate_cmd(
         "seed": seed,
         "cv": cv,
         "io_ratio": io_ratio,
+        "time_scale": time_scale,
+        "token_scale": token_scale,
+        "too_long": too_long,
     }
     for key in (
         "mean_normalized_latency",
@@ -112,7 +137,7 @@ def simulate_cmd(
 
 
 def repro_cmd(
-    figure: Annotated[str, typer.Option(help="14, 15a or all")] = "all",
+    figure: Annotated[str, typer.Option(help="14, 15a, azure or all")] = "all",
     output: Annotated[Path, typer.Option(help="markdown file whose tables are (re)written")] = (
         Path("docs/fastserve.md")
     ),
@@ -121,12 +146,19 @@ def repro_cmd(
     loads: Annotated[str, typer.Option(help="Fig. 14 loads, comma-separated")] = "0.7,0.9",
     jobs: Annotated[int, typer.Option(help="worker processes")] = 2,
     plots: Annotated[Path | None, typer.Option(help="directory for PNG plots")] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(help="Azure conversation trace CSV for the real-trace sweep (azure)"),
+    ] = None,
 ) -> None:
-    """Reproduce FastServe's Fig. 14 / Fig. 15 on the simulator and update the doc's tables."""
+    """Reproduce FastServe's Fig. 14 / Fig. 15, and the policies on a real trace, on the
+    simulator; update the doc's tables."""
     from quanta.sim.report import run_repro
 
-    if figure not in ("14", "15a", "all"):
-        raise typer.BadParameter("figure must be 14, 15a or all")
+    if figure not in ("14", "15a", "azure", "all"):
+        raise typer.BadParameter("figure must be 14, 15a, azure or all")
+    if figure == "azure" and trace is None:
+        raise typer.BadParameter("--figure azure needs --trace", param_hint="--trace")
     run_repro(
         figure,
         output,
@@ -135,6 +167,7 @@ def repro_cmd(
         loads=[float(x) for x in loads.split(",")],
         jobs=jobs,
         plots=plots,
+        trace=trace,
         echo=typer.echo,
     )
 
@@ -148,7 +181,7 @@ def profile_cmd(
     repeats: Annotated[int, typer.Option(min=1)] = 3,
 ) -> None:
     """Measure the real engine's iteration and swap times and fit a cost-model profile."""
-    from quanta.policies.costmodel import save_profile
+    from quanta.costmodel import save_profile
     from quanta.sim.profile import profile_engine
 
     cost = profile_engine(

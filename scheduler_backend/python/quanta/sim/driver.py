@@ -19,12 +19,12 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.errors import InvalidRequestError
 from quanta.core.loop import EngineLoop, LoopStats
 from quanta.core.output import Runner
+from quanta.core.policy import Policy
 from quanta.core.request import Request, RequestMetadata, SamplingParams
-from quanta.policies import make_policy
-from quanta.policies.base import Policy
-from quanta.policies.costmodel import CostModel
+from quanta.costmodel import CostModel
+from quanta.policies import parse_policy
 from quanta.sim.runner import SimRunner, SimStats
-from quanta.sim.workloads import TraceRequest
+from quanta.workloads import TraceRequest
 
 # FastServe's public artifact for OPT-13B: --max-batch-size 16 --max-tokens-per-batch 2048.
 PAPER_SCHEDULER = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048)
@@ -90,25 +90,18 @@ def build_requests(
 
 
 def policy_options(
-    name: str, scheduler: SchedulerConfig, options: dict[str, Any], profile: CostModel
+    name: str, options: dict[str, Any], profile: CostModel
 ) -> dict[str, Any]:
-    """``options`` plus the cost profile, for policies that predict iteration times (the ones
-    taking a ``profile``), unless the caller chose one."""
-    if "profile" in options:
+    """``options`` plus the cost profile for the systems that predict iteration times (those
+    with a ``profile`` option), unless the caller chose one."""
+    if "profile" in options or not parse_policy(name, options).accepts("profile"):
         return dict(options)
-    with_profile = {"profile": profile, **options}
-    try:
-        make_policy(name, scheduler, **with_profile)
-    except ValueError as exc:
-        if "'profile'" not in str(exc):
-            raise
-        return dict(options)
-    return with_profile
+    return {"profile": profile, **options}
 
 
 def make_sim_policy(setup: SimSetup) -> Policy:
-    opts = policy_options(setup.policy, setup.scheduler, setup.policy_options, setup.profile)
-    return make_policy(setup.policy, setup.scheduler, **opts)
+    spec = parse_policy(setup.policy, setup.policy_options).with_defaults(profile=setup.profile)
+    return spec.build(setup.scheduler)
 
 
 def simulate(trace: Sequence[TraceRequest], setup: SimSetup) -> SimResult:

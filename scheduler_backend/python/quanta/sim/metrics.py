@@ -3,21 +3,22 @@
 Conventions (shared/design/REFERENCE_FACTS.md): normalized latency = E2E / output tokens
 (FastServe's "per-token latency"), TTFT = first token - arrival, TPOT = (E2E - TTFT) /
 (output - 1). Per-tenant service (Jain's index) and per-class figures come from
-``quanta.bench.metrics``, as for a live run. Time breakdown per request (FastServe Fig. 15b):
+``quanta.metrics``, as for a live run. Time breakdown per request (FastServe Fig. 15b):
 executing = steps it took part in, less the part of them stalled on its swaps; swapping = that
 stall; queued = the rest.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from quanta.bench.metrics import from_requests, json_safe, per_class, per_tenant, percentile
-from quanta.bench.metrics import mean as _mean
 from quanta.core.request import Request
+from quanta.metrics import from_requests, json_safe, per_class, per_tenant, percentile
+from quanta.metrics import mean as _mean
 
 
 def request_metrics(
@@ -34,6 +35,8 @@ def request_metrics(
         for e, t, r in zip(e2e, ttft, done, strict=True)
         if r.num_output_tokens > 1
     ]
+    # Time between tokens: every gap between a request's consecutive tokens, pooled.
+    tbt = [b - a for r in done for a, b in itertools.pairwise(r.token_times)]
     swapping = [stall.get(r.request_id, 0.0) for r in done]
     executing = [r.attained_service - s for r, s in zip(done, swapping, strict=True)]
     queued = [e - r.attained_service for e, r in zip(e2e, done, strict=True)]
@@ -57,6 +60,7 @@ def request_metrics(
         "p95_ttft": percentile(ttft, 95),
         "mean_tpot": _mean(tpot),
         "p95_tpot": percentile(tpot, 95),
+        "p99_tbt": percentile(tbt, 99),
         "throughput_rps": len(done) / span if span and span > 0 else math.nan,
         "throughput_tokens_s": (
             sum(r.num_output_tokens for r in done) / span if span and span > 0 else math.nan

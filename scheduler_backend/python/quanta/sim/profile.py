@@ -18,7 +18,7 @@ import numpy as np
 
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.core.request import blocks_for
-from quanta.policies.costmodel import CostModel
+from quanta.costmodel import CostModel
 
 
 def _seq(rid: str, tokens: int, start: int, table: tuple[int, ...]) -> ScheduledSeq:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from quanta.core.clock import VirtualClock
 from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
-from quanta.policies.costmodel import CostModel
+from quanta.costmodel import CostModel
 
 
 @dataclass(slots=True)

@@ -115,10 +115,10 @@ def parse_parameters(
 
 def _check_policy(engine: EngineConfig) -> None:
     """An unknown policy name or option fails at load, naming the parameter."""
-    from quanta.policies import make_policy
+    from quanta.policies import parse_policy
 
     try:
-        make_policy(engine.policy, engine.scheduler, **engine.policy_options)
+        parse_policy(engine.policy, engine.policy_options)
     except (KeyError, ValueError, TypeError) as exc:
         raise ConfigParameterError(
             f"config.pbtxt parameter 'policy'/'policy_options': {exc}"

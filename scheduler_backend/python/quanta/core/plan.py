@@ -1,0 +1,178 @@
+"""The one block ledger: what a step's decision costs in device blocks, host blocks, tokens
+and batch seats.
+
+Packers fill a ``StepPlan`` while they choose; the applier replays the finished ``Decision``
+on a fresh plan before it changes anything. Both sides count with the same code, so a
+decision a packer could build is one the applier accepts, and a bad one raises
+``PolicyError`` with nothing changed.
+
+NOTE: the applier carries a decision out in a fixed order: every preemption, then every
+swap-in, then the runs. A plan checks each entry when it is recorded, against what is known
+to be free at that point, which is never more than the applier will find free in its order.
+The one thing the applier's order does not give back is host space freed by a swap-in: the
+swap-outs have already happened by then, so a plan never credits it.
+"""
+
+from __future__ import annotations
+
+from quanta.core.blocks import BlockManager, Tier
+from quanta.core.decision import Decision, Preemption, PreemptMode
+from quanta.core.errors import PolicyError
+from quanta.core.request import Request, RequestStatus, blocks_for
+
+
+class PoolView:
+    """Read-only view of the block pools: what a policy may know about memory."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self._blocks = blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._blocks.block_size
+
+    @property
+    def free_device(self) -> int:
+        return self._blocks.num_free(Tier.DEVICE)
+
+    @property
+    def free_host(self) -> int:
+        return self._blocks.num_free(Tier.HOST)
+
+    @property
+    def total_device(self) -> int:
+        return self._blocks.num_total(Tier.DEVICE)
+
+    @property
+    def total_host(self) -> int:
+        return self._blocks.num_total(Tier.HOST)
+
+    def num_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now, in whichever tier its KV is."""
+        return self._blocks.num_blocks(request_id)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
+
+
+class StepPlan:
+    """A decision under construction, with the counts it leaves free.
+
+    ``budget`` and ``seats`` are the policy's own limits (tokens and sequences per step);
+    ``None`` means unlimited, as when the applier validates.
+    """
+
+    def __init__(self, pool: PoolView, budget: int | None = None, seats: int | None = None):
+        self.pool, self.budget, self.seats = pool, budget, seats
+        self.free_device = pool.free_device
+        self.free_host = pool.free_host
+        self.run: list[tuple[str, int]] = []
+        self.preempt: list[Preemption] = []
+        self.swap_in: list[str] = []
+        self.chosen: set[str] = set()  # runs this step
+        self.moved: set[str] = set()  # preempted or swapped in this step
+        self._swapped_in: dict[str, int] = {}  # device blocks brought back this step
+
+    # -- queries -------------------------------------------------------------------------
+    def held(self, req: Request) -> int:
+        return self.pool.num_blocks(req.request_id)
+
+    def is_resident(self, req: Request) -> bool:
+        """Its KV is on the device after this plan's moves."""
+        rid = req.request_id
+        if rid in self._swapped_in:
+            return True
+        return req.status is RequestStatus.RUNNING and rid not in self.moved
+
+    def blocks_to_grow(self, req: Request, n: int) -> int:
+        """Device blocks ``req`` needs to compute ``n`` more tokens, counting a swap-in."""
+        target = self.pool.blocks_for(req.num_computed_tokens + n)
+        rid = req.request_id
+        held = self._swapped_in.get(rid, self.held(req) if self.is_resident(req) else 0)
+        return max(0, target - held)
+
+    def has_room(self, n: int = 1) -> bool:
+        """The step has a seat and ``n`` tokens of budget left."""
+        seats_ok = self.seats is None or self.seats > 0
+        return seats_ok and (self.budget is None or self.budget >= n)
+
+    def tokens_left(self, cap: int) -> int:
+        return cap if self.budget is None else min(cap, self.budget)
+
+    # -- entries (each raises PolicyError when it cannot be carried out) ---------------
+    def preempt_req(self, req: Request, mode: PreemptMode) -> int:
+        """Preempt ``req``; returns the device blocks it frees."""
+        self._touch(req)
+        n = self.held(req)
+        running = req.status is RequestStatus.RUNNING
+        if running and mode is PreemptMode.SWAP:
+            if n > self.free_host:
+                raise PolicyError(f"swap-out of {req.request_id} needs {n} host blocks")
+            self.free_host -= n
+            self.free_device += n
+        elif running and mode is PreemptMode.RECOMPUTE:
+            self.free_device += n
+        elif req.status is RequestStatus.SWAPPED and mode is PreemptMode.RECOMPUTE:
+            self.free_host += n
+            n = 0
+        else:
+            raise PolicyError(f"cannot {mode.value}-preempt {req.request_id} ({req.status})")
+        self.preempt.append(Preemption(req.request_id, mode))
+        return n
+
+    def evict(self, req: Request, mode: PreemptMode) -> int:
+        """Preempt a resident; a swap falls back to recompute when the host is full, so
+        eviction always succeeds. Returns the device blocks freed."""
+        if mode is PreemptMode.SWAP and self.held(req) > self.free_host:
+            mode = PreemptMode.RECOMPUTE
+        return self.preempt_req(req, mode)
+
+    def swap_in_req(self, req: Request) -> None:
+        """Bring a swapped request's KV back (to run now, or ahead of need)."""
+        if req.status is not RequestStatus.SWAPPED:
+            raise PolicyError(f"swap-in of {req.request_id}, which is {req.status.value}")
+        self._touch(req)
+        n = self.held(req)
+        if n > self.free_device:
+            raise PolicyError(f"swap-in of {req.request_id} needs {n} device blocks")
+        self.free_device -= n
+        self.swap_in.append(req.request_id)
+        self._swapped_in[req.request_id] = n
+
+    def run_req(self, req: Request, n: int) -> None:
+        """Compute ``n`` new tokens of ``req`` this step; it must be resident by now."""
+        rid = req.request_id
+        if rid in self.chosen or (rid in self.moved and rid not in self._swapped_in):
+            raise PolicyError(f"run of {rid}: repeated or preempted this step")
+        if req.status is RequestStatus.SWAPPED and rid not in self._swapped_in:
+            raise PolicyError(f"run of swapped {rid} without a swap-in")
+        if not 1 <= n <= req.num_uncomputed_tokens:
+            raise PolicyError(f"run of {rid} with {n} tokens; {req.num_uncomputed_tokens} left")
+        need = self.blocks_to_grow(req, n)
+        if need > self.free_device:
+            raise PolicyError(f"run of {rid} needs {need} device blocks, {self.free_device} free")
+        if not self.has_room(n):
+            raise PolicyError(f"run of {rid}: the step's token budget or seats are used up")
+        self.free_device -= need
+        self.run.append((rid, n))
+        self.chosen.add(rid)
+        if self.budget is not None:
+            self.budget -= n
+        if self.seats is not None:
+            self.seats -= 1
+
+    def take(self, req: Request, n: int) -> None:
+        """Run ``req`` for ``n`` tokens, swapping it in first when its KV is on the host."""
+        if req.status is RequestStatus.SWAPPED and req.request_id not in self._swapped_in:
+            self.swap_in_req(req)
+        self.run_req(req, n)
+
+    def decision(self) -> Decision:
+        return Decision(tuple(self.run), tuple(self.preempt), tuple(self.swap_in))
+
+    def _touch(self, req: Request) -> None:
+        if req.request_id in self.moved:
+            raise PolicyError(f"{req.request_id} is preempted or swapped twice in one decision")
+        self.moved.add(req.request_id)

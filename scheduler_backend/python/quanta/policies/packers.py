@@ -1,0 +1,198 @@
+"""Packers: fill one step from a lane's ranking within the token budget, seats and blocks.
+
+- ``InOrderPacker`` (vLLM's FCFS shape): residents continue in rank order, evicting the
+  lowest-ranked residents when the pool cannot grow one, and stepping aside themselves when
+  nothing is left to take from; then requests that are not resident start or resume in rank
+  order, and the first that does not fit blocks the rest (strict order). Nothing new starts in
+  a step that had to evict.
+- ``PriorityPacker`` (FastServe's Algorithm 1): the top jobs of the ranking that fit; a job
+  that does not fit is skipped and the ones behind it may still run. Residents may evict
+  lower-ranked residents to grow. With ``evict_to_start`` (the paper's reading) a job that is
+  not resident may evict too; without it (the default) it starts or resumes only in free
+  blocks above ``headroom``, so a paused resident is never thrown out for a newcomer: pausing
+  a resident costs nothing, swapping it costs two copies and recomputing it a prefill.
+"""
+
+from __future__ import annotations
+
+from quanta.core.config import SchedulerConfig
+from quanta.core.plan import StepPlan
+from quanta.core.request import Request
+from quanta.core.view import SchedulerView
+from quanta.policies.stages import Lane, Packer, Placement, Ranking
+
+
+def chunk(req: Request, budget: int, chunked: bool) -> int:
+    """A decode token, or the next prefill chunk (all of it when chunking is off)."""
+    n = req.num_uncomputed_tokens
+    if n <= budget:
+        return n
+    return budget if chunked else 0
+
+
+class _LaneBudget:
+    """The tokens a lane may still take: its own cap and the step's budget."""
+
+    def __init__(self, lane: Lane, plan: StepPlan) -> None:
+        self.cap = lane.max_tokens
+        self.plan = plan
+
+    def left(self) -> int:
+        left = self.plan.tokens_left(1 << 30)
+        return left if self.cap is None else min(left, self.cap)
+
+    def spend(self, n: int) -> None:
+        if self.cap is not None:
+            self.cap -= n
+
+
+class InOrderPacker(Packer):
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    def pack(
+        self,
+        lane: Lane,
+        view: SchedulerView,
+        plan: StepPlan,
+        ranking: Ranking,
+        placement: Placement,
+    ) -> None:
+        budget = _LaneBudget(lane, plan)
+        residents = [
+            r for r in lane.order if plan.is_resident(r) and r.request_id not in plan.chosen
+        ]
+        others = [
+            r for r in lane.order if not plan.is_resident(r) and r.request_id not in plan.moved
+        ]
+        if not self._continue(residents, plan, budget, placement):
+            return
+        for req in others:
+            n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
+            if n == 0 or not plan.has_room(n) or plan.blocks_to_grow(req, n) > plan.free_device:
+                return
+            plan.take(req, n)
+            budget.spend(n)
+
+    @staticmethod
+    def _continue(
+        queue: list[Request], plan: StepPlan, budget: _LaneBudget, placement: Placement
+    ) -> bool:
+        """Residents continue; False when someone had to be evicted (start nothing new)."""
+        evicted = False
+        while queue and budget.left() > 0 and plan.has_room():
+            req = queue.pop(0)
+            n = min(req.num_uncomputed_tokens, budget.left())
+            need = plan.blocks_to_grow(req, n)
+            while need > plan.free_device and queue:
+                plan.evict(queue.pop(), placement.evict_mode)  # the lowest-ranked resident
+                evicted = True
+            if need > plan.free_device:
+                plan.evict(req, placement.evict_mode)  # nothing left to take from
+                return False
+            plan.run_req(req, n)
+            budget.spend(n)
+        return not evicted
+
+
+class PriorityPacker(Packer):
+    """See the module docstring.
+
+    With ``decode_first`` a step's seats are still claimed in rank order, but its token budget
+    is spent on the claimed decodes (one token each) before the claimed prefills share what is
+    left, in rank order: a started job is never pushed out of a step by a newcomer's chunk.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        evict_to_start: bool = False,
+        headroom: float = 0.0,
+        decode_first: bool = False,
+    ) -> None:
+        if not 0 <= headroom < 1:
+            raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+        self.config = config
+        self.evict_to_start = evict_to_start
+        self.headroom = headroom
+        self.decode_first = decode_first
+
+    def pack(
+        self,
+        lane: Lane,
+        view: SchedulerView,
+        plan: StepPlan,
+        ranking: Ranking,
+        placement: Placement,
+    ) -> None:
+        budget = _LaneBudget(lane, plan)
+        pos = ranking.position()
+        victims = placement.victims(ranking, plan)
+        keep = int(self.headroom * view.total_device_blocks)
+        seats = plan.seats if plan.seats is not None else len(lane.order)
+        prefills: list[Request] = []
+        for req in lane.order:
+            if seats <= 0 or budget.left() == 0:
+                break
+            if req.request_id in plan.chosen or (
+                req.request_id in plan.moved and not plan.is_resident(req)
+            ):
+                continue
+            n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
+            if n > 1 and self.decode_first:
+                if self._could_fit(req, n, pos, victims, plan, keep):
+                    prefills.append(req)  # claims its seat now, its tokens after the decodes
+                    seats -= 1
+            elif n and self._fit(req, n, pos, victims, plan, placement, keep):
+                plan.take(req, n)
+                budget.spend(n)
+                seats -= 1
+        for req in prefills:
+            n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
+            if n and plan.has_room(n) and self._fit(req, n, pos, victims, plan, placement, keep):
+                plan.take(req, n)
+                budget.spend(n)
+
+    def _could_fit(
+        self,
+        req: Request,
+        n: int,
+        pos: dict[str, int],
+        victims: list[Request],
+        plan: StepPlan,
+        keep: int,
+    ) -> bool:
+        """``_fit`` without changing anything."""
+        need = plan.blocks_to_grow(req, n)
+        if not plan.is_resident(req) and not self.evict_to_start:
+            return need + keep <= plan.free_device
+        i = pos[req.request_id]
+        room = sum(plan.held(v) for v in victims if pos[v.request_id] > i and _evictable(v, plan))
+        return need <= plan.free_device + room
+
+    def _fit(
+        self,
+        req: Request,
+        n: int,
+        pos: dict[str, int],
+        victims: list[Request],
+        plan: StepPlan,
+        placement: Placement,
+        keep: int,
+    ) -> bool:
+        """Make room for ``n`` tokens of ``req``, evicting lower-ranked residents if it may;
+        False (and nothing evicted) when it cannot fit."""
+        if not self._could_fit(req, n, pos, victims, plan, keep):
+            return False
+        need, i = plan.blocks_to_grow(req, n), pos[req.request_id]
+        for victim in victims:
+            if need <= plan.free_device:
+                break
+            if pos[victim.request_id] > i and _evictable(victim, plan):
+                plan.evict(victim, placement.evict_mode)
+        return True
+
+
+def _evictable(req: Request, plan: StepPlan) -> bool:
+    return plan.is_resident(req) and req.request_id not in plan.chosen

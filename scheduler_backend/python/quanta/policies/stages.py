@@ -1,0 +1,177 @@
+"""Scheduling as a pipeline of small stages, and the one policy that runs them in order.
+
+Each scheduling system (FCFS, FastServe, and the ones to come) contributes some of these
+stages; ``StagedPolicy`` runs admission, then ordering, lanes, the packer and placement, and
+forwards every event to every stage so the ones that learn (service counters, quanta) can:
+
+- admission: accept or refuse a new request, with a reason the client sees;
+- ordering: rank the live requests, highest priority first, with each one's estimated next
+  scheduled time (FastServe's ENST; placement moves KV by it);
+- lanes: split the ranking into classes, each with its own token budget;
+- packer: fill the step from the lanes within the token budget, the seats and the blocks,
+  evicting residents in the order placement gives;
+- placement: how evicted KV leaves (swap or recompute) and the moves made around the batch
+  (proactive swap-out to keep a reserve, prefetch);
+- observer: anything else that learns from each step.
+
+All of it is pure Python and reads only the ``SchedulerView``; the ``StepPlan`` it fills is
+the ledger the applier checks the decision with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from quanta.core.config import SchedulerConfig
+from quanta.core.decision import Decision, PreemptMode
+from quanta.core.output import RunnerCapabilities, RunnerOutput
+from quanta.core.plan import StepPlan
+from quanta.core.request import Request
+from quanta.core.view import SchedulerView
+
+STAGES = ("admission", "ordering", "lanes", "packer", "placement", "observer")
+
+
+class Stage:
+    """Base of every stage: the events a stage may learn from (all no-ops here)."""
+
+    #: Runner capabilities the stage cannot work without.
+    requires: RunnerCapabilities = RunnerCapabilities()
+
+    def on_admit(self, request: Request, view: SchedulerView) -> None:
+        """A request was accepted (every stage hears it, after admission)."""
+
+    def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
+        """A step ran; requests' computed-token counts already include it."""
+
+    def on_finish(self, request: Request) -> None:
+        """A request left the engine, whatever way."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """Live requests, highest priority first, and when each is next expected to run."""
+
+    order: list[Request]
+    next_turn: Mapping[str, float]
+
+    def position(self) -> dict[str, int]:
+        return {r.request_id: i for i, r in enumerate(self.order)}
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One class of requests packed together; ``max_tokens`` caps what the lane may take of
+    the step's token budget (None: all that is left)."""
+
+    name: str
+    order: list[Request]
+    max_tokens: int | None = None
+
+
+class Admission(Stage):
+    def admit(self, request: Request, view: SchedulerView) -> str | None:
+        """None to accept, or the reason for refusing."""
+        return None
+
+
+class Ordering(Stage):
+    def rank(self, view: SchedulerView) -> Ranking:
+        raise NotImplementedError
+
+
+class Lanes(Stage):
+    def split(self, ranking: Ranking, view: SchedulerView) -> list[Lane]:
+        """One lane with everything: no classes."""
+        return [Lane("all", ranking.order)]
+
+
+class Placement(Stage):
+    """Where evicted KV goes and what moves around the batch."""
+
+    evict_mode: PreemptMode = PreemptMode.SWAP
+
+    def victims(self, ranking: Ranking, plan: StepPlan) -> list[Request]:
+        """Residents in the order a packer may evict them: lowest priority first."""
+        return [r for r in reversed(ranking.order) if plan.is_resident(r)]
+
+    def after_batch(self, view: SchedulerView, plan: StepPlan, ranking: Ranking) -> None:
+        """Moves made once the batch is chosen (none: purely reactive)."""
+
+
+class Packer(Stage):
+    def pack(
+        self,
+        lane: Lane,
+        view: SchedulerView,
+        plan: StepPlan,
+        ranking: Ranking,
+        placement: Placement,
+    ) -> None:
+        raise NotImplementedError
+
+
+class Observer(Stage):
+    """A stage that only learns."""
+
+
+@dataclass
+class StagedPolicy:
+    """One policy from one stage per slot (observers may be several); see the module doc."""
+
+    name: str
+    config: SchedulerConfig
+    admission: Admission
+    ordering: Ordering
+    lanes: Lanes
+    packer: Packer
+    placement: Placement
+    observers: Sequence[Stage] = ()
+    requires: RunnerCapabilities = field(init=False)
+
+    def __post_init__(self) -> None:
+        stages = self.stages()
+        self.requires = RunnerCapabilities(
+            **{
+                cap: any(getattr(s.requires, cap) for s in stages)
+                for cap in RunnerCapabilities.__dataclass_fields__
+            }
+        )
+
+    def stages(self) -> list[Stage]:
+        """Each stage object once, in pipeline order (one object may fill several slots)."""
+        seen: dict[int, Stage] = {}
+        for s in (
+            self.admission,
+            self.ordering,
+            self.lanes,
+            self.packer,
+            self.placement,
+            *self.observers,
+        ):
+            seen.setdefault(id(s), s)
+        return list(seen.values())
+
+    def admit(self, request: Request, view: SchedulerView) -> str | None:
+        reason = self.admission.admit(request, view)
+        if reason is None:
+            for s in self.stages():
+                s.on_admit(request, view)
+        return reason
+
+    def schedule(self, view: SchedulerView) -> Decision:
+        ranking = self.ordering.rank(view)
+        plan = view.plan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        for lane in self.lanes.split(ranking, view):
+            self.packer.pack(lane, view, plan, ranking, self.placement)
+        self.placement.after_batch(view, plan, ranking)
+        return plan.decision()
+
+    def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
+        for s in self.stages():
+            s.on_step(decision, output, step_time)
+
+    def on_finish(self, request: Request) -> None:
+        for s in self.stages():
+            s.on_finish(request)

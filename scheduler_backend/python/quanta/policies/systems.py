@@ -1,0 +1,196 @@
+"""The built-in scheduling systems: which stages each fills, and its typed options.
+
+Options are pydantic models (unknown keys and bad values are refused with the field's name);
+a variant (``sj-mlfq-reactive``) is the same system with other defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quanta.core.config import SchedulerConfig
+from quanta.costmodel import CostModel, get_profile
+from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
+from quanta.policies.mlfq import (
+    SRPT,
+    FixedPriority,
+    NaiveMLFQ,
+    OracleAdmission,
+    PriorityOrder,
+    SkipJoinMLFQ,
+)
+from quanta.policies.mlfq_memory import ProactiveSwap, ReactiveSwap, Recompute
+from quanta.policies.packers import InOrderPacker, PriorityPacker
+from quanta.policies.stages import Stage
+
+
+class SystemOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class FCFSOptions(SystemOptions):
+    allow_swap: bool = Field(True, description="evict to host when it has room (else recompute)")
+
+
+class PriorityOptions(SystemOptions):
+    """The FastServe family: a cost model, the packer and the KV placement."""
+
+    profile: str | CostModel | dict[str, Any] = Field(
+        "a100-opt13b", description="cost-model preset, or a profile's parsed JSON"
+    )
+    service: Literal["own", "step"] = Field(
+        "own", description="attained service: the job's own share of a step, or the whole step"
+    )
+    memory: Literal["proactive", "reactive", "recompute"] = "proactive"
+    reserve_window: float = Field(1.0, ge=0, description="seconds of arrivals the reserve holds")
+    min_reserve_blocks: int | None = Field(None, ge=0, description="default: MaxBatchSize")
+    max_reserve_fraction: float = Field(0.25, ge=0, le=1)
+    evict_to_start: bool = Field(
+        False, description="a job that is not resident may evict residents (the paper's reading)"
+    )
+    headroom: float = Field(
+        0.05, ge=0, lt=1, description="pool fraction a starting job must leave free for growth"
+    )
+    decode_first: bool = Field(
+        False, description="spend the step's tokens on chosen decodes before chosen prefills"
+    )
+
+    def cost(self) -> CostModel:
+        return get_profile(self.profile)  # type: ignore[arg-type]
+
+
+class SkipJoinOptions(PriorityOptions):
+    base_quantum: float | None = Field(None, gt=0, description="q1; default: min iteration time")
+    quantum_ratio: float = Field(2.0, gt=1)
+    num_queues: int = Field(16, ge=1)
+    starve_limit: float = Field(3.0, gt=0, description="seconds without running before Q1")
+    starve_check_every: int = Field(1000, ge=1, description="iterations between checks")
+
+
+Builder = Callable[[SchedulerConfig, Any], dict[str, Stage]]
+
+
+@dataclass(frozen=True)
+class System:
+    """One scheduling system: the stages it fills, built from its typed options."""
+
+    name: str
+    options: type[SystemOptions]
+    build: Builder
+    slots: frozenset[str]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    doc: str = ""
+
+
+def _fcfs(config: SchedulerConfig, o: FCFSOptions) -> dict[str, Stage]:
+    return {
+        "ordering": ArrivalOrder(config),
+        "packer": InOrderPacker(config),
+        "placement": ReactivePreemption(allow_swap=o.allow_swap),
+    }
+
+
+def _placement(config: SchedulerConfig, o: PriorityOptions, cost: CostModel) -> Stage:
+    if o.memory == "proactive":
+        return ProactiveSwap(
+            max_batch_size=config.max_num_seqs,
+            cost=cost,
+            reserve_window=o.reserve_window,
+            min_reserve_blocks=o.min_reserve_blocks,
+            max_reserve_fraction=o.max_reserve_fraction,
+        )
+    return Recompute() if o.memory == "recompute" else ReactiveSwap()
+
+
+def _priority(order: Callable[[SchedulerConfig, Any, CostModel], PriorityOrder]) -> Builder:
+    def build(config: SchedulerConfig, o: PriorityOptions) -> dict[str, Stage]:
+        cost = o.cost()
+        stages: dict[str, Stage] = {
+            "ordering": order(config, o, cost),
+            "packer": PriorityPacker(
+                config,
+                evict_to_start=o.evict_to_start,
+                headroom=o.headroom,
+                decode_first=o.decode_first,
+            ),
+            "placement": _placement(config, o, cost),
+        }
+        return stages
+
+    return build
+
+
+def _skip_join(kind: type[SkipJoinMLFQ]) -> Callable[..., PriorityOrder]:
+    def make(config: SchedulerConfig, o: SkipJoinOptions, cost: CostModel) -> PriorityOrder:
+        return kind(
+            config,
+            cost,
+            service=o.service,
+            base_quantum=o.base_quantum,
+            quantum_ratio=o.quantum_ratio,
+            num_queues=o.num_queues,
+            starve_limit=o.starve_limit,
+            starve_check_every=o.starve_check_every,
+        )
+
+    return make
+
+
+def _srpt(config: SchedulerConfig, o: PriorityOptions) -> dict[str, Stage]:
+    return {"admission": OracleAdmission(), **_priority(_simple(SRPT))(config, o)}
+
+
+def _simple(kind: type[PriorityOrder]) -> Callable[..., PriorityOrder]:
+    return lambda config, o, cost: kind(config, cost, o.service)
+
+
+_PRIORITY_SLOTS = frozenset({"ordering", "packer", "placement"})
+
+
+def builtin() -> list[System]:
+    sj = _priority(_skip_join(SkipJoinMLFQ))
+    return [
+        System("fcfs", FCFSOptions, _fcfs, _PRIORITY_SLOTS, doc="vLLM's FCFS"),
+        System("sj-mlfq", SkipJoinOptions, sj, _PRIORITY_SLOTS, doc="FastServe"),
+        System(
+            "sj-mlfq-reactive",
+            SkipJoinOptions,
+            sj,
+            _PRIORITY_SLOTS,
+            {"memory": "reactive"},
+            doc="FastServe with reactive swapping (Fig. 15)",
+        ),
+        System(
+            "sj-mlfq-recompute",
+            SkipJoinOptions,
+            sj,
+            _PRIORITY_SLOTS,
+            {"memory": "recompute"},
+            doc="FastServe with recompute (Fig. 15)",
+        ),
+        System(
+            "mlfq",
+            SkipJoinOptions,
+            _priority(_skip_join(NaiveMLFQ)),
+            _PRIORITY_SLOTS,
+            doc="naive MLFQ (Fig. 14)",
+        ),
+        System(
+            "fixed-priority",
+            PriorityOptions,
+            _priority(_simple(FixedPriority)),
+            _PRIORITY_SLOTS,
+            doc="shorter input first (Fig. 14)",
+        ),
+        System(
+            "srpt",
+            PriorityOptions,
+            _srpt,
+            _PRIORITY_SLOTS | {"admission"},
+            doc="shortest remaining time, oracle (simulator only)",
+        ),
+    ]
