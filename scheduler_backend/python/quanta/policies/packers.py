@@ -131,8 +131,12 @@ class PriorityPacker(Packer):
         victims = placement.victims(ranking, plan)
         keep = int(self.headroom * view.total_device_blocks)
         seats = plan.seats if plan.seats is not None else len(lane.order)
+        # NOTE: blocks held by evictable residents ranked below the walk's position.
+        below = sum(plan.held(r) for r in lane.order if _evictable(r, plan))
         prefills: list[Request] = []
         for req in lane.order:
+            if _evictable(req, plan):
+                below -= plan.held(req)
             if seats <= 0 or budget.left() == 0:
                 break
             if req.request_id in plan.chosen or (
@@ -141,57 +145,52 @@ class PriorityPacker(Packer):
                 continue
             n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
             if n > 1 and self.decode_first:
-                if self._could_fit(req, n, pos, victims, plan, keep):
+                if self._could_fit(req, n, plan, keep, below):
                     prefills.append(req)  # claims its seat now, its tokens after the decodes
                     seats -= 1
-            elif n and self._fit(req, n, pos, victims, plan, placement, keep):
+            elif n and self._could_fit(req, n, plan, keep, below):
+                below -= self._evict_for(req, n, pos, victims, plan, placement)
                 plan.take(req, n)
                 budget.spend(n)
                 seats -= 1
         for req in prefills:
             n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
-            if n and plan.has_room(n) and self._fit(req, n, pos, victims, plan, placement, keep):
+            i = pos[req.request_id]
+            room = sum(
+                plan.held(v) for v in victims if pos[v.request_id] > i and _evictable(v, plan)
+            )
+            if n and plan.has_room(n) and self._could_fit(req, n, plan, keep, room):
+                self._evict_for(req, n, pos, victims, plan, placement)
                 plan.take(req, n)
                 budget.spend(n)
 
-    def _could_fit(
-        self,
-        req: Request,
-        n: int,
-        pos: dict[str, int],
-        victims: list[Request],
-        plan: StepPlan,
-        keep: int,
-    ) -> bool:
-        """``_fit`` without changing anything."""
+    def _could_fit(self, req: Request, n: int, plan: StepPlan, keep: int, room: int) -> bool:
+        """``n`` tokens of ``req`` fit in free blocks, or (when it may evict) in free blocks
+        plus the ``room`` lower-ranked residents hold."""
         need = plan.blocks_to_grow(req, n)
         if not plan.is_resident(req) and not self.evict_to_start:
             return need + keep <= plan.free_device
-        i = pos[req.request_id]
-        room = sum(plan.held(v) for v in victims if pos[v.request_id] > i and _evictable(v, plan))
         return need <= plan.free_device + room
 
-    def _fit(
-        self,
+    @staticmethod
+    def _evict_for(
         req: Request,
         n: int,
         pos: dict[str, int],
         victims: list[Request],
         plan: StepPlan,
         placement: Placement,
-        keep: int,
-    ) -> bool:
-        """Make room for ``n`` tokens of ``req``, evicting lower-ranked residents if it may;
-        False (and nothing evicted) when it cannot fit."""
-        if not self._could_fit(req, n, pos, victims, plan, keep):
-            return False
-        need, i = plan.blocks_to_grow(req, n), pos[req.request_id]
+    ) -> int:
+        """Evict lower-ranked residents, in the placement's order, until ``req`` fits; the
+        blocks taken from them."""
+        need, i, freed = plan.blocks_to_grow(req, n), pos[req.request_id], 0
         for victim in victims:
             if need <= plan.free_device:
                 break
             if pos[victim.request_id] > i and _evictable(victim, plan):
+                freed += plan.held(victim)
                 plan.evict(victim, placement.evict_mode)
-        return True
+        return freed
 
 
 def _evictable(req: Request, plan: StepPlan) -> bool:

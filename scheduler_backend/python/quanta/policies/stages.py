@@ -71,6 +71,8 @@ class Lane:
 
 
 class Admission(Stage):
+    """Accepts everything; a system that throttles overrides ``admit``."""
+
     def admit(self, request: Request, view: SchedulerView) -> str | None:
         """None to accept, or the reason for refusing."""
         return None
@@ -78,6 +80,7 @@ class Admission(Stage):
 
 class Ordering(Stage):
     def rank(self, view: SchedulerView) -> Ranking:
+        """Every live request of ``view``, highest priority first, with its next turn."""
         raise NotImplementedError
 
 
@@ -109,6 +112,8 @@ class Packer(Stage):
         ranking: Ranking,
         placement: Placement,
     ) -> None:
+        """Add ``lane``'s share of the step to ``plan``: runs, and the evictions they need
+        (in ``placement``'s order and mode). Promises only entries the plan accepted."""
         raise NotImplementedError
 
 

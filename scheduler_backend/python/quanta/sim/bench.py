@@ -33,7 +33,8 @@ from quanta.policies import make_policy
 from quanta.sim.driver import build_requests, drive, policy_options, time_runner
 from quanta.sim.metrics import request_metrics
 from quanta.sim.repro import batched_capacity
-from quanta.workloads import TraceRequest, arrival_times, make_workload
+from quanta.workloads import TraceRequest, arrival_times, make_workload, scale_to_rate
+from quanta.workloads.transforms import TooLong
 
 APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
 
@@ -63,8 +64,15 @@ def bench_policies(
     profile: Path | None,
     rate: float | None = None,
     scale: float = 0.25,
+    workload: str | None = None,
+    token_scale: float = 1.0,
+    too_long: TooLong = "error",
     echo: Callable[[str], object] = print,
 ) -> dict[str, dict[str, float]]:
+    """Each policy on the real engine. Without ``workload``: ShareGPT-like lengths scaled by
+    ``scale`` and Poisson arrivals. With a trace file: its first ``num_requests`` rows, their
+    context tokens times ``token_scale``, their real arrival gaps stretched or squeezed as a
+    whole to the target rate (bursts keep their shape)."""
     from quanta.core.config import CacheConfig, EngineConfig
     from quanta.frontends.engine import build_engine
     from quanta.sim.profile import profile_engine
@@ -85,11 +93,24 @@ def bench_policies(
         else profile_engine(model, repeats=3, timer=timer, echo=lambda _: None)
     )
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
-    trace = bench_trace(num_requests, cost.max_model_len, seed, scale)
+    if workload is None:
+        trace = bench_trace(num_requests, cost.max_model_len, seed, scale)
+    else:
+        trace = make_workload(
+            workload,
+            num_requests,
+            1.0,
+            max_len=cost.max_model_len,
+            token_scale=token_scale,
+            too_long=too_long,
+        )
     capacity = batched_capacity(trace, cost, sched)
     rate = load * capacity if rate is None else rate
-    times = arrival_times(len(trace), rate, random.Random(seed))
-    trace = [replace(r, arrival_time=t) for r, t in zip(trace, times, strict=True)]
+    if workload is None:
+        times = arrival_times(len(trace), rate, random.Random(seed))
+        trace = [replace(r, arrival_time=t) for r, t in zip(trace, times, strict=True)]
+    else:
+        trace = scale_to_rate(trace, rate)
     # Memory pressure as on the A100: room for about two batches of average jobs.
     per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / 16
     cache = CacheConfig(
@@ -127,7 +148,8 @@ def bench_policies(
         echo(
             f"{name:>16}: mean {m['mean_normalized_latency'] * 1e3:8.2f} ms/token, "
             f"p95 {m['p95_normalized_latency'] * 1e3:8.2f}, TTFT {m['mean_ttft']:.3f} s, "
-            f"TPOT {m['mean_tpot'] * 1e3:.2f} ms, preemptions swap/recompute "
+            f"TPOT {m['mean_tpot'] * 1e3:.2f} ms, P99 TBT {m['p99_tbt'] * 1e3:.2f} ms, "
+            f"preemptions swap/recompute "
             f"{stats.num_preemptions_swap}/{stats.num_preemptions_recompute}"
         )
     if "fcfs" in results:

@@ -105,9 +105,7 @@ def simulate_cmd(
         parse_policy(policy, options)  # NOTE: names and options fail here, before any run
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy/--policy-option") from None
-    setup = SimSetup(
-        policy, cost, sched, block_size, device_blocks, host_blocks, options
-    )
+    setup = SimSetup(policy, cost, sched, block_size, device_blocks, host_blocks, options)
     result = summarize(simulate(trace, setup))
     result["workload"] = {
         "name": workload,
@@ -200,6 +198,15 @@ def bench_policies_cmd(
     seed: Annotated[int, typer.Option()] = 0,
     max_num_seqs: Annotated[int, typer.Option()] = 8,
     profile: Annotated[Path | None, typer.Option(help="profile JSON (default: measure)")] = None,
+    workload: Annotated[
+        str | None,
+        typer.Option(
+            help="a trace file (JSONL, BurstGPT or Azure CSV) instead of ShareGPT-like lengths; "
+            "its arrivals are stretched to the rate, bursts kept"
+        ),
+    ] = None,
+    token_scale: TokenScaleOpt = 1.0,
+    too_long: TooLongOpt = "error",
 ) -> None:
     """The same seeded trace through the real loop on the real engine, per policy."""
     from quanta.sim.bench import bench_policies
@@ -213,6 +220,9 @@ def bench_policies_cmd(
         max_num_seqs=max_num_seqs,
         profile=profile,
         rate=rate,
+        workload=workload,
+        token_scale=token_scale,
+        too_long=too_long,
         echo=typer.echo,
     )
 
