@@ -24,8 +24,9 @@ from quanta.core.view import SchedulerView
 from quanta.costmodel import PRESETS, CostModel
 from quanta.policies import make_policy
 from quanta.policies.mlfq_memory import ProactiveSwap, mlfq_enst
-from quanta.sim import SimSetup, TraceRequest, simulate
+from quanta.sim import SimSetup, simulate
 from quanta.sim.driver import time_runner
+from quanta.workloads import WorkloadRequest
 
 PRIORITY_POLICIES = [
     "sj-mlfq",
@@ -178,7 +179,7 @@ def test_demotion_lands_where_the_next_iteration_fits():
 
 def test_starved_job_is_promoted_to_q1():
     cost = toy_cost()
-    trace = [TraceRequest(0.0, 10, 2)] + [TraceRequest(0.0, 1, 6) for _ in range(3)]
+    trace = [WorkloadRequest(0.0, 10, 2)] + [WorkloadRequest(0.0, 1, 6) for _ in range(3)]
     opts = {"base_quantum": 1.0, "starve_check_every": 1}
     sched = SchedulerConfig(max_num_seqs=1)
 
@@ -209,7 +210,7 @@ def test_fig7_style_toy_example():
     (5, ... avg 6.0); skip-join sends J1 to Q3 (avg 4.0); SRPT is optimal (avg 3.67). The
     paper's own sizes exist only in its figure; its averages rank the same way
     (FCFS 4.23, naive MLFQ 5, skip-join 3.3, SRPT 3)."""
-    trace = [TraceRequest(0.0, 3, 2), TraceRequest(0.0, 1, 2), TraceRequest(0.0, 1, 1)]
+    trace = [WorkloadRequest(0.0, 3, 2), WorkloadRequest(0.0, 1, 2), WorkloadRequest(0.0, 1, 1)]
     sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)
     expected = {"fcfs": 17 / 3, "mlfq": 6.0, "sj-mlfq": 4.0, "srpt": 11 / 3}
     for policy, avg in expected.items():
@@ -410,6 +411,28 @@ def test_outputs_survive_heavy_preemption(make_loop, timed_loop, policy, host):
     assert all(len(so.seqs) <= 3 and so.num_tokens <= 12 for so in steps)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"evict_to_start": True, "headroom": 0.0},
+        {"service": "step", "evict_to_start": True},
+        {"decode_first": True},
+        {"headroom": 0.3, "memory": "recompute"},
+    ],
+    ids=["paper-eviction", "step-service", "decode-first", "headroom-recompute"],
+)
+def test_outputs_survive_every_preemption_rule(make_loop, timed_loop, variant):
+    """Greedy and seeded outputs do not depend on which rule decided the preemptions."""
+    expected = reference(make_loop)
+    opts = {"starve_limit": 0.05, "starve_check_every": 1, "base_quantum": 0.01, **variant}
+    loop = timed_loop(
+        "sj-mlfq", device=16, host=6, options=opts, max_num_batched_tokens=12, max_num_seqs=3
+    )
+    assert run_all(loop, make_requests(8, **{**SPEC, "ignore_eos": True})) == expected
+    s = loop.stats()
+    assert s.num_preemptions_swap + s.num_preemptions_recompute > 0
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     policy=st.sampled_from(PRIORITY_POLICIES),
@@ -422,16 +445,24 @@ def test_outputs_survive_heavy_preemption(make_loop, timed_loop, policy, host):
         min_size=1,
         max_size=12,
     ),
+    packing=st.fixed_dictionaries(
+        {
+            "evict_to_start": st.booleans(),
+            "decode_first": st.booleans(),
+            "headroom": st.sampled_from([0.0, 0.05, 0.5]),
+        }
+    ),
 )
-def test_decisions_are_always_feasible(policy, device, host, seqs, budget, jobs):
-    """Random pools, limits and arrivals: every request completes with its full length (a
-    decision the applier rejects would fail requests) and no block leaks."""
+def test_decisions_are_always_feasible(policy, device, host, seqs, budget, jobs, packing):
+    """Random pools, limits, packing rules and arrivals: every request completes with its
+    full length (a decision the applier rejects would fail requests) and no block leaks."""
     factory = TimedLoops()
+    starve = {"starve_check_every": 1, "starve_limit": 0.03} if "mlfq" in policy else {}
     loop = factory(
         policy,
         device=device,
         host=host,
-        options={"starve_check_every": 1, "starve_limit": 0.03} if "mlfq" in policy else {},
+        options={**starve, **packing},
         max_num_seqs=seqs,
         max_num_batched_tokens=budget,
     )

@@ -26,7 +26,6 @@ from quanta.sim import (
 from quanta.sim.metrics import percentile, request_metrics
 from quanta.sim.report import write_sections
 from quanta.workloads import (
-    TraceRequest,
     WorkloadRequest,
     arrival_times,
     load_workload,
@@ -84,14 +83,14 @@ def test_trace_files(tmp_path):
         (0, 100, 20),
         (4, 30, 10),
     ]
-    assert make_workload(str(tmp_path / "b.csv"), 5, 1.0)[1] == TraceRequest(
+    assert make_workload(str(tmp_path / "b.csv"), 5, 1.0)[1] == WorkloadRequest(
         4.0, 30, 10, request_id="r1", tenant="API log", app="GPT-4"
     )
     (tmp_path / "bench.jsonl").write_text(
         '{"request_id": "q", "arrival_time": 0.5, "prompt_tokens": 9, "output_tokens": 4}\n'
     )
     assert make_workload(str(tmp_path / "bench.jsonl"), 5, 1.0) == [
-        TraceRequest(0.0, 9, 4, request_id="q")
+        WorkloadRequest(0.0, 9, 4, request_id="q")
     ]
     (tmp_path / "bad.jsonl").write_text('{"input_len": 5}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
@@ -205,7 +204,7 @@ def test_every_request_stops_at_its_trace_length_under_memory_pressure():
 
 
 def test_requests_that_cannot_fit_are_rejected_not_dropped():
-    trace = [TraceRequest(0.0, 1000, 100), TraceRequest(0.1, 10, 10)]
+    trace = [WorkloadRequest(0.0, 1000, 100), WorkloadRequest(0.1, 10, 10)]
     res = simulate(trace, SimSetup("sj-mlfq", COST, num_device_blocks=20))
     assert [r.request_id for r, _ in res.rejected] == ["r0"]
     assert "could never complete" in res.rejected[0][1]

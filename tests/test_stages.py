@@ -183,9 +183,10 @@ def test_decode_first_keeps_a_residents_token_when_a_prefill_ranks_above_it():
 
 
 def test_headroom_keeps_free_blocks_for_residents_to_grow():
-    bm = BlockManager(4, 20, 0)
-    newcomer = request("n", 16)  # 4 blocks; 20 free
-    view = view_of(bm, newcomer)
+    bm = BlockManager(4, 24, 0)
+    old = resident(bm, "old", 4)  # 1 block in use: 23 free
+    newcomer = request("n", 16)  # 4 blocks
+    view = view_of(bm, newcomer, old)
     ranking = Ranking([newcomer], {"n": 0.0})
     for headroom, runs in ((0.0, True), (0.9, False)):
         plan = view.plan(budget=64, seats=4)
@@ -193,6 +194,18 @@ def test_headroom_keeps_free_blocks_for_residents_to_grow():
             Lane("all", ranking.order), view, plan, ranking, Placement()
         )
         assert bool(plan.run) is runs
+
+
+def test_headroom_never_keeps_a_large_job_out_of_an_empty_pool():
+    bm = BlockManager(4, 10, 0)
+    big = request("big", 32)  # 8 of 10 blocks: more than the pool less a 50% headroom
+    view = view_of(bm, big)
+    ranking = Ranking([big], {"big": 0.0})
+    plan = view.plan(budget=64, seats=4)
+    PriorityPacker(SchedulerConfig(), headroom=0.5).pack(
+        Lane("all", ranking.order), view, plan, ranking, Placement()
+    )
+    assert plan.run == [("big", 32)]
 
 
 def test_proactive_swap_leaves_alone_a_job_that_would_be_back_before_its_copies():

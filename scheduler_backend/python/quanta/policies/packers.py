@@ -129,7 +129,10 @@ class PriorityPacker(Packer):
         budget = _LaneBudget(lane, plan)
         pos = ranking.position()
         victims = placement.victims(ranking, plan)
-        keep = int(self.headroom * view.total_device_blocks)
+        # NOTE: headroom is for residents to grow; with none, a job may use the whole pool
+        # (else one larger than the pool less the headroom could never start).
+        in_use = view.total_device_blocks > plan.free_device
+        keep = int(self.headroom * view.total_device_blocks) if in_use else 0
         seats = plan.seats if plan.seats is not None else len(lane.order)
         # NOTE: blocks held by evictable residents ranked below the walk's position.
         below = sum(plan.held(r) for r in lane.order if _evictable(r, plan))

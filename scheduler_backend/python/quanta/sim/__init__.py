@@ -10,14 +10,12 @@ from __future__ import annotations
 from quanta.sim.driver import SimResult, SimSetup, build_requests, drive, simulate
 from quanta.sim.metrics import request_metrics, summarize
 from quanta.sim.runner import SimRunner, SimStats
-from quanta.workloads import TraceRequest  # the element type of ``simulate``'s trace
 
 __all__ = [
     "SimResult",
     "SimRunner",
     "SimSetup",
     "SimStats",
-    "TraceRequest",
     "build_requests",
     "drive",
     "request_metrics",

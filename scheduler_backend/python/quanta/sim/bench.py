@@ -33,13 +33,13 @@ from quanta.policies import make_policy
 from quanta.sim.driver import build_requests, drive, policy_options, time_runner
 from quanta.sim.metrics import request_metrics
 from quanta.sim.repro import batched_capacity
-from quanta.workloads import TraceRequest, arrival_times, make_workload, scale_to_rate
+from quanta.workloads import WorkloadRequest, arrival_times, make_workload, scale_to_rate
 from quanta.workloads.transforms import TooLong
 
 APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
 
 
-def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> list[TraceRequest]:
+def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> list[WorkloadRequest]:
     """ShareGPT-like lengths scaled by ``scale`` (a small CPU model cannot spend 338 tokens
     per answer on hundreds of requests); the shape of the distribution is kept."""
     trace = make_workload("sharegpt", num_requests, 1.0, seed=seed, max_len=max_len)

@@ -24,7 +24,7 @@ from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.costmodel import CostModel
 from quanta.policies import parse_policy
 from quanta.sim.runner import SimRunner, SimStats
-from quanta.workloads import TraceRequest
+from quanta.workloads import WorkloadRequest
 
 # FastServe's public artifact for OPT-13B: --max-batch-size 16 --max-tokens-per-batch 2048.
 PAPER_SCHEDULER = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048)
@@ -60,7 +60,7 @@ class SimResult:
 
 
 def build_requests(
-    trace: Sequence[TraceRequest], *, vocab_size: int | None = None, seed: int = 0
+    trace: Sequence[WorkloadRequest], *, vocab_size: int | None = None, seed: int = 0
 ) -> list[Request]:
     """One request per trace row, stopping exactly at its output length (``ignore_eos``),
     with the row's id and scheduling metadata (tenant, class, SLOs) for the policy to read.
@@ -104,7 +104,7 @@ def make_sim_policy(setup: SimSetup) -> Policy:
     return spec.build(setup.scheduler)
 
 
-def simulate(trace: Sequence[TraceRequest], setup: SimSetup) -> SimResult:
+def simulate(trace: Sequence[WorkloadRequest], setup: SimSetup) -> SimResult:
     """Serve ``trace`` with ``setup`` on the cost model; deterministic for a given trace."""
     clock = VirtualClock()
     device, host = setup.pools()

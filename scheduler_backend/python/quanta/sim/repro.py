@@ -21,7 +21,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.costmodel import CostModel, get_profile
 from quanta.sim.driver import PAPER_SCHEDULER, SimSetup, simulate
 from quanta.sim.metrics import summarize
-from quanta.workloads import TraceRequest, arrival_times, make_workload, with_io_ratio
+from quanta.workloads import WorkloadRequest, arrival_times, make_workload, with_io_ratio
 
 FIG14_RATIOS = (0.25, 1.0, 4.0, 16.0, 64.0, 256.0)
 FIG14_POLICIES = ("fcfs", "fixed-priority", "mlfq", "sj-mlfq", "srpt")
@@ -68,7 +68,7 @@ class Experiment:
 
 
 def batched_capacity(
-    trace: Sequence[TraceRequest], profile: CostModel, sched: SchedulerConfig
+    trace: Sequence[WorkloadRequest], profile: CostModel, sched: SchedulerConfig
 ) -> float:
     """Jobs/s an ideal batcher sustains: each job pays its prefill's marginal compute and a
     1/B share of one decode iteration per output token (B = MaxBatchSize)."""
@@ -82,12 +82,14 @@ def batched_capacity(
     return 1.0 / work
 
 
-def _run(args: tuple[list[TraceRequest], SimSetup]) -> dict[str, Any]:
+def _run(args: tuple[list[WorkloadRequest], SimSetup]) -> dict[str, Any]:
     trace, setup = args
     return summarize(simulate(trace, setup))
 
 
-def _run_all(tasks: list[tuple[list[TraceRequest], SimSetup]], jobs: int) -> list[dict[str, Any]]:
+def _run_all(
+    tasks: list[tuple[list[WorkloadRequest], SimSetup]], jobs: int
+) -> list[dict[str, Any]]:
     if jobs <= 1:
         return [_run(t) for t in tasks]
     with ProcessPoolExecutor(max_workers=jobs) as pool:

@@ -31,7 +31,6 @@ from quanta.workloads.lengths import (
 from quanta.workloads.model import (
     CLASSES,
     PriorityClass,
-    TraceRequest,
     WorkloadError,
     WorkloadRequest,
 )
@@ -114,7 +113,6 @@ __all__ = [
     "RateSchedule",
     "Tenant",
     "TooLong",
-    "TraceRequest",
     "UniformLengths",
     "WorkloadError",
     "WorkloadRequest",

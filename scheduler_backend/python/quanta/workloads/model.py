@@ -85,11 +85,6 @@ OPTIONAL_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
     }
 )
 
-# The simulator's name for a request of its trace; same positional fields (arrival, input,
-# output). NOTE: kept because the simulator's driver and experiments type their traces by it.
-TraceRequest = WorkloadRequest
-
-
 class FileRow(NamedTuple):
     """A request as a reader found it, before the file's rows are put on one clock."""
 
