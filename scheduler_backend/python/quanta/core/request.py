@@ -69,6 +69,12 @@ class RequestMetadata(BaseModel):
     tenant: str = "default"
     app: str = "default"
     interaction_id: str | None = None
+    # NOTE: an interaction is one user query served by several calls (agents). Its calls
+    # share ``interaction_id``; ``interaction_stage`` is the call's index in it (0 first) and
+    # ``interaction_last`` marks the call after which the user has an answer.
+    interaction_stage: int | None = Field(None, ge=0)
+    interaction_last: bool = False
+    system_tokens: int = Field(0, ge=0, description="leading prompt tokens that are system prompt")
     priority_class: Literal["online", "offline"] = "online"
     ttft_slo_ms: float | None = Field(None, gt=0)
     tpot_slo_ms: float | None = Field(None, gt=0)

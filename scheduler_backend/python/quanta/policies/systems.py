@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from quanta.core.config import SchedulerConfig
 from quanta.costmodel import CostModel, get_profile
+from quanta.policies.fair import VTCOrder, WSCOrder
 from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
+from quanta.policies.interactions import InteractionTracker
 from quanta.policies.mlfq import (
     SRPT,
     FixedPriority,
@@ -26,6 +28,7 @@ from quanta.policies.mlfq import (
 from quanta.policies.mlfq_memory import ProactiveSwap, ReactiveSwap, Recompute
 from quanta.policies.packers import InOrderPacker, PriorityPacker
 from quanta.policies.stages import Stage
+from quanta.policies.throttle import OITAdmission, RPMAdmission
 
 
 class SystemOptions(BaseModel):
@@ -69,6 +72,42 @@ class SkipJoinOptions(PriorityOptions):
     num_queues: int = Field(16, ge=1)
     starve_limit: float = Field(3.0, gt=0, description="seconds without running before Q1")
     starve_check_every: int = Field(1000, ge=1, description="iterations between checks")
+
+
+class VTCOptions(SystemOptions):
+    input_weight: float = Field(1.0, ge=0, description="counter per prompt token at admission")
+    output_weight: float = Field(2.0, ge=0, description="counter per generated token")
+    weights: dict[str, float] = Field(default_factory=dict, description="tenant -> weight w")
+
+
+class RPMOptions(SystemOptions):
+    rpm_limit: int = Field(20, ge=1, description="requests per user per window")
+    window_s: float = Field(60.0, gt=0)
+
+
+class WSCOptions(SystemOptions):
+    alpha: float = Field(1.0, ge=0, description="weight of input tokens")
+    beta: float = Field(2.0, ge=0, description="weight of system-prompt tokens")
+    gamma: float = Field(1.0, ge=0, description="weight of output tokens")
+    priorities: dict[str, float] = Field(
+        default_factory=dict, description="tenant -> priority factor E (default 1)"
+    )
+    prior_weight: float = Field(1000.0, gt=0, description="w_aj before any call finished")
+    stage_weights: dict[str, list[float]] = Field(
+        default_factory=dict, description="app -> w_aj per stage, used until history exists"
+    )
+    interaction_timeout_s: float = Field(
+        30.0, gt=0, description="an interaction with no last call ends after this idle time"
+    )
+
+
+class FairOptions(WSCOptions):
+    user_limit: int = Field(20, ge=1, description="requests per user per window, in overload")
+    app_limit: int = Field(200, ge=1, description="requests per app per window, in overload")
+    window_s: float = Field(60.0, gt=0)
+    overload_watermark: float = Field(
+        0.9, gt=0, le=1, description="device pool fraction in use that, with a queue, is overload"
+    )
 
 
 Builder = Callable[[SchedulerConfig, Any], dict[str, Stage]]
@@ -151,6 +190,46 @@ def _simple(kind: type[PriorityOrder]) -> Callable[..., PriorityOrder]:
 _PRIORITY_SLOTS = frozenset({"ordering", "packer", "placement"})
 
 
+def _wsc(config: SchedulerConfig, o: WSCOptions) -> dict[str, Stage]:
+    tracker = InteractionTracker(o.interaction_timeout_s)
+    order = WSCOrder(
+        config,
+        tracker,
+        alpha=o.alpha,
+        beta=o.beta,
+        gamma=o.gamma,
+        priorities=o.priorities,
+        prior_weight=o.prior_weight,
+        stage_weights=o.stage_weights,
+    )
+    return {"ordering": order, "observer": tracker}
+
+
+def _fair(config: SchedulerConfig, o: FairOptions) -> dict[str, Stage]:
+    stages = _wsc(config, o)
+    tracker = stages["observer"]
+    assert isinstance(tracker, InteractionTracker)
+    stages["admission"] = OITAdmission(
+        tracker,
+        user_limit=o.user_limit,
+        app_limit=o.app_limit,
+        window_s=o.window_s,
+        watermark=o.overload_watermark,
+    )
+    return stages
+
+
+def _vtc(config: SchedulerConfig, o: VTCOptions) -> dict[str, Stage]:
+    order = VTCOrder(
+        config, input_weight=o.input_weight, output_weight=o.output_weight, weights=o.weights
+    )
+    return {"ordering": order}
+
+
+def _rpm(config: SchedulerConfig, o: RPMOptions) -> dict[str, Stage]:
+    return {"admission": RPMAdmission(limit=o.rpm_limit, window_s=o.window_s)}
+
+
 def builtin() -> list[System]:
     sj = _priority(_skip_join(SkipJoinMLFQ))
     return [
@@ -193,4 +272,20 @@ def builtin() -> list[System]:
             _PRIORITY_SLOTS | {"admission"},
             doc="shortest remaining time, oracle (simulator only)",
         ),
+        System(
+            "fair",
+            FairOptions,
+            _fair,
+            frozenset({"admission", "ordering", "observer"}),
+            doc="FairServe: WSC ordering and OIT throttling",
+        ),
+        System(
+            "wsc",
+            WSCOptions,
+            _wsc,
+            frozenset({"ordering", "observer"}),
+            doc="FairServe without throttling (the paper's FS (W))",
+        ),
+        System("vtc", VTCOptions, _vtc, frozenset({"ordering"}), doc="virtual token counter"),
+        System("rpm", RPMOptions, _rpm, frozenset({"admission"}), doc="requests per minute"),
     ]

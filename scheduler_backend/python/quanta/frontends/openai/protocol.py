@@ -4,7 +4,8 @@ Requests are pydantic models that forbid unknown fields, so a typo is a 400 nami
 rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``n > 1``,
 ``logprobs``, penalties, tools, ...) are rejected with a message that says so. Scheduling
 metadata are extra top-level fields (``tenant``, ``app``, ``interaction_id``,
-``priority_class``, ``ttft_slo_ms``, ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless
+``interaction_stage``, ``interaction_last``, ``system_tokens``, ``priority_class``,
+``ttft_slo_ms``, ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless
 ``tenant`` is given. Sampling values are validated by Quanta's own ``SamplingParams``, so the
 gateway's messages are the backend's.
 """
@@ -55,6 +56,9 @@ class _GenerationRequest(BaseModel):
     tenant: str | None = None
     app: str | None = None
     interaction_id: str | None = None
+    interaction_stage: int | None = None
+    interaction_last: bool | None = None
+    system_tokens: int | None = None
     priority_class: str | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
@@ -97,7 +101,7 @@ class _GenerationRequest(BaseModel):
         """Scheduling metadata; ``tenant`` wins over OpenAI's ``user``."""
         fields = {
             name: getattr(self, name)
-            for name in ("app", "interaction_id", "priority_class", "ttft_slo_ms", "tpot_slo_ms")
+            for name in _METADATA_FIELDS
             if getattr(self, name) is not None
         }
         tenant = self.tenant if self.tenant is not None else self.user
@@ -108,6 +112,18 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+_METADATA_FIELDS = (
+    "app",
+    "interaction_id",
+    "interaction_stage",
+    "interaction_last",
+    "system_tokens",
+    "priority_class",
+    "ttft_slo_ms",
+    "tpot_slo_ms",
+)
 
 
 class CompletionRequest(_GenerationRequest):

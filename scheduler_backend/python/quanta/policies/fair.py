@@ -1,0 +1,202 @@
+"""Fair orderings: FairServe's weighted service counter (WSC) and its baseline VTC.
+
+Both keep a service counter per user (tenant) and rank the requests that are not running by
+the least-served user first; running requests continue in arrival order, as in vLLM's FCFS,
+so fairness decides who gets in, not who is thrown out.
+
+- ``VTCOrder`` (Sheng et al., OSDI'24, as its public code counts): a user's counter grows by
+  ``input_weight / w`` per prompt token when its request is admitted and ``output_weight / w``
+  per generated token, ``w`` the tenant's weight.
+- ``WSCOrder`` (FairServe Eq. 2-3): a call of app ``a`` at interaction stage ``j`` adds
+  ``E_user * (alpha * input + beta * system + gamma * output) / w_aj`` as its tokens are
+  computed, where ``w_aj = alpha * N_I + beta * N_S + gamma * N_O`` are the expected token
+  counts of that app and stage, learned from finished calls (a prior, or seeded weights, until
+  there is history). Calls that continue an open interaction go first, least-served user
+  first; then the earliest call of the least-served user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from quanta.core.config import SchedulerConfig
+from quanta.core.decision import Decision
+from quanta.core.output import RunnerOutput
+from quanta.core.request import Request, RequestStatus
+from quanta.core.view import SchedulerView
+from quanta.policies.interactions import InteractionTracker, ServiceCounters
+from quanta.policies.stages import Ordering, Ranking
+
+_GROUP = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
+
+
+class _CounterOrder(Ordering):
+    """Residents by arrival, then everyone else by the key ``_key``."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.service = ServiceCounters()
+        self._live: dict[str, Request] = {}
+
+    def on_admit(self, request: Request, view: SchedulerView) -> None:
+        self._live[request.request_id] = request
+        self.service.enter(request.metadata.tenant)
+
+    def on_finish(self, request: Request) -> None:
+        if self._live.pop(request.request_id, None) is not None:
+            self.service.leave(request.metadata.tenant)
+
+    def rank(self, view: SchedulerView) -> Ranking:
+        order = sorted(view.candidates, key=lambda r: self._rank_key(r, view.now))
+        seats = self.config.max_num_seqs
+        return Ranking(order, {r.request_id: float(i // seats) for i, r in enumerate(order)})
+
+    def _rank_key(self, r: Request, now: float) -> tuple[float, ...]:
+        group = _GROUP[r.status]
+        if group == 0:
+            return (0, 0, 0.0, r.arrival_time)
+        return (group, *self._key(r, now), r.arrival_time)
+
+    def _key(self, r: Request, now: float) -> tuple[float, ...]:
+        return (self.service.of(r.metadata.tenant),)
+
+
+class VTCOrder(_CounterOrder):
+    """Virtual token counter; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+        weights: Mapping[str, float] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.input_weight, self.output_weight = input_weight, output_weight
+        self.weights = dict(weights or {})
+
+    def on_admit(self, request: Request, view: SchedulerView) -> None:
+        super().on_admit(request, view)
+        user = request.metadata.tenant
+        self.service.add(user, self.input_weight * request.num_prompt_tokens / self._w(user))
+
+    def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
+        for rid, token in zip(output.request_ids, output.sampled_token_ids, strict=True):
+            r = self._live.get(rid)
+            if r is not None and token is not None:
+                user = r.metadata.tenant
+                self.service.add(user, self.output_weight / self._w(user))
+
+    def _w(self, user: str) -> float:
+        return self.weights.get(user, 1.0)
+
+
+@dataclass(slots=True)
+class _Mean:
+    n: int = 0
+    input: float = 0.0
+    system: float = 0.0
+    output: float = 0.0
+
+    def add(self, input: float, system: float, output: float) -> None:
+        self.n += 1
+        k = 1.0 / self.n
+        self.input += (input - self.input) * k
+        self.system += (system - self.system) * k
+        self.output += (output - self.output) * k
+
+
+class WSCOrder(_CounterOrder):
+    """FairServe's weighted service counter; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        tracker: InteractionTracker,
+        *,
+        alpha: float = 1.0,
+        beta: float = 2.0,
+        gamma: float = 1.0,
+        priorities: Mapping[str, float] | None = None,
+        prior_weight: float = 1000.0,
+        stage_weights: Mapping[str, list[float]] | None = None,
+    ) -> None:
+        super().__init__(config)
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        self.tracker = tracker
+        self.alpha, self.beta, self.gamma = alpha, beta, gamma
+        self.priorities = dict(priorities or {})
+        self.prior_weight = prior_weight
+        self.seeded = {app: list(ws) for app, ws in (stage_weights or {}).items()}
+        self._means: dict[tuple[str, int], _Mean] = {}
+        self._charged: dict[str, int] = {}  # prompt positions already charged, per request
+
+    # -- weights (Eq. 2) -------------------------------------------------------------------
+    def weight(self, app: str, stage: int) -> float:
+        """w_aj: learned from finished calls of (app, stage), else of the app, else seeded,
+        else of every app, else the prior."""
+        mean = self._means.get((app, stage))
+        if mean is None:
+            seeded = self.seeded.get(app)
+            if seeded:
+                return seeded[min(stage, len(seeded) - 1)]
+            same_app = [m for (a, _), m in self._means.items() if a == app]
+            mean = _pooled(same_app) or _pooled(list(self._means.values()))
+        if mean is None:
+            return self.prior_weight
+        w = self.alpha * mean.input + self.beta * mean.system + self.gamma * mean.output
+        return w if w > 0 else self.prior_weight
+
+    # -- service (Eq. 3), as tokens are computed -----------------------------------------
+    def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
+        sampled = dict(zip(output.request_ids, output.sampled_token_ids, strict=True))
+        for rid, _ in decision.run:
+            r = self._live.get(rid)
+            if r is None:
+                continue
+            meta = r.metadata
+            done = min(r.num_computed_tokens, r.num_prompt_tokens)
+            start = self._charged.get(rid, 0)
+            system = max(0, min(done, meta.system_tokens) - min(start, meta.system_tokens))
+            tokens = self.alpha * (max(0, done - start) - system) + self.beta * system
+            if sampled.get(rid) is not None:
+                tokens += self.gamma
+            self._charged[rid] = max(start, done)
+            e = self.priorities.get(meta.tenant, 1.0)
+            self.service.add(meta.tenant, e * tokens / self.weight(meta.app, _stage(r)))
+
+    def on_finish(self, request: Request) -> None:
+        super().on_finish(request)
+        self._charged.pop(request.request_id, None)
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            meta = request.metadata
+            system = min(meta.system_tokens, request.num_prompt_tokens)
+            key = (meta.app, _stage(request))
+            self._means.setdefault(key, _Mean()).add(
+                request.num_prompt_tokens - system, system, request.num_output_tokens
+            )
+
+    # -- ordering --------------------------------------------------------------------------
+    def _key(self, r: Request, now: float) -> tuple[float, ...]:
+        fresh = 0 if self.tracker.continues(r, now) else 1
+        return (fresh, self.service.of(r.metadata.tenant))
+
+
+def _stage(r: Request) -> int:
+    return r.metadata.interaction_stage or 0
+
+
+def _pooled(means: list[_Mean]) -> _Mean | None:
+    """One mean over several, weighted by their counts."""
+    total = sum(m.n for m in means)
+    if total == 0:
+        return None
+    out = _Mean(total)
+    for m in means:
+        out.input += m.input * m.n / total
+        out.system += m.system * m.n / total
+        out.output += m.output * m.n / total
+    return out
