@@ -273,3 +273,89 @@ def test_interaction_fields_arrive_over_triton_and_the_openai_gateway():
     )
     with pytest.raises(Exception, match="interaction_stage"):
         CompletionRequest(model="quanta", prompt="hi", interaction_stage=-1).metadata()
+
+
+# -- throttling is an answer ------------------------------------------------------------------
+def test_classify_reads_the_throttling_tag_and_when_to_retry():
+    from quanta.frontends.openai.errors import classify
+
+    err = classify(
+        "[resource_exhausted] throttled: user 'ann' sent 3 requests in 60 s "
+        "(limit 2); retry after 60 s"
+    )
+    assert err.status == 429 and err.headers() == {"Retry-After": "60"}
+    assert err.message.startswith("throttled: user 'ann'")
+    assert classify("[resource_exhausted] over the limit").headers() == {}
+
+
+@pytest.mark.slow
+def test_a_throttled_request_is_a_429_with_retry_after_through_the_openai_client(tmp_path):
+    """A live server with ``rpm`` (one request per user per minute): the official client
+    gets a RateLimitError carrying Retry-After, another user is still served, and the
+    server goes on."""
+    openai = pytest.importorskip("openai")
+    from test_openai_gateway import start_serve, stop_serve
+
+    serve = start_serve(tmp_path, {"policy": "rpm", "policy_options": '{"rpm_limit": 1}'})
+    try:
+        client = openai.OpenAI(base_url=serve.openai_url, api_key="unused", max_retries=0)
+        ok = client.completions.create(model="quanta", prompt="Hi", max_tokens=4, user="ann")
+        assert ok.choices[0].text is not None
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model="quanta", prompt="Hi", max_tokens=4, user="ann")
+        assert caught.value.response.headers["retry-after"] == "60"
+        assert "user 'ann' sent 2 requests in 60 s (limit 1)" in str(caught.value)
+        other = client.completions.create(model="quanta", prompt="Hi", max_tokens=4, user="bob")
+        assert other.choices[0].finish_reason in ("length", "stop")
+    finally:
+        code, out = stop_serve(serve.proc)
+    assert code == 0, out
+
+
+# -- per-tenant metrics -----------------------------------------------------------------------
+class _Family:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.series = name, {}
+
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None):
+        series = self.series.setdefault(labels.get("tenant", ""), _Series())
+        return series
+
+
+class _Series:
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def increment(self, v: float) -> None:
+        self.total += v
+
+    def set(self, v: float) -> None:
+        self.total = v
+
+    def observe(self, v: float) -> None:
+        self.total += v
+        self.count += 1
+
+
+class _Pb:
+    MetricFamily = _Family
+
+
+def test_per_tenant_series_cap_their_label_cardinality():
+    from quanta.core.stream import RequestMetrics
+    from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
+
+    reporter = MetricsReporter(_Pb, {"model": "m"}, stats=lambda: None, max_tenant_labels=2)
+    for i in range(5):
+        m = RequestMetrics(0.0, 0.5, 1.0, 2.0, (1.0, 2.0), 10, 2, 0, 0, 0)
+        reporter._apply_finished(FinishedRecord(f"t{i}", "online", "length", i == 4, m))
+    service = reporter._families["quanta_tenant_service_tokens_total"].series
+    assert set(service) == {"t0", "t1", "other"}
+    assert service["t0"].total == 10 + 2 * 2 and service["other"].total == 3 * (10 + 2 * 2)
+    queue = reporter._families["quanta_tenant_queue_time_seconds"].series
+    assert queue["other"].count == 3 and queue["t1"].total == 0.5
+    throttled = reporter._families["quanta_request_throttled_total"].series
+    assert set(throttled) == {"other"}

@@ -384,6 +384,7 @@ def test_triton_error_messages_map_to_http_codes():
     assert classify("Request for unknown model: 'x' is not found").status == 404
     assert classify("[invalid_argument] prompt is empty").status == 400
     assert classify("[unavailable] tenant t is over its share").status == 429
+    assert classify("[resource_exhausted] tenant t is over its share").status == 429
     assert classify("[cancelled] the model is being unloaded").status == 503
     assert classify("[internal] engine step failed").status == 500
     assert classify("[invalid_argument] bad").message == "bad"

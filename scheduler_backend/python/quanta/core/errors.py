@@ -29,9 +29,11 @@ class CapacityError(InvalidRequestError):
 
 
 class ThrottledError(QuantaError):
-    """A policy refused the request under load (e.g. FairServe throttling)."""
+    """A policy refused the request under load (e.g. FairServe throttling). The message
+    names the limit that was hit and ends with "retry after N s" when the policy knows
+    when the limit clears, which the OpenAI gateway turns into ``Retry-After``."""
 
-    code = "unavailable"
+    code = "resource_exhausted"
 
 
 class RequestAbortedError(QuantaError):

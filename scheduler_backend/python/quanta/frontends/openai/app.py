@@ -248,7 +248,7 @@ def _unknown_model(model: str) -> OpenAIError:
 # -- exception handlers: every error leaves in OpenAI's shape ----------------------------------
 async def _openai_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, OpenAIError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

@@ -3,13 +3,14 @@
 Why the message has to be classified: a gRPC *stream* response carries only an error message
 (``ModelStreamInferResponse`` has no status field), so the INVALID_ARG / UNAVAILABLE code the
 backend set is lost on the way. The backend therefore starts every message with its code
-(``[unavailable] ...``, see ``quanta.frontends.triton.backend.TritonResponses.error``), and the
-tag decides. Messages of Triton itself carry no tag (unknown model, malformed tensors): known
-phrases of those decide, and anything else is a 500.
+(``[resource_exhausted] ...``, see ``quanta.frontends.triton.backend.TritonResponses.error``),
+and the tag decides. Messages of Triton itself carry no tag (unknown model, malformed
+tensors): known phrases of those decide, and anything else is a 500.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -24,11 +25,13 @@ _TYPES: dict[int, tuple[str, str | None]] = {
 _TAGS = {
     "invalid_argument": 400,
     "not_found": 404,
-    "unavailable": 429,  # the backend's UNAVAILABLE means a policy throttled the request
+    "resource_exhausted": 429,  # a policy throttled the request
+    "unavailable": 429,  # the tag older backends gave throttling
     "cancelled": 503,
     "internal": 500,
 }
 _TAG = re.compile(r"^\[(?P<tag>[a-z_]+)\]\s*")
+_RETRY = re.compile(r"retry after (?P<s>\d+(?:\.\d+)?) ?s\b")
 # Phrases of Triton's own (untagged) messages, lower case.
 _PHRASES: tuple[tuple[str, int], ...] = (
     ("unknown model", 404),
@@ -43,13 +46,26 @@ class OpenAIError(Exception):
     """An error the gateway answers with ``{"error": {...}}`` and ``status``."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code if code is not None else _TYPES.get(status, _TYPES[500])[1]
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` (whole seconds, rounded up) when the limit says when it clears."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
     def body(self) -> dict[str, Any]:
         kind = _TYPES.get(self.status, _TYPES[500])[0]
@@ -72,7 +88,11 @@ def classify(message: str) -> OpenAIError:
     """The OpenAI error for a Triton error ``message``; see the module docstring."""
     tagged = _TAG.match(message)
     if tagged and tagged["tag"] in _TAGS:
-        return OpenAIError(_TAGS[tagged["tag"]], message[tagged.end() :])
+        status = _TAGS[tagged["tag"]]
+        retry = _RETRY.search(message) if status == 429 else None
+        return OpenAIError(
+            status, message[tagged.end() :], retry_after=float(retry["s"]) if retry else None
+        )
     lowered = message.lower()
     for phrase, status in _PHRASES:
         if phrase in lowered:

@@ -29,13 +29,15 @@ log = logging.getLogger(__name__)
 
 _ERROR_CODES = {
     "invalid_argument": "INVALID_ARG",
-    "unavailable": "UNAVAILABLE",
+    # NOTE: the Python backend has no RESOURCE_EXHAUSTED; UNAVAILABLE is the closest status
+    # (HTTP 503), and the message's tag says what it really is.
+    "resource_exhausted": "UNAVAILABLE",
     "cancelled": "CANCELLED",
     "internal": "INTERNAL",
 }
 _FINISH_LABELS = {
     "invalid_argument": "invalid",
-    "unavailable": "throttled",
+    "resource_exhausted": "throttled",
     "cancelled": "abort",
     "internal": "error",
 }
@@ -114,6 +116,7 @@ class TritonPythonModel:
             },
             stats=self._loop.stats,
             interval=settings.metrics_interval_ms / 1000,
+            max_tenant_labels=settings.max_tenant_labels,
         )
         self._responder = Responder(
             TritonResponses(pb_utils),
@@ -176,7 +179,7 @@ class TritonPythonModel:
                 tenant=inflight.tenant,
                 priority_class=inflight.priority_class,
                 finish_reason=reason or "unknown",
-                throttled=error is not None and error.code == "unavailable",
+                throttled=error is not None and error.code == "resource_exhausted",
                 metrics=out.metrics,
             )
         )

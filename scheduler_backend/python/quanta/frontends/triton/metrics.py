@@ -66,7 +66,23 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         "Requests refused by the policy under load, by tenant.",
         None,
     ),
+    "quanta_tenant_service_tokens_total": (
+        "COUNTER",
+        "Service received, by tenant: prompt tokens + 2 x generated tokens (VTC's weights).",
+        None,
+    ),
+    "quanta_tenant_queue_time_seconds": (
+        "HISTOGRAM",
+        "Time from arrival to first being scheduled, by tenant.",
+        TTFT_BUCKETS,
+    ),
+    "quanta_tenant_time_to_first_token_seconds": (
+        "HISTOGRAM",
+        "Time from arrival to the first generated token, by tenant.",
+        TTFT_BUCKETS,
+    ),
 }
+OTHER_TENANTS = "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +94,25 @@ class FinishedRecord:
     finish_reason: str
     throttled: bool
     metrics: RequestMetrics | None
+
+
+class TenantLabels:
+    """The ``tenant`` label value of each tenant: its name for the first ``cap`` tenants
+    seen, ``other`` for the rest, so a flood of user ids cannot blow up the series count."""
+
+    def __init__(self, cap: int) -> None:
+        if cap < 0:
+            raise ValueError(f"max_tenant_labels must be >= 0, got {cap}")
+        self.cap = cap
+        self._named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._named:
+            return tenant
+        if len(self._named) < self.cap and tenant != OTHER_TENANTS:
+            self._named.add(tenant)
+            return tenant
+        return OTHER_TENANTS
 
 
 class MetricsReporter:
@@ -92,8 +127,10 @@ class MetricsReporter:
         labels: dict[str, str],
         stats: Callable[[], LoopStats],
         interval: float = 0.5,
+        max_tenant_labels: int = 32,
     ) -> None:
         self._labels = labels
+        self._tenant = TenantLabels(max_tenant_labels)
         self._stats = stats
         self._interval = interval
         self._families = {
@@ -168,11 +205,11 @@ class MetricsReporter:
         self._last = s
 
     def _apply_finished(self, rec: FinishedRecord) -> None:
-        who = (("tenant", rec.tenant), ("priority_class", rec.priority_class))
+        tenant = (("tenant", self._tenant(rec.tenant)),)
+        who = (*tenant, ("priority_class", rec.priority_class))
         reason = (("reason", rec.finish_reason),)
         self._metric("quanta_request_finished_total", reason).increment(1.0)
         if rec.throttled:
-            tenant = (("tenant", rec.tenant),)
             self._metric("quanta_request_throttled_total", tenant).increment(1.0)
         m = rec.metrics
         if m is None:
@@ -182,10 +219,17 @@ class MetricsReporter:
                 float(m.num_output_tokens)
             )
         self._metric("quanta_prompt_tokens_total", who).increment(float(m.num_prompt_tokens))
-        if m.first_token_time is not None:
-            self._metric("quanta_time_to_first_token_seconds").observe(
-                max(0.0, m.first_token_time - m.arrival_time)
+        service = m.num_prompt_tokens + 2 * m.num_output_tokens
+        if service:
+            self._metric("quanta_tenant_service_tokens_total", tenant).increment(float(service))
+        if m.first_scheduled_time is not None:
+            self._metric("quanta_tenant_queue_time_seconds", tenant).observe(
+                max(0.0, m.first_scheduled_time - m.arrival_time)
             )
+        if m.first_token_time is not None:
+            ttft = max(0.0, m.first_token_time - m.arrival_time)
+            self._metric("quanta_time_to_first_token_seconds").observe(ttft)
+            self._metric("quanta_tenant_time_to_first_token_seconds", tenant).observe(ttft)
         if m.finish_time is not None:
             self._metric("quanta_e2e_request_latency_seconds").observe(
                 max(0.0, m.finish_time - m.arrival_time)

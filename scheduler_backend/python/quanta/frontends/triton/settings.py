@@ -31,6 +31,7 @@ class BackendSettings(BaseModel):
     preset_seed: int = Field(0, ge=0)
     torch_threads: int | None = Field(None, ge=1)
     metrics_interval_ms: float = Field(500.0, gt=0)
+    max_tenant_labels: int = Field(32, ge=0)
     cancel_check_interval_ms: float = Field(20.0, gt=0)
 
 
@@ -57,6 +58,7 @@ class _Parameters(BaseModel):
     enable_chunked_prefill: bool | None = None
     torch_threads: int | None = None
     metrics_interval_ms: float = 500.0
+    max_tenant_labels: int = 32
     cancel_check_interval_ms: float = 20.0
 
 
@@ -105,6 +107,7 @@ def parse_parameters(
             preset_seed=p.preset_seed,
             torch_threads=p.torch_threads,
             metrics_interval_ms=p.metrics_interval_ms,
+            max_tenant_labels=p.max_tenant_labels,
             cancel_check_interval_ms=p.cancel_check_interval_ms,
         )
     except ValidationError as exc:
