@@ -208,7 +208,11 @@ def bench_serve(
 def bench_workload(
     out: Annotated[Path, typer.Argument(help="JSONL file to write")],
     dataset: Annotated[
-        str | None, typer.Option(help="sharegpt, alpaca, humaneval, longbench; default uniform")
+        str | None,
+        typer.Option(
+            help="sharegpt, alpaca, humaneval, longbench, or agents (FairServe-like "
+            "multi-call interactions of --num-users users and --abusers); default uniform"
+        ),
     ] = None,
     trace: Annotated[
         Path | None,
@@ -236,6 +240,13 @@ def bench_workload(
     time_scale: TimeScaleOpt = 1.0,
     token_scale: TokenScaleOpt = 1.0,
     too_long: TooLongOpt = "error",
+    num_users: Annotated[
+        int | None, typer.Option(min=0, help="--dataset agents: benign users (default 20)")
+    ] = None,
+    abusers: Annotated[
+        int | None,
+        typer.Option(min=0, help="--dataset agents: users starting interactions 15x as often"),
+    ] = None,
 ) -> None:
     """Write a seeded workload in the JSONL format ``bench serve``, ``simulate`` and Locust
     read, or convert a trace to it (see ``quanta.workloads`` for the format and the Python
@@ -254,6 +265,18 @@ def bench_workload(
         num_requests = 100
     if rate is None and trace is None:
         rate = 1.0
+    if dataset == "agents" or num_users is not None or abusers is not None:
+        if dataset != "agents":
+            raise typer.BadParameter("--num-users and --abusers need --dataset agents")
+        if tenants != "default" or time_scale != 1.0 or token_scale != 1.0:
+            raise typer.BadParameter(
+                "--dataset agents makes its own users and lengths: use --num-users and "
+                "--abusers, not --tenants, --time-scale or --token-scale"
+            )
+        assert num_requests is not None and rate is not None  # NOTE: defaulted above
+        rows = _agents(num_requests, rate, seed, cv, max_len, num_users, abusers)
+        typer.echo(f"wrote {save_workload(out, rows)} ({len(rows)} requests)")
+        return
     source = str(trace) if trace is not None else dataset
     spec = _spec(source, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
                  priority_class, max_len, time_scale, token_scale, too_long)  # fmt: skip
@@ -262,6 +285,28 @@ def bench_workload(
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(f"wrote {save_workload(out, rows)} ({len(rows)} requests)")
+
+
+def _agents(
+    num_requests: int,
+    rate: float,
+    seed: int,
+    cv: float,
+    max_len: int,
+    num_users: int | None,
+    abusers: int | None,
+) -> list[WorkloadRequest]:
+    """``bench workload --dataset agents`` (``quanta.workloads.agents``)."""
+    from quanta.workloads import WorkloadError, agents
+
+    users = 20 if num_users is None else num_users
+    try:
+        return agents(
+            num_requests, rate, num_users=users, abusers=abusers or 0, seed=seed, cv=cv,
+            max_len=max_len, id_prefix=f"s{seed}-r",
+        )  # fmt: skip
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 async def _sweep(

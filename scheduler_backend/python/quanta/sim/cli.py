@@ -45,9 +45,9 @@ def simulate_cmd(
     workload: Annotated[
         str,
         typer.Option(
-            help="sharegpt, alpaca, humaneval, longbench, or a workload file (the JSONL of "
-            "quanta bench workload, a BurstGPT or an Azure LLM trace CSV); its tenants and "
-            "classes reach the policy"
+            help="sharegpt, alpaca, humaneval, longbench, agents (multi-call interactions, "
+            "FairServe-like), or a workload file (the JSONL of quanta bench workload, a "
+            "BurstGPT or an Azure LLM trace CSV); its tenants and classes reach the policy"
         ),
     ] = "sharegpt",
     rate: Annotated[float, typer.Option(help="arrivals per second")] = 1.0,
@@ -63,6 +63,15 @@ def simulate_cmd(
     time_scale: TimeScaleOpt = 1.0,
     token_scale: TokenScaleOpt = 1.0,
     too_long: TooLongOpt = "error",
+    num_users: Annotated[
+        int | None, typer.Option(min=0, help="--workload agents: benign users (default 20)")
+    ] = None,
+    abusers: Annotated[
+        int | None, typer.Option(min=0, help="--workload agents: abusive users (default 0)")
+    ] = None,
+    delay_threshold: Annotated[
+        float, typer.Option(min=0.0, help="seconds queued that make a user delayed (fairness)")
+    ] = 2.0,
     max_num_seqs: Annotated[int, typer.Option(help="MaxBatchSize")] = 16,
     max_num_batched_tokens: Annotated[int, typer.Option()] = 2048,
     block_size: Annotated[int, typer.Option()] = 16,
@@ -92,6 +101,8 @@ def simulate_cmd(
             time_scale=time_scale,
             token_scale=token_scale,
             too_long=too_long,
+            num_users=num_users,
+            abusers=abusers,
         )
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
@@ -106,7 +117,7 @@ def simulate_cmd(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy/--policy-option") from None
     setup = SimSetup(policy, cost, sched, block_size, device_blocks, host_blocks, options)
-    result = summarize(simulate(trace, setup))
+    result = summarize(simulate(trace, setup), delay_threshold_s=delay_threshold)
     result["workload"] = {
         "name": workload,
         "rate": rate,
@@ -117,6 +128,7 @@ def simulate_cmd(
         "time_scale": time_scale,
         "token_scale": token_scale,
         "too_long": too_long,
+        **({"num_users": num_users, "abusers": abusers} if workload == "agents" else {}),
     }
     for key in (
         "mean_normalized_latency",
@@ -129,6 +141,8 @@ def simulate_cmd(
         "swap_out_blocks",
     ):
         typer.echo(f"{key:>24}: {result[key]}")
+    fair = {k: v for k, v in result["fairness"].items() if k != "by_tenant"}
+    typer.echo(f"{'fairness':>24}: {json.dumps(fair, sort_keys=True)}")
     if output is not None:
         output.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         typer.echo(f"wrote {output}")

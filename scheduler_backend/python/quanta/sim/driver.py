@@ -1,14 +1,14 @@
 """Runs the real ``EngineLoop`` on a virtual clock: the simulator's only driver.
 
 Requests are submitted when the clock reaches their arrival time; while the engine is busy the
-clock moves by step times, when it is idle it jumps to the next arrival. Nothing in the loop or
-the policy knows it is simulated.
+clock moves by step times, when it is idle it jumps to the next arrival. A call of a
+multi-call interaction waits for the call before it (``quanta.sim.interactions``). Nothing in
+the loop or the policy knows it is simulated.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +23,7 @@ from quanta.core.policy import Policy
 from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.costmodel import CostModel
 from quanta.policies import parse_policy
+from quanta.sim.interactions import Replay
 from quanta.sim.runner import SimRunner, SimStats
 from quanta.workloads import WorkloadRequest
 
@@ -57,6 +58,8 @@ class SimResult:
     rejected: list[tuple[Request, str]]
     runner: SimStats
     loop: LoopStats
+    throttled: frozenset[str] = frozenset()  # ids of requests the policy refused at admission
+    abandoned: tuple[str, ...] = ()  # ids of calls never sent: an earlier call of theirs failed
 
 
 def build_requests(
@@ -89,9 +92,7 @@ def build_requests(
     return requests
 
 
-def policy_options(
-    name: str, options: dict[str, Any], profile: CostModel
-) -> dict[str, Any]:
+def policy_options(name: str, options: dict[str, Any], profile: CostModel) -> dict[str, Any]:
     """``options`` plus the cost profile for the systems that predict iteration times (those
     with a ``profile`` option), unless the caller chose one."""
     if "profile" in options or not parse_policy(name, options).accepts("profile"):
@@ -117,45 +118,58 @@ def simulate(trace: Sequence[WorkloadRequest], setup: SimSetup) -> SimResult:
         max_model_len=setup.profile.max_model_len,
     )
     requests = build_requests(trace)
-    rejected = drive(loop, clock, requests)
+    think = {r.request_id: row.think_time_s for row, r in zip(trace, requests, strict=True)}
+    replay = Replay(requests, think)
+    rejected = drive(loop, clock, requests, replay)
     loop.blocks.check_integrity()
-    failed = [r for r in requests if r.error is not None]
+    abandoned = tuple(r.request_id for r in replay.abandoned)
+    expected = replay.throttled | set(abandoned)
+    failed = [r for r in requests if r.error is not None and r.request_id not in expected]
     if failed:  # the loop turns a policy bug into failed requests; a simulation must not
         raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0].error}")
-    return SimResult(setup, requests, rejected, runner.stats, loop.stats())
+    return SimResult(
+        setup,
+        requests,
+        rejected,
+        runner.stats,
+        loop.stats(),
+        frozenset(replay.throttled),
+        abandoned,
+    )
 
 
 def drive(
-    loop: EngineLoop, clock: VirtualClock, requests: Sequence[Request]
+    loop: EngineLoop,
+    clock: VirtualClock,
+    requests: Sequence[Request],
+    replay: Replay | None = None,
 ) -> list[tuple[Request, str]]:
-    """Submit each request at its arrival time and step until all are done.
+    """Submit each request when it is due and step until all are done: at its arrival time,
+    or for a later call of an interaction after the call before it (``replay``, which also
+    records throttled and abandoned requests; default: one without think times).
 
     Returns the requests the engine refused at submission, with the reason.
     """
-    pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+    plan = Replay(requests) if replay is None else replay
     rejected: list[tuple[Request, str]] = []
-    while pending or loop.has_unfinished():
+    while plan.pending or loop.has_unfinished():
         now = clock.now()
-        while pending and pending[0].arrival_time <= now:
-            req = pending.popleft()
+        for req in plan.due(now):
             try:
-                loop.submit(req, _discard)
+                loop.submit(req, plan.sink(req))  # metrics come from the requests themselves
             except InvalidRequestError as exc:
                 rejected.append((req, str(exc)))
+                plan.refused(req)
         if not loop.has_unfinished():
-            if pending:
-                clock.set(pending[0].arrival_time)
+            if (due := plan.next_time()) is not None:
+                clock.set(due)
             continue
         if not loop.step():
-            if pending:  # nothing can run until someone new arrives
-                clock.set(max(now, pending[0].arrival_time))
+            if (due := plan.next_time()) is not None:  # nothing runs until someone arrives
+                clock.set(max(now, due))
             else:
                 loop.run_until_idle()  # fails what the policy left stuck, then returns
     return rejected
-
-
-def _discard(_: object) -> None:
-    """Sink for simulated requests: metrics come from the requests themselves."""
 
 
 def time_runner(runner: Runner, clock: VirtualClock, timer: Any) -> Runner:

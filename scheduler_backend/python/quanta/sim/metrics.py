@@ -19,6 +19,7 @@ from typing import Any
 from quanta.core.request import Request
 from quanta.metrics import from_requests, json_safe, per_class, per_tenant, percentile
 from quanta.metrics import mean as _mean
+from quanta.sim.fairness import fairness
 
 
 def request_metrics(
@@ -111,9 +112,11 @@ def plot_lines(
     return path
 
 
-def summarize(result: Any) -> dict[str, Any]:
+def summarize(result: Any, *, delay_threshold_s: float = 2.0) -> dict[str, Any]:
     """The JSON of one simulated run (a ``SimResult``): request metrics, memory traffic and
-    the setup, with the keys ``quanta simulate`` promises at the top level."""
+    the setup, with the keys ``quanta simulate`` promises at the top level, and FairServe's
+    figures under ``fairness`` (``quanta.sim.fairness``; a call that queued longer than
+    ``delay_threshold_s`` makes its user a delayed one)."""
     setup, runner, loop = result.setup, result.runner, result.loop
     per_block = setup.profile.bytes_per_block(setup.block_size)
     device, host = setup.pools()
@@ -140,4 +143,7 @@ def summarize(result: Any) -> dict[str, Any]:
     records = from_requests(result.requests)
     out["by_tenant"] = per_tenant(records)  # service shares and Jain's index across tenants
     out["by_class"] = per_class(records)  # online and offline requests on their own
+    out["fairness"] = fairness(
+        result.requests, result.throttled, result.abandoned, delay_threshold_s=delay_threshold_s
+    )
     return json_safe(out)

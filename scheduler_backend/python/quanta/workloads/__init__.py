@@ -9,7 +9,8 @@ run can be fed exactly the same requests.
 
 One module per concern: ``model`` (the request), ``lengths`` (length samplers, ``DATASETS``),
 ``arrivals`` (renewal processes, rate schedules), ``tenants`` (tenants, apps, interactions,
-offline batches), ``transforms`` (merge, rebase, rescale, fit to a model), ``files`` (load and
+offline batches), ``agents`` (FairServe-like multi-call interactions and abusers),
+``transforms`` (merge, rebase, rescale, fit to a model), ``files`` (load and
 save; formats in ``jsonl`` and ``csv_traces``) and ``options`` (the command-line options of
 tools that read workload files). Pure Python: the simulator imports it.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from quanta.workloads.agents import AGENTS, AgentApp, agent_apps, agents
 from quanta.workloads.arrivals import Arrivals, RateSchedule, arrival_times, on_off, ramp
 from quanta.workloads.files import load_workload, save_workload
 from quanta.workloads.lengths import (
@@ -59,8 +61,10 @@ def make_workload(
     time_scale: float = 1.0,
     token_scale: float = 1.0,
     too_long: TooLong = "error",
+    num_users: int | None = None,
+    abusers: int | None = None,
 ) -> list[WorkloadRequest]:
-    """The simulator's entry point: a dataset name or a workload file.
+    """The simulator's entry point: a dataset name, ``agents``, or a workload file.
 
     A dataset draws all lengths (redrawn until they fit ``max_len``), then Poisson/Gamma
     arrivals from one ``Random(seed)``: this order keeps seeded simulations (and the
@@ -68,12 +72,27 @@ def make_workload(
     used, times rebased to 0; a file without times gets arrivals from ``rate``/``cv``;
     ``time_scale``, ``token_scale`` and ``too_long`` act as in ``load_workload`` (a row longer
     than ``max_len`` is an error unless ``too_long`` is ``skip`` or ``clip``).
+    ``agents`` is ``quanta.workloads.agents.agents`` with ``num_users`` (default 20) benign
+    users and ``abusers`` (default 0), which no other workload takes.
     """
-    if name_or_path in DATASETS:
+    if name_or_path != AGENTS and (num_users is not None or abusers is not None):
+        raise WorkloadError(f"num_users and abusers shape the {AGENTS!r} workload only")
+    if name_or_path in (*DATASETS, AGENTS):
         if time_scale != 1.0 or token_scale != 1.0:
             raise WorkloadError(
                 "time_scale and token_scale rescale a workload file; a dataset's arrivals "
                 "come from the rate and its lengths from the dataset"
+            )
+        if name_or_path == AGENTS:
+            users = 20 if num_users is None else num_users
+            return agents(
+                num_requests,
+                rate,
+                num_users=users,
+                abusers=abusers or 0,
+                seed=seed,
+                cv=cv,
+                max_len=max_len,
             )
         rng = random.Random(seed)
         dist = DATASETS[name_or_path]
@@ -85,7 +104,7 @@ def make_workload(
         ]
     path = Path(name_or_path)
     if not path.is_file():
-        known = ", ".join(sorted(DATASETS))
+        known = ", ".join(sorted((*DATASETS, AGENTS)))
         raise WorkloadError(f"workload {name_or_path!r} is neither a dataset ({known}) nor a file")
     rows = load_workload(
         path,
@@ -102,9 +121,11 @@ def make_workload(
 
 
 __all__ = [
+    "AGENTS",
     "CLASSES",
     "DATASETS",
     "TOO_LONG",
+    "AgentApp",
     "App",
     "Arrivals",
     "LengthDist",
@@ -116,6 +137,8 @@ __all__ = [
     "UniformLengths",
     "WorkloadError",
     "WorkloadRequest",
+    "agent_apps",
+    "agents",
     "arrival_times",
     "fit_to_model",
     "length_sampler",

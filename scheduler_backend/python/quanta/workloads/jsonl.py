@@ -4,13 +4,20 @@
 
     {"request_id": "r0", "arrival_time": 0.31, "prompt_tokens": 96, "output_tokens": 48,
      "tenant": "t1", "app": "chat", "interaction_id": "t1-i0", "priority_class": "online",
-     "ttft_slo_ms": 1000, "tpot_slo_ms": 100, "prompt": "optional text"}
+     "ttft_slo_ms": 1000, "tpot_slo_ms": 100, "prompt": "optional text",
+     "interaction_stage": 1, "interaction_last": true, "system_tokens": 40, "think_time_s": 1.5}
 
 Only ``output_tokens`` and one of ``prompt_tokens`` / ``prompt`` are required. ``arrival_time``
 is an offset in seconds from the start of the run and is kept as is; ``timestamp`` is a trace's
 own clock and is rebased so the first request arrives at 0. Accepted aliases: ``input_len`` /
 ``input_tokens`` (prompt_tokens), ``output_len`` / ``max_tokens`` (output_tokens), ``user``
 (tenant). Unknown keys are errors, so a typo cannot silently drop a field.
+
+The interaction keys describe one call of a multi-call interaction (agents):
+``interaction_stage`` (its index, 0 first; needs ``interaction_id``), ``interaction_last``
+(true on the call that answers the user), ``system_tokens`` (how many of the prompt's tokens
+are system prompt, at most ``prompt_tokens``) and ``think_time_s`` (seconds its sender waits
+after the previous call finished; only for ``interaction_stage`` > 0).
 """
 
 from __future__ import annotations
@@ -119,6 +126,34 @@ def _parse_object(
     for key in ("ttft_slo_ms", "tpot_slo_ms"):
         if fields.get(key) is not None:
             fields[key] = parse_number(fields[key], key, minimum=0.0, strict=True)
+    _parse_interaction(fields)
     if not fields.get("request_id"):
         fields["request_id"] = f"r{index}"
     return WorkloadRequest(arrival_time=0.0, **fields), when, clock
+
+
+def _parse_interaction(fields: dict[str, Any]) -> None:
+    """Check and normalise the interaction keys in place (after the lengths are known)."""
+    stage = fields.get("interaction_stage")
+    if stage is not None:
+        stage = fields["interaction_stage"] = parse_count(stage, "interaction_stage", minimum=0)
+        if fields.get("interaction_id") is None:
+            raise WorkloadError("interaction_stage needs an interaction_id")
+    if not isinstance(fields.get("interaction_last", False), bool):
+        raise WorkloadError(
+            f"interaction_last must be true or false, got {fields['interaction_last']!r}"
+        )
+    if "system_tokens" in fields:
+        system = fields["system_tokens"] = parse_count(
+            fields["system_tokens"], "system_tokens", minimum=0
+        )
+        if system > fields["prompt_tokens"]:
+            raise WorkloadError(
+                f"system_tokens ({system}) must be <= prompt_tokens ({fields['prompt_tokens']})"
+            )
+    if "think_time_s" in fields:
+        think = fields["think_time_s"] = parse_number(
+            fields["think_time_s"], "think_time_s", minimum=0.0
+        )
+        if think and not stage:
+            raise WorkloadError("think_time_s applies only to calls with interaction_stage > 0")

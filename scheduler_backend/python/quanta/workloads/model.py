@@ -23,7 +23,14 @@ class WorkloadError(ValueError):
 @dataclass(frozen=True, slots=True)
 class WorkloadRequest:
     """One request. Field names are the file's keys; ``input_len``/``output_len`` are the
-    simulator's names for the two lengths, so its driver reads either."""
+    simulator's names for the two lengths, so its driver reads either.
+
+    A call of a multi-call interaction (agents) has ``interaction_stage`` (0 first) and
+    ``interaction_last`` on the call that answers the user; ``system_tokens`` of its prompt
+    are system prompt. ``think_time_s`` is how long its sender waits after the previous call
+    of the interaction finished, so for ``interaction_stage > 0`` ``arrival_time`` is only a
+    lower bound: a dependency-aware replay (the simulator) sends it at
+    max(arrival_time, previous finish + think_time_s)."""
 
     arrival_time: float  # seconds from the start of the run
     prompt_tokens: int
@@ -36,6 +43,10 @@ class WorkloadRequest:
     priority_class: PriorityClass = "online"
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    interaction_stage: int | None = None
+    interaction_last: bool = False
+    system_tokens: int = 0  # leading prompt tokens that are system prompt (<= prompt_tokens)
+    think_time_s: float = 0.0  # not metadata: when to send, not how to schedule
 
     @property
     def input_len(self) -> int:
@@ -51,6 +62,9 @@ class WorkloadRequest:
             "tenant": self.tenant,
             "app": self.app,
             "interaction_id": self.interaction_id,
+            "interaction_stage": self.interaction_stage,
+            "interaction_last": self.interaction_last,
+            "system_tokens": self.system_tokens,
             "priority_class": self.priority_class,
             "ttft_slo_ms": self.ttft_slo_ms,
             "tpot_slo_ms": self.tpot_slo_ms,
@@ -82,8 +96,13 @@ OPTIONAL_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
         "ttft_slo_ms": None,
         "tpot_slo_ms": None,
         "prompt": None,
+        "interaction_stage": None,
+        "interaction_last": False,
+        "system_tokens": 0,
+        "think_time_s": 0.0,
     }
 )
+
 
 class FileRow(NamedTuple):
     """A request as a reader found it, before the file's rows are put on one clock."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Literal
 
@@ -45,16 +45,17 @@ def scale_to_rate(requests: Sequence[WorkloadRequest], rate: float) -> list[Work
     if len(out) < 2 or last <= 0 or rate <= 0:
         raise WorkloadError("need >= 2 requests spread over time and rate > 0")
     factor = (len(out) - 1) / rate / last
-    return [replace(r, arrival_time=r.arrival_time * factor) for r in out]
+    return [_retimed(r, lambda t: t * factor) for r in out]
 
 
 def scale_time(requests: Sequence[WorkloadRequest], time_scale: float) -> list[WorkloadRequest]:
     """Every arrival offset, and so every inter-arrival gap, divided by ``time_scale``: 2.0
-    replays the trace twice as fast, 0.5 at half speed; bursts keep their shape."""
+    replays the trace twice as fast, 0.5 at half speed; bursts keep their shape (and think
+    times between an interaction's calls shrink alike)."""
     _check_scale(time_scale, "time_scale")
     if time_scale == 1.0:
         return list(requests)
-    return [replace(r, arrival_time=r.arrival_time / time_scale) for r in requests]
+    return [_retimed(r, lambda t: t / time_scale) for r in requests]
 
 
 def scale_tokens(requests: Sequence[WorkloadRequest], token_scale: float) -> list[WorkloadRequest]:
@@ -64,10 +65,11 @@ def scale_tokens(requests: Sequence[WorkloadRequest], token_scale: float) -> lis
     _check_scale(token_scale, "token_scale")
     if token_scale == 1.0:
         return list(requests)
-    return [
-        replace(r, prompt_tokens=max(1, round(r.prompt_tokens * token_scale)), prompt=None)
-        for r in requests
-    ]
+    out = []
+    for r in requests:
+        n_in = max(1, round(r.prompt_tokens * token_scale))
+        out.append(_with_prompt(r, n_in, round(r.system_tokens * token_scale), prompt=None))
+    return out
 
 
 def fit_to_model(
@@ -92,7 +94,8 @@ def fit_to_model(
         n_out = min(n_out, max_len - 1)
         n_in = min(n_in, max_len - n_out)
         text = request.prompt if n_in == request.prompt_tokens else None
-        return replace(request, prompt_tokens=n_in, output_tokens=n_out, prompt=text)
+        clipped = _with_prompt(request, n_in, request.system_tokens, prompt=text)
+        return replace(clipped, output_tokens=n_out)
     raise WorkloadError(
         f"{n_in} prompt + {n_out} output tokens = {n_in + n_out} > max_len {max_len}; "
         "to drop such rows use too_long='skip' (--too-long skip), to shorten them "
@@ -119,10 +122,30 @@ def with_io_ratio(
     for r in trace:
         n_in = min(max_len - 1, max(1, round(r.prompt_tokens * a)))
         n_out = min(max_len - n_in, max(1, round(r.output_tokens * b)))
-        out.append(replace(r, prompt_tokens=n_in, output_tokens=n_out))
+        scaled = _with_prompt(r, n_in, round(r.system_tokens * a), prompt=r.prompt)
+        out.append(replace(scaled, output_tokens=n_out))
     return out
 
 
 def _check_scale(value: float, name: str) -> None:
     if not (math.isfinite(value) and value > 0):
         raise WorkloadError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _with_prompt(
+    r: WorkloadRequest, prompt_tokens: int, system_tokens: int, *, prompt: str | None
+) -> WorkloadRequest:
+    """``r`` with a new prompt length; its system prompt never exceeds the prompt."""
+    return replace(
+        r,
+        prompt_tokens=prompt_tokens,
+        system_tokens=min(system_tokens, prompt_tokens),
+        prompt=prompt,
+    )
+
+
+def _retimed(r: WorkloadRequest, scale: Callable[[float], float]) -> WorkloadRequest:
+    """``r`` on a rescaled time axis: its arrival and its think time."""
+    if not r.think_time_s:
+        return replace(r, arrival_time=scale(r.arrival_time))
+    return replace(r, arrival_time=scale(r.arrival_time), think_time_s=scale(r.think_time_s))

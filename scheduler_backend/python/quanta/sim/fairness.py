@@ -1,0 +1,156 @@
+"""FairServe's figures of a simulated run (§5): what throttling cost, who waited, who got
+answers, and how evenly users were served.
+
+Why its own module: these figures are about *interactions* and *users* (an answer needs every
+call of an interaction), which the per-request latency metrics cannot see. Definitions:
+
+- An interaction is the calls sharing an ``interaction_id`` (a call without one is its own).
+  It is *answered* when its last call finished without error: the call marked
+  ``interaction_last``, else its latest call in the trace (a trace cut short).
+- ``throttled_requests``: calls the policy refused at admission (``ThrottledError``);
+  ``throttled_interactions``: interactions with at least one; ``abandoned_requests``: calls
+  never sent because an earlier call of their interaction failed or was throttled.
+- ``wasted_tokens``: prompt + output tokens computed for calls of interactions that were not
+  answered (a prompt counts once it produced a token; recomputation is not counted).
+- Users who *sent* anything (a call that was not abandoned) are the denominators:
+  ``delayed_users_fraction`` of them had a call queue longer than ``delay_threshold_s`` (first
+  scheduled - sent), ``served_users_fraction`` of them had an answered interaction.
+- ``service_provided_requests`` / ``service_provided_interactions`` (Table 3): the share of all
+  calls that finished without error / of interactions answered; ``completed_*`` are the counts.
+- ``jain_index``: Jain's index over users' normalized service, FairServe's Eq. 3 with E = 1:
+  each call's computed tokens weighted input x1, system prompt x2, output x1, divided by the
+  mean weighted tokens the trace's calls of the same app and stage ask for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from quanta.core.request import Request
+from quanta.metrics import jain_index, mean
+
+INPUT_WEIGHT, SYSTEM_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0, 1.0  # FairServe's alpha, beta, gamma
+
+
+@dataclass
+class _User:
+    requests: int = 0
+    sent: int = 0
+    throttled: int = 0
+    abandoned: int = 0
+    interactions: set[str] = field(default_factory=set)
+    answered: set[str] = field(default_factory=set)
+    service: float = 0.0
+    wasted_tokens: int = 0
+    queueing: list[float] = field(default_factory=list)
+
+    def row(self, threshold: float) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "throttled": self.throttled,
+            "abandoned": self.abandoned,
+            "interactions": len(self.interactions),
+            "completed_interactions": len(self.answered),
+            "service": self.service,
+            "wasted_tokens": self.wasted_tokens,
+            "mean_queueing_s": mean(self.queueing),
+            "delayed": any(q > threshold for q in self.queueing),
+        }
+
+
+def fairness(
+    requests: Sequence[Request],
+    throttled: Collection[str] = frozenset(),
+    abandoned: Collection[str] = frozenset(),
+    *,
+    delay_threshold_s: float = 2.0,
+) -> dict[str, Any]:
+    """The figures of the module doc; ``throttled`` and ``abandoned`` are request ids (a
+    ``SimResult``'s)."""
+    never_sent = set(abandoned)
+    answered = _answered_interactions(requests)
+    expected = _expected_tokens(requests)
+    users: dict[str, _User] = defaultdict(_User)
+    for r in requests:
+        meta, user, key = r.metadata, users[r.metadata.tenant], _interaction(r)
+        user.requests += 1
+        user.interactions.add(key)
+        if key in answered:
+            user.answered.add(key)
+        if r.request_id in never_sent:
+            user.abandoned += 1
+            continue
+        user.sent += 1
+        user.throttled += r.request_id in throttled
+        if r.first_scheduled_time is not None:
+            user.queueing.append(r.first_scheduled_time - r.arrival_time)
+        prefilled = r.first_token_time is not None
+        user.service += _weighted(r, prefilled) / expected[(meta.app, meta.interaction_stage)]
+        if key not in answered:
+            user.wasted_tokens += r.num_prompt_tokens * prefilled + r.num_output_tokens
+    senders = [u for u in users.values() if u.sent]
+    hit = {_interaction(r) for r in requests if r.request_id in throttled}
+    done = [r for r in requests if r.finish_time is not None and r.error is None]
+    num_interactions = len({_interaction(r) for r in requests})
+    return {
+        "delay_threshold_s": delay_threshold_s,
+        "num_users": len(senders),
+        "num_interactions": num_interactions,
+        "throttled_requests": sum(u.throttled for u in users.values()),
+        "throttled_interactions": len(hit),
+        "abandoned_requests": len(never_sent),
+        "wasted_tokens": sum(u.wasted_tokens for u in users.values()),
+        "delayed_users_fraction": _share(
+            sum(any(q > delay_threshold_s for q in u.queueing) for u in senders), len(senders)
+        ),
+        "served_users_fraction": _share(sum(bool(u.answered) for u in senders), len(senders)),
+        "completed_requests": len(done),
+        "completed_interactions": len(answered),
+        "service_provided_requests": _share(len(done), len(requests)),
+        "service_provided_interactions": _share(len(answered), num_interactions),
+        "jain_index": jain_index([u.service for u in senders]),
+        "by_tenant": {name: users[name].row(delay_threshold_s) for name in sorted(users)},
+    }
+
+
+def _interaction(r: Request) -> str:
+    iid = r.metadata.interaction_id
+    return f"request:{r.request_id}" if iid is None else iid
+
+
+def _answered_interactions(requests: Sequence[Request]) -> set[str]:
+    """Interactions whose last call finished without error."""
+    last: dict[str, tuple[tuple[bool, int, int], Request]] = {}
+    for i, r in enumerate(requests):
+        meta = r.metadata
+        stage = -1 if meta.interaction_stage is None else meta.interaction_stage
+        rank, key = (meta.interaction_last, stage, i), _interaction(r)
+        if key not in last or rank > last[key][0]:
+            last[key] = (rank, r)
+    return {k for k, (_, r) in last.items() if r.finish_time is not None and r.error is None}
+
+
+def _weighted(r: Request, prefilled: bool = True, output: int | None = None) -> float:
+    """FairServe's weighted tokens of ``r``: of its prompt if ``prefilled``, and of
+    ``output`` output tokens (default: those it produced)."""
+    system = r.metadata.system_tokens
+    prompt = INPUT_WEIGHT * (r.num_prompt_tokens - system) + SYSTEM_WEIGHT * system
+    done = r.num_output_tokens if output is None else output
+    return prompt * prefilled + OUTPUT_WEIGHT * done
+
+
+def _expected_tokens(requests: Sequence[Request]) -> dict[tuple[str, int | None], float]:
+    """Mean weighted tokens the calls of each (app, stage) ask for: FairServe's w_aj."""
+    asked: dict[tuple[str, int | None], list[float]] = defaultdict(list)
+    for r in requests:
+        key = (r.metadata.app, r.metadata.interaction_stage)
+        asked[key].append(_weighted(r, output=r.params.max_tokens))
+    return {k: max(mean(v), 1.0) for k, v in asked.items()}
+
+
+def _share(count: int, total: int) -> float:
+    return count / total if total else math.nan
