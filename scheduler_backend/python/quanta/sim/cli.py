@@ -149,7 +149,9 @@ def simulate_cmd(
 
 
 def repro_cmd(
-    figure: Annotated[str, typer.Option(help="14, 15a, azure or all")] = "all",
+    figure: Annotated[
+        str, typer.Option(help="14, 15a, azure, all (FastServe), or fair (FairServe)")
+    ] = "all",
     output: Annotated[Path, typer.Option(help="markdown file whose tables are (re)written")] = (
         Path("docs/fastserve.md")
     ),
@@ -162,13 +164,16 @@ def repro_cmd(
         Path | None,
         typer.Option(help="Azure conversation trace CSV for the real-trace sweep (azure)"),
     ] = None,
+    seeds: Annotated[str, typer.Option(help="seeds of the fair figure, comma-separated")] = (
+        "0,1,2"
+    ),
 ) -> None:
     """Reproduce FastServe's Fig. 14 / Fig. 15, and the policies on a real trace, on the
     simulator; update the doc's tables."""
     from quanta.sim.report import run_repro
 
-    if figure not in ("14", "15a", "azure", "all"):
-        raise typer.BadParameter("figure must be 14, 15a, azure or all")
+    if figure not in ("14", "15a", "azure", "all", "fair"):
+        raise typer.BadParameter("figure must be 14, 15a, azure, all or fair")
     if figure == "azure" and trace is None:
         raise typer.BadParameter("--figure azure needs --trace", param_hint="--trace")
     run_repro(
@@ -180,6 +185,7 @@ def repro_cmd(
         jobs=jobs,
         plots=plots,
         trace=trace,
+        seeds=[int(x) for x in seeds.split(",")],
         echo=typer.echo,
     )
 

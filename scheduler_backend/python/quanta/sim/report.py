@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from quanta.costmodel import get_profile
+from quanta.sim.fair_repro import run_fair
 from quanta.sim.metrics import plot_lines
 from quanta.sim.repro import (
     AZURE_SETUPS,
@@ -54,10 +55,18 @@ def run_repro(
     jobs: int,
     plots: Path | None,
     trace: Path | None = None,
+    seeds: Sequence[int] = (0, 1, 2),
     echo: Callable[[str], object] = print,
 ) -> dict[str, str]:
     """Run Fig. 14 (at each load), Fig. 15a and/or the real-trace sweep and update
     ``output``'s tables."""
+    if figure == "fair":
+        t0 = time.perf_counter()
+        sections = run_fair(seeds, num_requests, jobs)
+        echo(f"fairserve: {time.perf_counter() - t0:.0f} s")
+        write_sections(output, sections, "FairServe on the simulator")
+        echo(f"updated {output}")
+        return sections
     exp = Experiment(num_requests=num_requests, seed=seed, jobs=jobs)
     command = (
         f"quanta simulate repro --figure {figure} --num-requests {num_requests} "

@@ -219,7 +219,7 @@ class MetricsReporter:
                 float(m.num_output_tokens)
             )
         self._metric("quanta_prompt_tokens_total", who).increment(float(m.num_prompt_tokens))
-        service = m.num_prompt_tokens + 2 * m.num_output_tokens
+        service = 0 if rec.throttled else m.num_prompt_tokens + 2 * m.num_output_tokens
         if service:
             self._metric("quanta_tenant_service_tokens_total", tenant).increment(float(service))
         if m.first_scheduled_time is not None:
