@@ -405,3 +405,29 @@ def test_cli_repro_fair(tmp_path):
     assert res.exit_code == 0, res.output
     text = doc.read_text()
     assert "<!-- BEGIN repro:fair-rate6 -->" in text and "| fair |" in text
+
+
+def test_the_gateway_counts_system_messages_as_system_tokens(tmp_path):
+    from quanta.build.checkpoint import ensure_checkpoint
+    from quanta.frontends.openai.chat import ChatTemplate
+    from quanta.frontends.openai.protocol import ChatMessage
+    from quanta.frontends.tokenizer import load_tokenizer
+
+    messages = [
+        ChatMessage(role="system", content="You are terse."),
+        ChatMessage(role="user", content="Hi"),
+    ]
+    default = ChatTemplate(count_tokens=len)  # one "token" per character
+    assert default.system_tokens(messages) == len("system: You are terse.\n")
+    assert default.system_tokens(messages[1:]) == 0
+    jinja = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+        count_tokens=len,
+    )
+    assert jinja.system_tokens(messages) == len("<system>You are terse.")
+    assert ChatTemplate().system_tokens(messages) is None  # no tokenizer: not counted
+    model = ensure_checkpoint("opt-tiny", tmp_path / "opt-tiny")
+    real = ChatTemplate.from_model_dir(model)
+    expected = len(load_tokenizer(model).encode("system: You are terse.\n"))
+    assert real.system_tokens(messages) == expected > 0

@@ -95,7 +95,9 @@ class Gateway:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check(body)
         params = body.sampling_params(self.settings.default_chat_max_tokens)
-        return await self._generate(request, body, self.template.render(body.messages), params)
+        prompt = self.template.render(body.messages)
+        system = self.template.system_tokens(body.messages)
+        return await self._generate(request, body, prompt, params, system)
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_card()]}
@@ -128,9 +130,15 @@ class Gateway:
             raise error
 
     async def _generate(
-        self, request: Request, body: Body, prompt: str | list[int], params: SamplingParams
+        self,
+        request: Request,
+        body: Body,
+        prompt: str | list[int],
+        params: SamplingParams,
+        system_tokens: int | None = None,
     ) -> Response:
-        inputs = request_inputs(prompt, params, stream=body.stream, metadata=body.metadata())
+        metadata = body.metadata(system_tokens)
+        inputs = request_inputs(prompt, params, stream=body.stream, metadata=metadata)
         stream = self.upstream.stream(self.triton_model, inputs)
         chat = isinstance(body, ChatCompletionRequest)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"

@@ -17,7 +17,7 @@ The default template writes one ``<role>: <content>`` line per message and ends 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,15 @@ class ChatTemplate:
     """Renders a conversation; ``source`` is a jinja2 template or ``None`` for the default."""
 
     def __init__(
-        self, source: str | None = None, *, bos_token: str = "", eos_token: str = ""
+        self,
+        source: str | None = None,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        count_tokens: Callable[[str], int] | None = None,
     ) -> None:
         self.source = source
+        self.count_tokens = count_tokens
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
         self._template: Any = None
         if source is not None:
@@ -46,18 +52,22 @@ class ChatTemplate:
         """The checkpoint's template if its ``tokenizer_config.json`` has one, else the default."""
         if model_dir is None:
             return cls()
+        count = _token_counter(Path(model_dir))
         path = Path(model_dir) / "tokenizer_config.json"
         if not path.is_file():
-            return cls()
+            return cls(count_tokens=count)
         config = json.loads(path.read_text(encoding="utf-8"))
         source = config.get("chat_template")
         if isinstance(source, list):  # HF's named templates: take "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
         if not isinstance(source, str):
-            return cls()
+            return cls(count_tokens=count)
         return cls(
-            source, bos_token=_token(config, "bos_token"), eos_token=_token(config, "eos_token")
+            source,
+            bos_token=_token(config, "bos_token"),
+            eos_token=_token(config, "eos_token"),
+            count_tokens=count,
         )
 
     @classmethod
@@ -79,6 +89,29 @@ class ChatTemplate:
         except _TemplateError as exc:
             raise invalid(f"chat template: {exc}", "messages") from None
 
+    def system_tokens(self, messages: Sequence[ChatMessage]) -> int | None:
+        """Tokens of the rendered prompt that come from its leading system messages (what
+        FairServe weighs as system prompt), or None when they cannot be told apart: no
+        tokenizer, or a template whose system part is not a prefix of the prompt."""
+        k = 0
+        while k < len(messages) and messages[k].role in ("system", "developer"):
+            k += 1
+        if self.count_tokens is None or k == 0:
+            return None if self.count_tokens is None else 0
+        if self._template is None:
+            prefix = "".join(f"{m.role}: {m.text()}\n" for m in messages[:k])
+        else:
+            system = [{"role": m.role, "content": m.text()} for m in messages[:k]]
+            try:
+                prefix = str(
+                    self._template.render(
+                        messages=system, add_generation_prompt=False, **self._special
+                    )
+                )
+            except _TemplateError:
+                return None
+        return self.count_tokens(prefix) if self.render(messages).startswith(prefix) else None
+
 
 class _TemplateError(Exception):
     """``raise_exception(...)`` called by a chat template (e.g. roles must alternate)."""
@@ -93,3 +126,14 @@ def _token(config: dict[str, Any], key: str) -> str:
     if isinstance(value, dict):  # AddedToken serialised as a dict
         value = value.get("content")
     return value if isinstance(value, str) else ""
+
+
+def _token_counter(model_dir: Path) -> Callable[[str], int] | None:
+    """Token counts by the checkpoint's own tokenizer, when the directory has one."""
+    from quanta.frontends.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+    return lambda text: len(tokenizer.encode(text))

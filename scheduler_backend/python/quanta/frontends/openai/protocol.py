@@ -97,13 +97,16 @@ class _GenerationRequest(BaseModel):
             fields["stop"] = self.stop
         return _validated(SamplingParams, fields)
 
-    def metadata(self) -> RequestMetadata:
-        """Scheduling metadata; ``tenant`` wins over OpenAI's ``user``."""
+    def metadata(self, system_tokens: int | None = None) -> RequestMetadata:
+        """Scheduling metadata; ``tenant`` wins over OpenAI's ``user``, and an explicit
+        ``system_tokens`` over the count the gateway made of the system messages."""
         fields = {
             name: getattr(self, name)
             for name in _METADATA_FIELDS
             if getattr(self, name) is not None
         }
+        if system_tokens is not None:
+            fields.setdefault("system_tokens", system_tokens)
         tenant = self.tenant if self.tenant is not None else self.user
         if tenant is not None:
             fields["tenant"] = tenant
