@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from quanta.core.config import SchedulerConfig
 from quanta.costmodel import get_profile
 from quanta.sim.driver import SimSetup
+from quanta.sim.metrics import plot_lines
 from quanta.sim.repro import _fmt, _run_all
 from quanta.workloads import make_workload
 
@@ -101,10 +103,37 @@ def fairserve_ratios(row: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def run_fair(seeds: Sequence[int], num_requests: int, jobs: int) -> dict[str, str]:
-    """The doc sections, one per rate."""
+def plot_fair(rows: list[dict[str, Any]], plots: Path) -> list[Path]:
+    """One PNG per figure: each policy's mean over seeds against the arrival rate."""
+    figures = [(key, label, True) for key, label, _ in _FIGURES]
+    figures += [("mean_ttft", "mean TTFT (s)", False), ("throughput_rps", "calls/s", False)]
+    drawn = []
+    for key, label, fair in figures:
+        series = {
+            p: [_mean(row["policies"][p], key, fair) for row in rows] for p in rows[0]["policies"]
+        }
+        path = plot_lines(
+            plots / f"fair_{key}.png",
+            [row["rate"] for row in rows],
+            series,
+            xlabel="arrival rate (calls/s)",
+            ylabel=label,
+            title=f"FairServe (simulated): {label}",
+        )
+        if path is not None:
+            drawn.append(path)
+    return drawn
+
+
+def run_fair(
+    seeds: Sequence[int], num_requests: int, jobs: int, plots: Path | None = None
+) -> dict[str, str]:
+    """The doc sections, one per rate (and the plots, when ``plots`` is a directory)."""
     sections = {}
     rows = fairserve(num_requests=num_requests, num_users=50, abusers=5, seeds=seeds, jobs=jobs)
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+        plot_fair(rows, plots)
     for row in rows:
         ratios = ", ".join(
             f"{k} {'inf' if v == float('inf') else f'{v:.2f}x'}"

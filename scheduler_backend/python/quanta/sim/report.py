@@ -62,7 +62,7 @@ def run_repro(
     ``output``'s tables."""
     if figure == "fair":
         t0 = time.perf_counter()
-        sections = run_fair(seeds, num_requests, jobs)
+        sections = run_fair(seeds, num_requests, jobs, plots)
         echo(f"fairserve: {time.perf_counter() - t0:.0f} s")
         write_sections(output, sections, "FairServe on the simulator")
         echo(f"updated {output}")
