@@ -21,9 +21,13 @@ Two ways to make requests:
   ``--time-scale``, ``--token-scale`` and ``--too-long`` (against ``--max-len``) act as in
   ``quanta simulate`` and ``quanta bench serve``. With ``--workload-timing arrival``
   (default) a request is sent at its ``arrival_time`` after the first user started, so give
-  enough users (``-u``) for the requests in flight at once; ``asap`` sends back to back. The
-  run stops when every request has finished. Run it in one process (not ``--processes``
-  or workers): each process would replay the whole file.
+  enough users (``-u``) for the requests in flight at once; ``asap`` sends back to back. A
+  later call of a multi-call interaction (``interaction_stage``, e.g. ``--dataset agents``)
+  is taken only once the call before it finished: at max(its ``arrival_time``, that finish +
+  its ``think_time_s``) (``asap``: at once); after a failed or throttled call the rest of the
+  interaction is never sent, and each such call is counted as an ``ABANDONED`` event. The
+  run stops when every request has finished or been abandoned. Run it in one process (not
+  ``--processes`` or workers): each process would replay the whole file.
 
 HTTP streaming (not tritonclient's gRPC stream) is used because gRPC's real threads fight
 Locust's gevent.
@@ -31,20 +35,24 @@ Locust's gevent.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import logging
 import random
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import gevent
+import gevent.event
 from locust import HttpUser, events, task
 from locust.exception import StopUser
 from locust.stats import CSV_STATS_INTERVAL_SEC
+
+if TYPE_CHECKING:
+    from quanta.workloads.dependencies import Interactions
 
 # NOTE: prompts are drawn from this text's words; kept as prose so the file stays short.
 CORPUS = (
@@ -186,19 +194,26 @@ class Workload:
 class Replay:
     """A workload file shared by all users of this process: who sends what, and when.
 
-    gevent switches only at I/O, so plain fields need no lock.
+    ``due`` holds the requests that may be taken, earliest first; a later call of an
+    interaction joins it when ``plan`` releases it. gevent switches only at I/O, so plain
+    fields need no lock.
     """
 
-    bodies: deque[tuple[float, dict[str, Any]]]  # (arrival offset, generate_stream body)
+    bodies: dict[str, dict[str, Any]]  # request id -> generate_stream body
+    plan: Interactions  # which calls wait for which
     timing: str
+    order: dict[str, int]  # request id -> its place in the file (ties)
+    due: list[tuple[float, int, str]] = field(default_factory=list)  # (send at, order, id)
     start: float | None = None
     in_flight: int = 0
+    changed: gevent.event.Event = field(default_factory=gevent.event.Event)
 
     @classmethod
     def from_options(cls, options: Any) -> Replay:
         # NOTE: imported only in replay mode, so the generated mode runs without quanta.
         from quanta.bench.client import Target, to_client_requests, triton_inputs
         from quanta.workloads import load_workload
+        from quanta.workloads.dependencies import Call, Interactions
 
         lo, hi = _range(options.token_id_range)
         target = Target(url=options.host or "", transport="http", token_id_range=(lo, hi))
@@ -210,25 +225,55 @@ class Replay:
             max_len=options.max_len,
         )
         rows = to_client_requests(workload)
-        bodies = deque((r.arrival_s, triton_inputs(r, target)) for r in rows)
-        return cls(bodies, options.workload_timing)
+        plan = Interactions(
+            Call(r.request_id, r.arrival_s, r.interaction_id, r.interaction_stage, r.think_time_s)
+            for r in rows
+        )
+        replay = cls(
+            {r.request_id: triton_inputs(r, target) for r in rows},
+            plan,
+            options.workload_timing,
+            {r.request_id: i for i, r in enumerate(rows)},
+        )
+        for call in plan.free():
+            replay._push(call.arrival_s, call.request_id)
+        return replay
 
-    def take(self) -> dict[str, Any] | None:
-        """The next request's body, once it is due; None when the file is used up."""
-        if not self.bodies:
-            return None
-        arrival, body = self.bodies.popleft()
+    def take(self) -> tuple[str, dict[str, Any]] | None:
+        """The next request (id, body), once it is due; None when the file is used up."""
+        while not self.due:
+            if self.done:
+                return None
+            self.changed.clear()  # NOTE: a call in flight will release its follower
+            self.changed.wait(0.05)
+        when, _, request_id = heapq.heappop(self.due)
         self.in_flight += 1
         if self.start is None:
             self.start = time.monotonic()
         if self.timing == "arrival":
-            gevent.sleep(max(0.0, self.start + arrival - time.monotonic()))
-        return body
+            gevent.sleep(max(0.0, self.start + when - time.monotonic()))
+        return request_id, self.bodies[request_id]
 
-    def finished_one(self) -> bool:
-        """Count a request as ended; True when it was the file's last."""
+    def finished(self, request_id: str, ok: bool) -> bool:
+        """Count a request as ended, release or abandon the calls waiting for it; True when
+        it was the file's last."""
         self.in_flight -= 1
-        return not self.bodies and self.in_flight == 0
+        end = time.monotonic() - (self.start or 0.0)
+        for follower, when in self.plan.finished(request_id, end, ok).items():
+            if when is None:
+                _abandoned(follower)
+            else:
+                self._push(when, follower)
+        self.changed.set()
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        """Nothing due, in flight or waiting for another call."""
+        return not self.due and self.in_flight == 0 and not self.plan.pending
+
+    def _push(self, when: float, request_id: str) -> None:
+        heapq.heappush(self.due, (when, self.order[request_id], request_id))
 
 
 _replay: Replay | None = None
@@ -271,6 +316,19 @@ def _range(spec: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
+def _abandoned(request_id: str) -> None:
+    """A call never sent because an earlier call of its interaction failed: counted in the
+    stats under ``ABANDONED`` (not a failure of the server)."""
+    events.request.fire(
+        request_type="ABANDONED",
+        name="interaction_call",
+        response_time=0,
+        response_length=0,
+        exception=None,
+        context={"request_id": request_id},
+    )
+
+
 def _metric(name: str, ms: float, length: int = 0) -> None:
     events.request.fire(
         request_type="METRIC",
@@ -300,18 +358,21 @@ class StreamingUser(HttpUser):
         if self.replay is None:
             self._send(self.workload.next_request())
             return
-        body = self.replay.take()
-        if body is None:
+        taken = self.replay.take()
+        if taken is None:
             raise StopUser()
+        request_id, body = taken
+        ok = False
         try:
-            self._send(body)
+            ok = self._send(body)
         finally:
-            if self.replay.finished_one():  # every request of the file has ended
+            if self.replay.finished(request_id, ok):  # every request of the file has ended
                 # NOTE: the CSV writer snapshots every CSV_STATS_INTERVAL_SEC; quitting at
                 # once would leave the last requests out of --csv files.
                 gevent.spawn_later(CSV_STATS_INTERVAL_SEC + 0.5, self.environment.runner.quit)
 
-    def _send(self, body: dict[str, Any]) -> None:
+    def _send(self, body: dict[str, Any]) -> bool:
+        """Stream one generation and report it; True when it succeeded."""
         start = time.perf_counter()
         first = last = None
         tokens = 0
@@ -320,14 +381,14 @@ class StreamingUser(HttpUser):
         ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                return
+                return False
             for line in resp.iter_lines():
                 if not line.startswith(b"data:"):
                     continue
                 event = json.loads(line[len(b"data:") :])
                 if "error" in event:
                     resp.failure(event["error"])
-                    return
+                    return False
                 ids = event.get("output_ids", [])
                 count = 1 if isinstance(ids, int) else len(ids)
                 if count and first is None:
@@ -338,8 +399,9 @@ class StreamingUser(HttpUser):
                 tokens += count
             if first is None or last is None:
                 resp.failure("the stream ended without tokens")
-                return
+                return False
             resp.success()
         if tokens > 1:
             _metric("time_per_output_token", (last - first) * 1000 / (tokens - 1), tokens)
         _metric("e2e_latency", (last - start) * 1000, tokens)
+        return True

@@ -183,3 +183,44 @@ def test_payloads_carry_metadata_and_vllm_priority():
     bare = Target(url="http://x", transport="openai", send_metadata=False)
     body = json.loads(_OpenAISender(bare, None).prepare(request))
     assert "user" not in body and "app" not in body and body["priority"] == 12
+
+
+def test_bench_serve_honours_interactions_and_reports_fairness(live, cli, tmp_path):
+    from quanta.workloads import agents
+
+    rows = [  # NOTE: short times and outputs keep the run short; the dependency orders calls
+        replace(
+            r,
+            arrival_time=min(r.arrival_time, 0.3),
+            think_time_s=r.think_time_s / 20,
+            output_tokens=min(r.output_tokens, 6),
+        )
+        for r in agents(10, 20.0, num_users=3, abusers=1, seed=1, max_len=128)
+    ]
+    assert any(r.interaction_stage for r in rows)  # some interaction has several calls
+    path = save_workload(tmp_path / "agents.jsonl", rows)
+    out = tmp_path / "bench.json"
+    args = ["bench", "serve", "--url", live.grpc_url, "--workload", str(path)]
+    result = CliRunner().invoke(cli, [*args, "--output", str(out), "--delay-threshold", "5"])
+    assert result.exit_code == 0, result.output
+    assert "interactions answered" in result.output
+    (run,) = json.loads(out.read_text())["runs"]
+    got = {r["request_id"]: r for r in run["results"]}
+    assert all(r["error"] is None for r in got.values())
+    by_stage = {(r.interaction_id, r.interaction_stage): r for r in rows}
+    for row in rows:
+        if row.interaction_stage:
+            before = got[by_stage[(row.interaction_id, row.interaction_stage - 1)].request_id]
+            res = got[row.request_id]
+            assert res["scheduled_s"] >= before["end_s"] + row.think_time_s - 1e-9
+            assert res["send_s"] >= res["scheduled_s"]
+    fairness = run["fairness"]
+    assert fairness["delay_threshold_s"] == 5.0
+    assert fairness["num_interactions"] == len({r.interaction_id for r in rows})
+    assert fairness["completed_interactions"] == fairness["num_interactions"]
+    assert fairness["completed_requests"] == len(rows)
+    assert fairness["throttled_requests"] == fairness["abandoned_requests"] == 0
+    assert fairness["wasted_tokens"] == 0 and fairness["served_users_fraction"] == 1.0
+    assert fairness["delayed_users_fraction"] == 0.0
+    assert set(fairness["by_tenant"]) == {r.tenant for r in rows}
+    assert 0 < fairness["jain_index"] <= 1

@@ -444,6 +444,39 @@ def test_locust_replays_a_workload_file_and_stops_when_done(server, tmp_path):
     assert tokens("locust-batch", "offline") == 6
 
 
+def test_locust_waits_for_the_previous_call_and_abandons_after_a_failure(server, tmp_path):
+    from quanta.workloads import WorkloadRequest, save_workload
+
+    def call(rid, stage, out=3, **kw):
+        kw.setdefault("interaction_id", "i-ok")
+        return WorkloadRequest(
+            0.0, 5, out, rid, tenant="locust-agent", interaction_stage=stage, **kw
+        )
+
+    rows = [
+        call("ok0", 0),
+        call("ok1", 1, think_time_s=0.3, interaction_last=True),
+        call("bad0", 0, out=600, interaction_id="i-bad"),  # too long: the server refuses it
+        call("bad1", 1, interaction_id="i-bad", interaction_last=True),
+    ]
+    workload = save_workload(tmp_path / "w.jsonl", rows)
+    prefix = tmp_path / "locust"
+    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py")]
+    cmd += ["--headless", "-u", "4", "-r", "4", "--run-time", "60s", "--stop-timeout", "10"]
+    cmd += ["-H", server.http_url, "--csv", str(prefix), "--only-summary"]
+    cmd += ["--workload", str(workload)]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert time.monotonic() - started < 45, "the run should end when the file is used up"
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        stats = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    sent = stats[("POST", "generate_stream")]
+    assert int(sent["Request Count"]) == 3, proc.stderr[-3000:]  # bad1 was never sent
+    assert int(sent["Failure Count"]) == 1
+    assert int(stats[("ABANDONED", "interaction_call")]["Request Count"]) == 1
+    assert proc.returncode != 0  # Locust's exit code for a run with a failure
+
+
 # -- the CLI demo --------------------------------------------------------------------------------
 def test_serve_demo_streams_one_request(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

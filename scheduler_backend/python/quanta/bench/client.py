@@ -3,7 +3,9 @@
 Three transports: Triton gRPC streaming (one stream per request, as the OpenAI gateway does),
 Triton HTTP ``generate_stream`` (SSE), and an OpenAI-compatible ``/v1/completions`` endpoint
 (Quanta's gateway, or vLLM's OpenAI server as the peer). Every request is sent at its arrival
-offset (or as soon as a slot frees under ``concurrency_limit``) and the client stamps the send,
+offset (or as soon as a slot frees under ``concurrency_limit``) — a later call of a multi-call
+interaction only once the call before it finished, plus its think time, and never after one
+failed (``quanta.workloads.dependencies``) — and the client stamps the send,
 every streamed chunk that carries tokens, and the end, on one monotonic clock — the numbers a
 user sees, network and queueing included.
 
@@ -30,12 +32,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from quanta.workloads.dependencies import ABANDONED, Call, Interactions
+
 if TYPE_CHECKING:
     from quanta.workloads import WorkloadRequest
 
 Transport = Literal["grpc", "http", "openai"]
 _JSON = {"Content-Type": "application/json"}
 TRANSPORTS: tuple[Transport, ...] = ("grpc", "http", "openai")
+THROTTLED = "[resource_exhausted]"  # how every protocol's error message names a throttle
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,9 @@ class ClientRequest:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     priority: int | None = None  # vLLM's request priority (lower first); None: not sent
+    # NOTE: when to send, not metadata: a staged call waits for the previous stage to finish.
+    interaction_stage: int | None = None
+    think_time_s: float = 0.0
 
     def metadata(self) -> dict[str, Any]:
         """The scheduling metadata to send: everything that is not the server's default."""
@@ -89,6 +97,8 @@ def to_client_requests(
             ttft_slo_ms=r.ttft_slo_ms,
             tpot_slo_ms=r.tpot_slo_ms,
             priority=None if priority is None else priority(r),
+            interaction_stage=r.interaction_stage,
+            think_time_s=r.think_time_s,
         )
         for r in requests
     ]
@@ -109,7 +119,10 @@ class Target:
 
 @dataclass(slots=True)
 class ClientResult:
-    """What one request did; times are seconds since the replay started."""
+    """What one request did; times are seconds since the replay started. ``scheduled_s`` is
+    when it was due: its arrival offset, or for a later call of an interaction
+    max(arrival, previous call's end + think time). An abandoned call was never sent: its
+    ``error`` starts with ``ABANDONED`` and its send and end times are NaN."""
 
     request_id: str
     scheduled_s: float
@@ -126,6 +139,15 @@ class ClientResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def abandoned(self) -> bool:
+        return self.error is not None and self.error.startswith(ABANDONED)
+
+    @property
+    def throttled(self) -> bool:
+        """The server refused it under a policy's throttling (``[resource_exhausted]``)."""
+        return self.error is not None and THROTTLED in self.error
 
     @property
     def ttft(self) -> float | None:
@@ -173,22 +195,43 @@ async def replay(
     concurrency_limit: int | None = None,
     on_result: Callable[[ClientResult], None] | None = None,
 ) -> list[ClientResult]:
-    """Send every request at its arrival offset; results in the order of ``requests``.
+    """Send every request at its arrival offset, a later call of an interaction once the call
+    before it finished (module doc); results in the order of ``requests``.
 
     Failures are recorded in ``ClientResult.error``, never raised, so one bad request does not
-    end a benchmark.
+    end a benchmark; the calls a failure abandons get a result too.
     """
     slots = asyncio.Semaphore(concurrency_limit) if concurrency_limit else None
     start = math.nan
+    plan = Interactions(_call(r) for r in requests)
+    loop = asyncio.get_running_loop()
+    released: dict[str, asyncio.Future[float | None]] = {
+        r.request_id: loop.create_future() for r in requests if plan.waits(r.request_id)
+    }
 
     def now() -> float:
         return time.perf_counter() - start
 
     async def one(sender: _Sender, request: ClientRequest, payload: Any) -> ClientResult:
-        await asyncio.sleep(max(0.0, request.arrival_s - now()))
+        due: float | None = request.arrival_s
+        if request.request_id in released:
+            due = await released[request.request_id]
         result = ClientResult(
-            request.request_id, request.arrival_s, request.tenant, request.priority_class
+            request.request_id,
+            request.arrival_s if due is None else due,
+            request.tenant,
+            request.priority_class,
         )
+        if due is None:
+            result.error = f"{ABANDONED}: an earlier call of {request.interaction_id} failed"
+        else:
+            await send(sender, payload, result, due)
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    async def send(sender: _Sender, payload: Any, result: ClientResult, due: float) -> None:
+        await asyncio.sleep(max(0.0, due - now()))
         async with slots or contextlib.nullcontext():
             result.send_s = now()
             try:
@@ -196,9 +239,8 @@ async def replay(
             except Exception as exc:
                 result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             result.end_s = now()
-        if on_result is not None:
-            on_result(result)
-        return result
+        for rid, when in plan.finished(result.request_id, result.end_s, result.ok).items():
+            released[rid].set_result(when)
 
     async with _sender(target) as sender:
         payloads = [sender.prepare(r) for r in requests]
@@ -208,6 +250,16 @@ async def replay(
                 *(one(sender, r, p) for r, p in zip(requests, payloads, strict=True))
             )
         )
+
+
+def _call(request: ClientRequest) -> Call:
+    return Call(
+        request.request_id,
+        request.arrival_s,
+        request.interaction_id,
+        request.interaction_stage,
+        request.think_time_s,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -6,10 +6,13 @@ generated: Poisson or Gamma arrivals, lengths from a named distribution or unifo
 a weighted tenant mix. A generated workload uses the same seed at every rate, so rates see the
 same requests; a file is replayed at its own times (divided by ``--time-scale``), or stretched
 to each ``--rate`` (``scale_to_rate``); ``--token-scale`` and ``--too-long`` act as in every
-tool that reads a file (``quanta.workloads.load_workload``). Writes every request's raw
-timings and a summary per rate (``quanta.metrics``) to ``--output`` (JSON), prints the
-summaries, and with ``--plot-dir`` draws latency-vs-rate and CDF plots (matplotlib, imported
-only then).
+tool that reads a file (``quanta.workloads.load_workload``). Calls of multi-call interactions
+(``--dataset agents`` files) wait for the call before them and are abandoned after one failed
+or was throttled, as in the simulator (``quanta.bench.client``). Writes every request's raw
+timings, a summary per rate (``quanta.metrics``) and FairServe's fairness figures
+(``quanta.bench.fairness``) to ``--output`` (JSON), prints the summaries, and with
+``--plot-dir`` draws latency-vs-rate and CDF plots (matplotlib, imported only then). It exits
+with 1 when a request failed for any reason but a throttle (or a call abandoned after one).
 """
 
 from __future__ import annotations
@@ -149,6 +152,12 @@ def bench_serve(
     ] = True,
     ttft_slo: Annotated[float | None, typer.Option(help="TTFT SLO (s) for goodput")] = None,
     tpot_slo: Annotated[float | None, typer.Option(help="TPOT SLO (s) for goodput")] = None,
+    delay_threshold: Annotated[
+        float,
+        typer.Option(
+            min=0.0, help="fairness: a user is delayed when a call's TTFT exceeds this (s)"
+        ),
+    ] = 2.0,
     timeout: Annotated[float, typer.Option(help="seconds one request may take")] = 600.0,
     output: Annotated[Path | None, typer.Option(help="write raw results + summaries here")] = None,
     plot_dir: Annotated[Path | None, typer.Option(help="write PNG plots here")] = None,
@@ -182,7 +191,7 @@ def bench_serve(
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
     slo = SLO(ttft_s=ttft_slo, tpot_s=tpot_slo) if ttft_slo is not None else None
-    runs = asyncio.run(_sweep(target, plans, concurrency_limit, slo))
+    runs = asyncio.run(_sweep(target, plans, concurrency_limit, slo, delay_threshold))
     _print(runs)
     if output is not None:
         config = {
@@ -199,10 +208,18 @@ def bench_serve(
     if plot_dir is not None:
         for path in write_plots(runs, plot_dir):
             typer.echo(f"wrote {path}")
-    if any(run["summary"]["num_errors"] for run in runs):
-        first = next(r["error"] for run in runs for r in run["results"] if r["error"])
-        typer.echo(f"some requests failed; first error: {first}", err=True)
+    failed = [r for run in runs for r in run["results"] if _failed(r)]
+    if failed:
+        typer.echo(f"some requests failed; first error: {failed[0]['error']}", err=True)
         raise typer.Exit(1)
+
+
+def _failed(result: dict[str, Any]) -> bool:
+    """An error that is not the server's throttle, nor a call abandoned after one."""
+    from quanta.bench.client import ClientResult
+
+    res = ClientResult(**result)
+    return res.error is not None and not (res.throttled or res.abandoned)
 
 
 def bench_workload(
@@ -314,10 +331,12 @@ async def _sweep(
     plans: list[tuple[float | None, list[WorkloadRequest]]],
     limit: int | None,
     slo: Any,
+    delay_threshold_s: float = 2.0,
 ) -> list[dict[str, Any]]:
     from rich.progress import Progress
 
     from quanta.bench.client import replay, to_client_requests
+    from quanta.bench.fairness import live_fairness
     from quanta.metrics import from_client_results, summarize
 
     runs = []
@@ -336,6 +355,7 @@ async def _sweep(
                     "rate": r,
                     "offered_rate": r if r is not None else _offered_rate(rows),
                     "summary": summarize(from_client_results(results, rows), slo),
+                    "fairness": live_fairness(rows, results, delay_threshold_s=delay_threshold_s),
                     "results": [x.to_dict() for x in results],
                 }
             )
@@ -401,7 +421,17 @@ def _print(runs: list[dict[str, Any]]) -> None:
                 st = s[key]
                 cells.append(" / ".join(_ms(st[k]) for k in ("mean", "p50", "p99")))
         table.add_row(*cells)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for run in runs:
+        f = run["fairness"]
+        console.print(
+            f"fairness at {_label(run)} req/s: {f['completed_interactions']}/"
+            f"{f['num_interactions']} interactions answered, {f['throttled_requests']} calls "
+            f"throttled, {f['abandoned_requests']} abandoned, {f['wasted_tokens']} wasted "
+            f"tokens; users served {_share(f['served_users_fraction'])}, delayed "
+            f"{_share(f['delayed_users_fraction'])}; Jain {f['jain_index']:.3f}"
+        )
 
 
 def write_plots(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -459,6 +489,10 @@ def parse_range(text: str, option: str) -> tuple[int, int]:
     if not 0 < lo <= hi:
         raise typer.BadParameter(f"{option} needs 0 < lo <= hi, got {text!r}")
     return lo, hi
+
+
+def _share(fraction: float) -> str:
+    return "-" if math.isnan(fraction) else f"{fraction:.0%}"
 
 
 def _ms(seconds: float | None) -> str:
