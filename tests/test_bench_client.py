@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import typer
 from quanta.bench.client import ClientRequest, Target, replay
-from quanta.bench.serve_cli import WorkloadSpec, register
+from quanta.bench.serve_cli import register
+from quanta.bench.workload_spec import WorkloadSpec
 from quanta.metrics import from_client_results, summarize
 from quanta.workloads import WorkloadRequest, load_workload, save_workload
 from test_openai_gateway import start_serve, stop_serve

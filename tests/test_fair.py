@@ -431,3 +431,9 @@ def test_the_gateway_counts_system_messages_as_system_tokens(tmp_path):
     real = ChatTemplate.from_model_dir(model)
     expected = len(load_tokenizer(model).encode("system: You are terse.\n"))
     assert real.system_tokens(messages) == expected > 0
+
+
+def test_every_scheduling_field_is_a_triton_input():
+    from quanta.frontends.triton.tensors import INPUTS
+
+    assert set(RequestMetadata.model_fields) <= {name for name, _, _ in INPUTS}

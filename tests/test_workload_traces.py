@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from quanta.bench.serve_cli import WorkloadSpec
+from quanta.bench.workload_spec import WorkloadSpec
 from quanta.cli import app
 from quanta.workloads import (
     WorkloadError,

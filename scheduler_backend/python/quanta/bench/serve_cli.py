@@ -1,5 +1,5 @@
-"""``quanta bench serve``: replay a workload against a live endpoint, one run per rate; and
-``quanta bench workload``: write a seeded workload file, or convert a trace to one.
+"""``quanta bench serve``: replay a workload against a live endpoint, one run per rate
+(``quanta bench workload``, which writes the files, is ``quanta.bench.workload_cli``).
 
 The workload is a file in the shared JSONL format (or a BurstGPT or Azure CSV trace), or
 generated: Poisson or Gamma arrivals, lengths from a named distribution or uniform ranges, and
@@ -20,87 +20,22 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from quanta.workloads import TooLong, WorkloadRequest
+from quanta.bench.workload_spec import parse_range, spec_from_options
+from quanta.workloads import WorkloadRequest
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     """Add ``bench serve`` and ``bench workload``."""
+    from quanta.bench.workload_cli import bench_workload
+
     bench_app.command("serve")(bench_serve)
     bench_app.command("workload")(bench_workload)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadSpec:
-    """What to replay: a file, or how to generate requests (seeded)."""
-
-    source: str | None = None  # a JSONL/CSV file or a dataset name; None: uniform lengths
-    num_requests: int | None = None  # None: all of a file, or 32 generated
-    seed: int = 0
-    cv: float = 1.0
-    prompt_tokens: tuple[int, int] = (16, 64)
-    output_tokens: tuple[int, int] = (8, 32)
-    tenants: str = "default"
-    priority_class: str = "online"
-    max_len: int = 2048  # the model's: prompt + output must fit
-    time_scale: float = 1.0  # a file's: its inter-arrival times are divided by it
-    token_scale: float = 1.0  # a file's: its prompt lengths are multiplied by it
-    too_long: TooLong = "error"  # a file's rows that do not fit max_len
-
-    def build(self, rate: float | None) -> list[WorkloadRequest]:
-        """The requests at ``rate`` (None: a file's own times; required to generate)."""
-        from quanta import workloads as wl
-
-        if self.source is not None and self.source not in wl.DATASETS:
-            if not Path(self.source).is_file():
-                known = ", ".join(sorted(wl.DATASETS))
-                raise wl.WorkloadError(f"{self.source!r} is neither a file nor a dataset ({known})")
-            if rate is not None and self.time_scale != 1.0:
-                raise wl.WorkloadError("a file is stretched to --rate or sped up by --time-scale")
-            rows = wl.load_workload(
-                self.source,
-                rate=rate,
-                cv=self.cv,
-                seed=self.seed,
-                limit=self.num_requests,
-                time_scale=self.time_scale,
-                token_scale=self.token_scale,
-                too_long=self.too_long,
-                max_len=self.max_len,
-            )
-            rows = wl.rebase(rows)
-            if rate is None or not any(r.arrival_time for r in rows):
-                return rows
-            if math.isinf(rate):
-                return [replace(r, arrival_time=0.0) for r in rows]
-            return wl.scale_to_rate(rows, rate)
-        if self.time_scale != 1.0 or self.token_scale != 1.0:
-            raise wl.WorkloadError(
-                "--time-scale and --token-scale rescale a workload file; a generated "
-                "workload's rate is --rate and its lengths are the dataset's or the ranges'"
-            )
-        if rate is None:
-            raise wl.WorkloadError("a generated workload needs --rate")
-        lengths = self.source or wl.UniformLengths(self.prompt_tokens, self.output_tokens)
-        tenants = [
-            replace(t, priority_class=self.priority_class) for t in wl.tenant_mix(self.tenants)
-        ]
-        return wl.synthesize(
-            32 if self.num_requests is None else self.num_requests,
-            arrivals=rate,
-            cv=self.cv,
-            lengths=lengths,
-            tenants=tenants,
-            seed=self.seed,
-            max_len=self.max_len,
-            id_prefix=f"s{self.seed}-r",
-        )
 
 
 _WORKLOAD_HELP = (
@@ -180,8 +115,10 @@ def bench_serve(
         token_id_range=parse_range(token_id_range, "--token-id-range"),
         send_metadata=metadata,
     )
-    spec = _spec(workload, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
-                 priority_class, max_len, time_scale, token_scale, too_long)  # fmt: skip
+    spec = spec_from_options(
+        workload, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
+        priority_class, max_len, time_scale, token_scale, too_long,
+    )  # fmt: skip
     generated = workload is None or not Path(workload).is_file()
     rates: list[float | None] = [float(r) for r in (rate or "").split(",") if r.strip()]
     if not rates:
@@ -222,110 +159,6 @@ def _failed(result: dict[str, Any]) -> bool:
     return res.error is not None and not (res.throttled or res.abandoned)
 
 
-def bench_workload(
-    out: Annotated[Path, typer.Argument(help="JSONL file to write")],
-    dataset: Annotated[
-        str | None,
-        typer.Option(
-            help="sharegpt, alpaca, humaneval, longbench, or agents (FairServe-like "
-            "multi-call interactions of --num-users users and --abusers); default uniform"
-        ),
-    ] = None,
-    trace: Annotated[
-        Path | None,
-        typer.Option(
-            help="convert this workload file (JSONL, BurstGPT or Azure CSV) instead of "
-            "generating one: its first --num-requests requests, at its own times"
-        ),
-    ] = None,
-    num_requests: Annotated[
-        int | None, typer.Option(min=1, help="default: 100, or all of a --trace")
-    ] = None,
-    rate: Annotated[
-        float | None,
-        typer.Option(help="requests/s (inf: all at once); default 1, or a --trace's own times"),
-    ] = None,
-    cv: Annotated[float, typer.Option(help="arrival burstiness (1: Poisson)")] = 1.0,
-    seed: Annotated[int, typer.Option()] = 0,
-    prompt_tokens: Annotated[str, typer.Option(help="uniform prompt length lo:hi")] = "16:64",
-    output_tokens: Annotated[str, typer.Option(help="uniform output length lo:hi")] = "8:32",
-    tenants: Annotated[str, typer.Option(help='weighted tenants, e.g. "gold:1,abuser:10"')] = (
-        "default"
-    ),
-    priority_class: Annotated[str, typer.Option(help="online or offline")] = "online",
-    max_len: Annotated[int, typer.Option(min=2, help="prompt + output must fit")] = 2048,
-    time_scale: TimeScaleOpt = 1.0,
-    token_scale: TokenScaleOpt = 1.0,
-    too_long: TooLongOpt = "error",
-    num_users: Annotated[
-        int | None, typer.Option(min=0, help="--dataset agents: benign users (default 20)")
-    ] = None,
-    abusers: Annotated[
-        int | None,
-        typer.Option(min=0, help="--dataset agents: users starting interactions 15x as often"),
-    ] = None,
-) -> None:
-    """Write a seeded workload in the JSONL format ``bench serve``, ``simulate`` and Locust
-    read, or convert a trace to it (see ``quanta.workloads`` for the format and the Python
-    API for richer mixes)."""
-    from quanta.workloads import WorkloadError, save_workload
-
-    if dataset is not None and Path(dataset).is_file():
-        raise typer.BadParameter(
-            "give a dataset name, not a file (--trace converts a file)", param_hint="--dataset"
-        )
-    if dataset is not None and trace is not None:
-        raise typer.BadParameter("give --dataset or --trace, not both", param_hint="--trace")
-    if trace is not None and not trace.is_file():
-        raise typer.BadParameter(f"no file {trace}", param_hint="--trace")
-    if num_requests is None and trace is None:
-        num_requests = 100
-    if rate is None and trace is None:
-        rate = 1.0
-    if dataset == "agents" or num_users is not None or abusers is not None:
-        if dataset != "agents":
-            raise typer.BadParameter("--num-users and --abusers need --dataset agents")
-        if tenants != "default" or time_scale != 1.0 or token_scale != 1.0:
-            raise typer.BadParameter(
-                "--dataset agents makes its own users and lengths: use --num-users and "
-                "--abusers, not --tenants, --time-scale or --token-scale"
-            )
-        assert num_requests is not None and rate is not None  # NOTE: defaulted above
-        rows = _agents(num_requests, rate, seed, cv, max_len, num_users, abusers)
-        typer.echo(f"wrote {save_workload(out, rows)} ({len(rows)} requests)")
-        return
-    source = str(trace) if trace is not None else dataset
-    spec = _spec(source, num_requests, seed, cv, prompt_tokens, output_tokens, tenants,
-                 priority_class, max_len, time_scale, token_scale, too_long)  # fmt: skip
-    try:
-        rows = spec.build(rate)
-    except WorkloadError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    typer.echo(f"wrote {save_workload(out, rows)} ({len(rows)} requests)")
-
-
-def _agents(
-    num_requests: int,
-    rate: float,
-    seed: int,
-    cv: float,
-    max_len: int,
-    num_users: int | None,
-    abusers: int | None,
-) -> list[WorkloadRequest]:
-    """``bench workload --dataset agents`` (``quanta.workloads.agents``)."""
-    from quanta.workloads import WorkloadError, agents
-
-    users = 20 if num_users is None else num_users
-    try:
-        return agents(
-            num_requests, rate, num_users=users, abusers=abusers or 0, seed=seed, cv=cv,
-            max_len=max_len, id_prefix=f"s{seed}-r",
-        )  # fmt: skip
-    except WorkloadError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
 async def _sweep(
     target: Any,
     plans: list[tuple[float | None, list[WorkloadRequest]]],
@@ -360,37 +193,6 @@ async def _sweep(
                 }
             )
     return runs
-
-
-def _spec(
-    source: str | None,
-    num_requests: int | None,
-    seed: int,
-    cv: float,
-    prompt_tokens: str,
-    output_tokens: str,
-    tenants: str,
-    priority_class: str,
-    max_len: int = 2048,
-    time_scale: float = 1.0,
-    token_scale: float = 1.0,
-    too_long: TooLong = "error",
-) -> WorkloadSpec:
-    """The ``WorkloadSpec`` of the shared command-line options."""
-    return WorkloadSpec(
-        source=source,
-        num_requests=num_requests,
-        seed=seed,
-        cv=cv,
-        prompt_tokens=parse_range(prompt_tokens, "--prompt-tokens"),
-        output_tokens=parse_range(output_tokens, "--output-tokens"),
-        tenants=tenants,
-        priority_class=priority_class,
-        max_len=max_len,
-        time_scale=time_scale,
-        token_scale=token_scale,
-        too_long=too_long,
-    )
 
 
 def _offered_rate(rows: list[WorkloadRequest]) -> float:
@@ -478,17 +280,6 @@ def _save(fig: Any, path: Path) -> Path:
 
     plt.close(fig)
     return path
-
-
-def parse_range(text: str, option: str) -> tuple[int, int]:
-    """``lo:hi`` of a length option, with 0 < lo <= hi."""
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise typer.BadParameter(f"{option} takes lo:hi, got {text!r}") from None
-    if not 0 < lo <= hi:
-        raise typer.BadParameter(f"{option} needs 0 < lo <= hi, got {text!r}")
-    return lo, hi
 
 
 def _share(fraction: float) -> str:

@@ -60,7 +60,7 @@ def bench_peer(
     """Serve the same checkpoint with vLLM and Quanta, replay one seeded workload per rate
     through the same client, and print the side-by-side table."""
     from quanta.bench.peer import VLLM_PRIORITIES, PeerSetup, render_markdown, run_peer
-    from quanta.bench.serve_cli import parse_range
+    from quanta.bench.workload_spec import parse_range
     from quanta.metrics import SLO
 
     if vllm_priority not in VLLM_PRIORITIES:

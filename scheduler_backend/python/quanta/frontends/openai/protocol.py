@@ -117,16 +117,8 @@ class _GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-_METADATA_FIELDS = (
-    "app",
-    "interaction_id",
-    "interaction_stage",
-    "interaction_last",
-    "system_tokens",
-    "priority_class",
-    "ttft_slo_ms",
-    "tpot_slo_ms",
-)
+# Every scheduling field but ``tenant``, which ``user`` may give instead.
+_METADATA_FIELDS = tuple(name for name in RequestMetadata.model_fields if name != "tenant")
 
 
 class CompletionRequest(_GenerationRequest):

@@ -74,17 +74,7 @@ _SAMPLING_INPUTS = {
     "seed": "seed",
     "ignore_eos": "ignore_eos",
 }
-_METADATA_INPUTS = (
-    "tenant",
-    "app",
-    "interaction_id",
-    "interaction_stage",
-    "interaction_last",
-    "system_tokens",
-    "priority_class",
-    "ttft_slo_ms",
-    "tpot_slo_ms",
-)
+_METADATA_INPUTS = tuple(RequestMetadata.model_fields)  # NOTE: each one is also in INPUTS
 
 Getter = Callable[[str], "np.ndarray | None"]
 
