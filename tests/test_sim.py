@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from pathlib import Path
@@ -355,3 +356,26 @@ def test_cli_bench_policies_on_a_trace_file(tmp_path: Path):
     assert res.exit_code == 0, res.output
     assert "6 requests at" in res.output and "P99 TBT" in res.output
     assert "fcfs / sj-mlfq: mean" in res.output
+
+
+def test_cli_simulate_validate_compares_the_engine_and_the_simulator(tmp_path: Path):
+    out = tmp_path / "validate.json"
+    args = ["simulate", "validate", "--num-requests", "12", "--loads", "0.5", "--policies"]
+    png = tmp_path / "validate.png"
+    res = CliRunner().invoke(app, [*args, "fcfs", "--output", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    assert png.stat().st_size > 0
+    (row,) = json.loads(out.read_text())
+    assert row["policy"] == "fcfs" and row["load"] == 0.5
+    for key in ("mean_ttft", "mean_tpot", "mean_e2e", "p95_normalized_latency"):
+        measured, simulated = row["measured"][key], row["simulated"][key]
+        assert measured > 0 and simulated > 0
+        assert row["error"][key] == pytest.approx((simulated - measured) / measured)
+    assert "| 0.5 | fcfs |" in res.output
+
+
+def test_validate_error_is_relative_and_nan_without_a_measurement():
+    from quanta.sim.validate import error
+
+    assert error(1.1, 1.0) == pytest.approx(0.1)
+    assert math.isnan(error(1.0, 0.0)) and math.isnan(error(float("nan"), 1.0))

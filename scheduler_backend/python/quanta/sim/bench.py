@@ -18,13 +18,14 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quanta.core.apply import DecisionApplier
 from quanta.core.blocks import BlockManager
 from quanta.core.clock import VirtualClock
-from quanta.core.config import SchedulerConfig
+from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.core.loop import LoopStats
 from quanta.core.plan import PoolView
 from quanta.core.request import Request, RequestStatus, SamplingParams, blocks_for
 from quanta.core.view import SchedulerView
@@ -53,6 +54,112 @@ def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> lis
     ]
 
 
+@dataclass(frozen=True)
+class EngineBench:
+    """The real (CPU) engine set up for timed replays: one torch thread timed by its own CPU
+    clock, so other processes on a shared machine do not leak into the measured step times,
+    and the cost profile that predicts it (fitted here unless one is given)."""
+
+    model: Path
+    cost: CostModel
+    timer: Callable[[], float]
+
+    @classmethod
+    def create(cls, model: Path | None, profile: Path | None) -> EngineBench:
+        from quanta.sim.profile import profile_engine
+
+        if model is None:
+            from quanta.build.checkpoint import ensure_checkpoint
+
+            model = ensure_checkpoint("opt-tiny", Path(tempfile.gettempdir()) / "quanta-opt-tiny")
+        import torch
+
+        torch.set_num_threads(1)
+        timer = time.thread_time
+        cost = (
+            load_profile(profile)
+            if profile is not None
+            else profile_engine(model, repeats=3, timer=timer, echo=lambda _: None)
+        )
+        return cls(model, cost, timer)
+
+    def trace(
+        self,
+        num_requests: int,
+        seed: int,
+        *,
+        scale: float = 0.25,
+        workload: str | None = None,
+        token_scale: float = 1.0,
+        too_long: TooLong = "error",
+    ) -> list[WorkloadRequest]:
+        """Without ``workload``: ShareGPT-like lengths scaled by ``scale``; with a trace file:
+        its first rows, context tokens times ``token_scale``. Arrival times come later."""
+        if workload is None:
+            return bench_trace(num_requests, self.cost.max_model_len, seed, scale)
+        return make_workload(
+            workload,
+            num_requests,
+            1.0,
+            max_len=self.cost.max_model_len,
+            token_scale=token_scale,
+            too_long=too_long,
+        )
+
+    def cache(self, trace: Sequence[WorkloadRequest], max_num_seqs: int) -> CacheConfig:
+        """Memory pressure as on the A100: room for about two batches of average jobs."""
+        per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / 16
+        return CacheConfig(
+            block_size=16,
+            num_device_blocks=max(
+                int(2 * max_num_seqs * per_job), 2 * self.cost.max_model_len // 16
+            ),
+            num_host_blocks=8 * max_num_seqs * int(per_job + 1),
+        )
+
+    def run(
+        self,
+        policy: str,
+        trace: Sequence[WorkloadRequest],
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        seed: int,
+    ) -> tuple[list[Request], LoopStats]:
+        """Serve ``trace`` (with its arrival times) through the real loop and engine."""
+        from quanta.frontends.engine import build_engine
+
+        clock = VirtualClock()
+        config = EngineConfig(
+            model=str(self.model),
+            policy=policy,
+            cache=cache,
+            scheduler=sched,
+            policy_options=policy_options(policy, {}, self.cost),
+        )
+        engine = build_engine(config, clock=clock)
+        engine.loop.runner = time_runner(engine.loop.runner, clock, self.timer)
+        vocab = engine.model_config.vocab_size
+        warm = build_requests(trace[:4], vocab_size=vocab, seed=seed + 1)
+        drive(engine.loop, clock, [replace_id(r, f"warm{i}") for i, r in enumerate(warm)])
+        start = clock.now()
+        requests = build_requests(trace, vocab_size=vocab, seed=seed)
+        for r in requests:
+            r.arrival_time += start
+        drive(engine.loop, clock, requests)
+        return requests, engine.loop.stats()
+
+
+def with_arrivals(
+    trace: Sequence[WorkloadRequest], rate: float, seed: int, from_file: bool
+) -> list[WorkloadRequest]:
+    """Poisson arrivals at ``rate`` for generated lengths; a file's own gaps squeezed or
+    stretched as a whole to ``rate`` (bursts keep their shape)."""
+    if from_file:
+        return scale_to_rate(trace, rate)
+    times = arrival_times(len(trace), rate, random.Random(seed))
+    return [replace(r, arrival_time=t) for r, t in zip(trace, times, strict=True)]
+
+
 def bench_policies(
     model: Path | None,
     policies: Sequence[str],
@@ -69,55 +176,23 @@ def bench_policies(
     too_long: TooLong = "error",
     echo: Callable[[str], object] = print,
 ) -> dict[str, dict[str, float]]:
-    """Each policy on the real engine. Without ``workload``: ShareGPT-like lengths scaled by
-    ``scale`` and Poisson arrivals. With a trace file: its first ``num_requests`` rows, their
-    context tokens times ``token_scale``, their real arrival gaps stretched or squeezed as a
-    whole to the target rate (bursts keep their shape)."""
-    from quanta.core.config import CacheConfig, EngineConfig
-    from quanta.frontends.engine import build_engine
-    from quanta.sim.profile import profile_engine
-
-    if model is None:
-        from quanta.build.checkpoint import ensure_checkpoint
-
-        model = ensure_checkpoint("opt-tiny", Path(tempfile.gettempdir()) / "quanta-opt-tiny")
-    import torch
-
-    # One torch thread timed by its own CPU clock: other processes on a shared machine do
-    # not leak into the measured step times (CPU engine only).
-    torch.set_num_threads(1)
-    timer = time.thread_time
-    cost: CostModel = (
-        load_profile(profile)
-        if profile is not None
-        else profile_engine(model, repeats=3, timer=timer, echo=lambda _: None)
-    )
+    """Each policy on the real engine, on one trace (see ``EngineBench.trace``) at ``load``
+    times the estimated capacity (or at ``rate``)."""
+    bench = EngineBench.create(model, profile)
+    cost = bench.cost
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
-    if workload is None:
-        trace = bench_trace(num_requests, cost.max_model_len, seed, scale)
-    else:
-        trace = make_workload(
-            workload,
-            num_requests,
-            1.0,
-            max_len=cost.max_model_len,
-            token_scale=token_scale,
-            too_long=too_long,
-        )
+    trace = bench.trace(
+        num_requests,
+        seed,
+        scale=scale,
+        workload=workload,
+        token_scale=token_scale,
+        too_long=too_long,
+    )
     capacity = batched_capacity(trace, cost, sched)
     rate = load * capacity if rate is None else rate
-    if workload is None:
-        times = arrival_times(len(trace), rate, random.Random(seed))
-        trace = [replace(r, arrival_time=t) for r, t in zip(trace, times, strict=True)]
-    else:
-        trace = scale_to_rate(trace, rate)
-    # Memory pressure as on the A100: room for about two batches of average jobs.
-    per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / 16
-    cache = CacheConfig(
-        block_size=16,
-        num_device_blocks=max(int(2 * max_num_seqs * per_job), 2 * cost.max_model_len // 16),
-        num_host_blocks=8 * max_num_seqs * int(per_job + 1),
-    )
+    trace = with_arrivals(trace, rate, seed, workload is not None)
+    cache = bench.cache(trace, max_num_seqs)
     echo(
         f"{len(trace)} requests at {rate:.2f}/s ({rate / capacity:.2f}x the estimated capacity), "
         f"{cache.num_device_blocks} "
@@ -125,25 +200,7 @@ def bench_policies(
     )
     results: dict[str, dict[str, float]] = {}
     for name in policies:
-        clock = VirtualClock()
-        config = EngineConfig(
-            model=str(model),
-            policy=name,
-            cache=cache,
-            scheduler=sched,
-            policy_options=policy_options(name, {}, cost),
-        )
-        engine = build_engine(config, clock=clock)
-        engine.loop.runner = time_runner(engine.loop.runner, clock, timer)
-        vocab = engine.model_config.vocab_size
-        warm = build_requests(trace[:4], vocab_size=vocab, seed=seed + 1)
-        drive(engine.loop, clock, [replace_id(r, f"warm{i}") for i, r in enumerate(warm)])
-        start = clock.now()
-        requests = build_requests(trace, vocab_size=vocab, seed=seed)
-        for r in requests:
-            r.arrival_time += start
-        drive(engine.loop, clock, requests)
-        stats = engine.loop.stats()
+        requests, stats = bench.run(name, trace, sched, cache, seed)
         results[name] = m = request_metrics(requests)
         echo(
             f"{name:>16}: mean {m['mean_normalized_latency'] * 1e3:8.2f} ms/token, "

@@ -265,11 +265,55 @@ def bench_scheduler_cmd(
     )
 
 
+def validate_cmd(
+    model: Annotated[Path | None, typer.Option(help="checkpoint dir (default: opt-tiny)")] = None,
+    policies: Annotated[str, typer.Option()] = "fcfs,sj-mlfq",
+    loads: Annotated[str, typer.Option(help="multiples of the estimated capacity")] = (
+        "0.5,0.7,0.9"
+    ),
+    num_requests: Annotated[int, typer.Option(min=2)] = 200,
+    seed: Annotated[int, typer.Option()] = 0,
+    max_num_seqs: Annotated[int, typer.Option()] = 8,
+    profile: Annotated[Path | None, typer.Option(help="profile JSON (default: fit one)")] = None,
+    workload: Annotated[
+        str | None, typer.Option(help="a trace file instead of ShareGPT-like lengths x 0.25")
+    ] = None,
+    token_scale: TokenScaleOpt = 1.0,
+    output: Annotated[Path | None, typer.Option(help="write the rows as JSON here")] = None,
+    plot: Annotated[Path | None, typer.Option(help="PNG of simulated / measured")] = None,
+) -> None:
+    """The same trace through the real engine and the simulator; the simulator's error."""
+    from quanta.sim.bench import EngineBench
+    from quanta.sim.validate import plot as plot_rows
+    from quanta.sim.validate import table, validate
+
+    bench = EngineBench.create(model, profile)
+    rows = validate(
+        bench,
+        [p for p in policies.split(",") if p],
+        [float(x) for x in loads.split(",")],
+        num_requests=num_requests,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        workload=workload,
+        token_scale=token_scale,
+        echo=typer.echo,
+    )
+    typer.echo(table(rows, ("mean_ttft", "mean_tpot", "mean_e2e", "p95_normalized_latency")))
+    if output is not None:
+        output.write_text(json.dumps(rows, indent=2) + "\n")
+        typer.echo(f"wrote {output}")
+    if plot is not None:
+        drawn = plot_rows(rows, plot)
+        typer.echo(f"wrote {drawn}" if drawn else "matplotlib is not installed: no plot")
+
+
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     """Add the simulator's commands to the ``quanta`` CLI."""
     sim_app = typer.Typer(help="Simulate policies on a cost model (see `repro`).")
     sim_app.callback(invoke_without_command=True)(simulate_cmd)
     sim_app.command("repro")(repro_cmd)
+    sim_app.command("validate")(validate_cmd)
     app.add_typer(sim_app, name="simulate")
     app.command("profile")(profile_cmd)
     bench_app.command("policies")(bench_policies_cmd)

@@ -1,0 +1,137 @@
+"""``quanta simulate validate``: the same trace through the real engine and through the
+simulator, and how far the simulator's predictions are from what the engine did.
+
+Every paper reproduction runs on the simulator; its numbers mean something only as far as the
+simulator predicts the engine. Here both serve one seeded trace with the same policy, limits
+and pools, at each load (a multiple of the estimated capacity): the engine on a virtual clock
+advanced by each step's measured CPU time (``EngineBench``, as ``quanta bench policies``),
+the simulator on the cost profile fitted to that engine (or given). The error of a figure is
+(simulated - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from quanta.core.config import SchedulerConfig
+from quanta.sim.bench import EngineBench, with_arrivals
+from quanta.sim.driver import SimSetup, simulate
+from quanta.sim.metrics import plot_lines, request_metrics
+from quanta.sim.repro import batched_capacity
+
+FIGURES = (
+    "mean_ttft",
+    "p95_ttft",
+    "mean_tpot",
+    "p95_tpot",
+    "mean_e2e",
+    "p95_e2e",
+    "mean_normalized_latency",
+    "p95_normalized_latency",
+    "throughput_rps",
+    "num_preemptions",
+)
+
+
+def error(simulated: float, measured: float) -> float:
+    """Relative error of a prediction; nan when the measurement is 0 or not a number."""
+    if not math.isfinite(measured) or measured == 0 or not math.isfinite(simulated):
+        return math.nan
+    return (simulated - measured) / measured
+
+
+def validate(
+    bench: EngineBench,
+    policies: Sequence[str],
+    loads: Sequence[float],
+    *,
+    num_requests: int,
+    seed: int,
+    max_num_seqs: int,
+    workload: str | None = None,
+    token_scale: float = 1.0,
+    echo: Callable[[str], object] = print,
+) -> list[dict[str, Any]]:
+    """One row per (load, policy): measured and simulated figures and their errors."""
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    base = bench.trace(num_requests, seed, workload=workload, token_scale=token_scale)
+    capacity = batched_capacity(base, bench.cost, sched)
+    rows = []
+    for load in loads:
+        trace = with_arrivals(base, load * capacity, seed, workload is not None)
+        cache = bench.cache(trace, max_num_seqs)
+        for policy in policies:
+            requests, _ = bench.run(policy, trace, sched, cache, seed)
+            measured = request_metrics(requests)
+            setup = SimSetup(
+                policy,
+                bench.cost,
+                sched,
+                cache.block_size,
+                cache.num_device_blocks,
+                cache.num_host_blocks,
+            )
+            simulated = request_metrics(simulate(trace, setup).requests)
+            errors = {k: error(simulated[k], measured[k]) for k in FIGURES}
+            rows.append(
+                {
+                    "load": load,
+                    "rate": load * capacity,
+                    "policy": policy,
+                    "measured": {k: measured[k] for k in FIGURES},
+                    "simulated": {k: simulated[k] for k in FIGURES},
+                    "error": errors,
+                }
+            )
+            echo(f"load {load:g} {policy}: " + _brief(errors))
+    return rows
+
+
+def table(rows: list[dict[str, Any]], figures: Sequence[str] = FIGURES) -> str:
+    """Markdown: one row per (load, policy), each cell 'measured -> simulated (error)'."""
+    head = ["load", "policy", *figures]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [
+            f"{_num(row['measured'][k])} -> {_num(row['simulated'][k])} ({_pct(row['error'][k])})"
+            for k in figures
+        ]
+        lines.append(f"| {row['load']:g} | {row['policy']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Each figure's simulated / measured ratio against the load, one line per policy and
+    figure: 1.0 is a perfect prediction."""
+    loads = sorted({row["load"] for row in rows})
+    series: dict[str, list[float]] = {}
+    for key in ("mean_ttft", "mean_tpot", "mean_e2e"):
+        for policy in dict.fromkeys(row["policy"] for row in rows):
+            by_load = {r["load"]: r for r in rows if r["policy"] == policy}
+            series[f"{policy} {key}"] = [1 + by_load[x]["error"][key] for x in loads]
+    return plot_lines(
+        path,
+        loads,
+        series,
+        xlabel="load (x estimated capacity)",
+        ylabel="simulated / measured",
+        title="Simulator vs real engine",
+    )
+
+
+def _brief(errors: dict[str, float]) -> str:
+    keys = ("mean_ttft", "mean_tpot", "mean_e2e", "p95_normalized_latency")
+    return ", ".join(f"{k} {_pct(errors[k])}" for k in keys)
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:+.0f}%"
+
+
+def _num(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x:.3g}"
