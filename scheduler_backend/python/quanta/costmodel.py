@@ -59,9 +59,7 @@ class CostModel(BaseModel):
         for new, start in chunks:
             num_seqs += 1
             num_tokens += new
-            context = start + new
-            pairs = new * (start + (new + 1) / 2)  # causal: query t sees start + t keys
-            attention += max(self.kv_read_per_token_s * context, self.attn_per_pair_s * pairs)
+            attention += self._attention(new, start)
         if num_seqs == 0:
             return 0.0
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
@@ -79,12 +77,15 @@ class CostModel(BaseModel):
         num_tokens = sum(new for new, _ in chunks)
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
         fixed = self.step_overhead_s / len(chunks) + self.per_seq_s
-        out = []
-        for new, start in chunks:
-            pairs = new * (start + (new + 1) / 2)
-            attention = max(self.kv_read_per_token_s * (start + new), self.attn_per_pair_s * pairs)
-            out.append(fixed + dense * new / num_tokens + attention)
-        return out
+        return [
+            fixed + dense * new / num_tokens + self._attention(new, start) for new, start in chunks
+        ]
+
+    def _attention(self, new: int, start: int) -> float:
+        """One chunk's attention: reading its context's KV, or its causal query x key pairs
+        (query t sees start + t keys), whichever bounds it."""
+        pairs = new * (start + (new + 1) / 2)
+        return max(self.kv_read_per_token_s * (start + new), self.attn_per_pair_s * pairs)
 
     def prefill_time(self, num_tokens: int, context: int = 0) -> float:
         """A prefill of ``num_tokens`` after ``context`` cached tokens, alone in its batch."""

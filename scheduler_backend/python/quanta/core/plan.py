@@ -98,9 +98,6 @@ class StepPlan:
         seats_ok = self.seats is None or self.seats > 0
         return seats_ok and (self.budget is None or self.budget >= n)
 
-    def tokens_left(self, cap: int) -> int:
-        return cap if self.budget is None else min(cap, self.budget)
-
     # -- entries (each raises PolicyError when it cannot be carried out) ---------------
     def preempt_req(self, req: Request, mode: PreemptMode) -> int:
         """Preempt ``req``; returns the device blocks it frees."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from quanta.core.plan import PoolView, StepPlan
-from quanta.core.request import Request, RequestStatus
+from quanta.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,19 +38,6 @@ class SchedulerView:
     @property
     def total_device_blocks(self) -> int:
         return self.pool.total_device
-
-    def num_blocks(self, request: Request) -> int:
-        """Blocks the request holds now, in whichever tier its KV is."""
-        return self.pool.num_blocks(request.request_id)
-
-    def blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:
-        """Device blocks the request needs to compute ``num_new_tokens`` more tokens.
-
-        For a swapped request this includes bringing its host blocks back.
-        """
-        target = request.num_computed_tokens + num_new_tokens
-        held = self.num_blocks(request) if request.status is RequestStatus.RUNNING else 0
-        return max(0, self.pool.blocks_for(target) - held)
 
     def plan(self, budget: int | None = None, seats: int | None = None) -> StepPlan:
         """A fresh ledger for this step's decision."""

@@ -132,12 +132,19 @@ class WSCOrder(_CounterOrder):
         self.prior_weight = prior_weight
         self.seeded = {app: list(ws) for app, ws in (stage_weights or {}).items()}
         self._means: dict[tuple[str, int], _Mean] = {}
+        self._weights: dict[tuple[str, int], float] = {}  # NOTE: cleared when _means changes
         self._charged: dict[str, int] = {}  # prompt positions already charged, per request
 
     # -- weights (Eq. 2) -------------------------------------------------------------------
     def weight(self, app: str, stage: int) -> float:
         """w_aj: learned from finished calls of (app, stage), else of the app, else seeded,
-        else of every app, else the prior."""
+        else of every app, else the prior. Cached: it is read for every computed token."""
+        key = (app, stage)
+        if key not in self._weights:
+            self._weights[key] = self._weight(app, stage)
+        return self._weights[key]
+
+    def _weight(self, app: str, stage: int) -> float:
         mean = self._means.get((app, stage))
         if mean is None:
             seeded = self.seeded.get(app)
@@ -178,6 +185,7 @@ class WSCOrder(_CounterOrder):
             self._means.setdefault(key, _Mean()).add(
                 request.num_prompt_tokens - system, system, request.num_output_tokens
             )
+            self._weights.clear()
 
     # -- ordering --------------------------------------------------------------------------
     def _key(self, r: Request, now: float) -> tuple[float, ...]:

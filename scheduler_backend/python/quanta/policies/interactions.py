@@ -10,7 +10,6 @@ throttles such a call: the tokens already spent on the interaction would be wast
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from quanta.core.request import Request, RequestStatus
@@ -40,10 +39,6 @@ class InteractionTracker(Observer):
             return True
         entry = self._open.get(meta.interaction_id) if meta.interaction_id else None
         return entry is not None and now - entry.last_seen <= self.idle_timeout_s
-
-    def num_open(self, now: float) -> int:
-        self._expire(now)
-        return len(self._open)
 
     def on_admit(self, request: Request, view: SchedulerView) -> None:
         rid = request.metadata.interaction_id
@@ -103,6 +98,3 @@ class ServiceCounters:
 
     def of(self, user: str) -> float:
         return self.counters.get(user, 0.0)
-
-    def snapshot(self) -> Mapping[str, float]:
-        return dict(self.counters)

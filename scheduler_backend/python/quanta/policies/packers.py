@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from quanta.core.config import SchedulerConfig
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request
@@ -38,8 +40,8 @@ class _LaneBudget:
         self.plan = plan
 
     def left(self) -> int:
-        left = self.plan.tokens_left(1 << 30)
-        return left if self.cap is None else min(left, self.cap)
+        limits = [x for x in (self.plan.budget, self.cap) if x is not None]
+        return min(limits) if limits else sys.maxsize
 
     def spend(self, n: int) -> None:
         if self.cap is not None:

@@ -19,7 +19,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.costmodel import get_profile
 from quanta.sim.driver import SimSetup
 from quanta.sim.metrics import plot_lines
-from quanta.sim.repro import _fmt, _run_all
+from quanta.sim.repro import fmt, run_all
 from quanta.workloads import make_workload
 
 FAIR_POLICIES = ("fcfs", "rpm", "vtc", "wsc", "fair")
@@ -60,7 +60,7 @@ def fairserve(
             )
             tasks += [(trace, SimSetup(p, profile, FAIR_SCHEDULER)) for p in policies]
         rows.append({"rate": rate})
-    results = iter(_run_all(tasks, jobs))
+    results = iter(run_all(tasks, jobs))
     for row in rows:
         per_seed = [{p: next(results) for p in policies} for _ in seeds]
         row["policies"] = {p: [s[p] for s in per_seed] for p in policies}
@@ -81,8 +81,8 @@ def fairserve_table(row: dict[str, Any]) -> str:
         for key, _, pct in _FIGURES:
             v = _mean(runs, key)
             cells.append(f"{100 * v:.1f}" if pct else f"{v:,.0f}")
-        cells.append(_fmt(_mean(runs, "throughput_rps", False), 2))
-        cells.append(_fmt(_mean(runs, "mean_ttft", False), 2))
+        cells.append(fmt(_mean(runs, "throughput_rps", False), 2))
+        cells.append(fmt(_mean(runs, "mean_ttft", False), 2))
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

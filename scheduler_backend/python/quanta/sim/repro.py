@@ -87,9 +87,8 @@ def _run(args: tuple[list[WorkloadRequest], SimSetup]) -> dict[str, Any]:
     return summarize(simulate(trace, setup))
 
 
-def _run_all(
-    tasks: list[tuple[list[WorkloadRequest], SimSetup]], jobs: int
-) -> list[dict[str, Any]]:
+def run_all(tasks: list[tuple[list[WorkloadRequest], SimSetup]], jobs: int) -> list[dict[str, Any]]:
+    """Summaries of every (trace, setup), in order, on ``jobs`` worker processes."""
     if jobs <= 1:
         return [_run(t) for t in tasks]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -114,7 +113,7 @@ def fig14(
         trace = [replace(r, arrival_time=t) for r, t in zip(shaped, times, strict=True)]
         rows.append({"ratio": ratio, "rate": rate})
         tasks += [(trace, SimSetup(p, exp.profile, exp.scheduler)) for p in policies]
-    results = iter(_run_all(tasks, exp.jobs))
+    results = iter(run_all(tasks, exp.jobs))
     for row in rows:
         row["policies"] = {p: next(results) for p in policies}
     return rows
@@ -134,7 +133,7 @@ def fig15(
             "sharegpt", exp.num_requests, rate, seed=exp.seed, max_len=exp.profile.max_model_len
         )
         tasks += [(trace, SimSetup(p, exp.profile, exp.scheduler)) for p in policies]
-    results = iter(_run_all(tasks, exp.jobs))
+    results = iter(run_all(tasks, exp.jobs))
     return [{"rate": rate, "policies": {p: next(results) for p in policies}} for rate in rates]
 
 
@@ -167,7 +166,7 @@ def azure(
             (rows_, SimSetup(p, exp.profile, exp.scheduler, policy_options=o))
             for p, o in systems.values()
         ]
-    results = iter(_run_all(tasks, exp.jobs))
+    results = iter(run_all(tasks, exp.jobs))
     for row in rows:
         row["policies"] = {name: next(results) for name in systems}
     return rows
@@ -184,8 +183,8 @@ def azure_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         res = row["policies"]
         cells = [
-            f"{_fmt(res[n]['mean_normalized_latency'], 3)} / "
-            f"{_fmt(res[n]['p95_normalized_latency'], 3)}"
+            f"{fmt(res[n]['mean_normalized_latency'], 3)} / "
+            f"{fmt(res[n]['p95_normalized_latency'], 3)}"
             for n in names
         ]
         fcfs, sj = res["fcfs"], res["sj-mlfq"]
@@ -200,7 +199,8 @@ def azure_table(rows: list[dict[str, Any]]) -> str:
 
 
 # -- reporting -----------------------------------------------------------------------------
-def _fmt(x: float | None, digits: int = 4) -> str:
+def fmt(x: float | None, digits: int = 4) -> str:
+    """A table cell: the number, or "-" when there is none."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
@@ -211,7 +211,7 @@ def fig14_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         lat = {p: row["policies"][p]["mean_normalized_latency"] for p in policies}
         worst = max(lat.values())
-        cells = [f"{_fmt(v)} ({v / worst:.2f})" for v in lat.values()]
+        cells = [f"{fmt(v)} ({v / worst:.2f})" for v in lat.values()]
         lines.append(f"| {row['ratio']:g} | {row['rate']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -236,7 +236,7 @@ def fig15_table(rows: list[dict[str, Any]]) -> str:
     ]
     for row in rows:
         res = row["policies"]
-        cells = [_fmt(res[p]["mean_normalized_latency"]) for p in policies]
+        cells = [fmt(res[p]["mean_normalized_latency"]) for p in policies]
         pro = res[policies[0]]
         split = " / ".join(
             f"{100 * pro[k]:.1f}%" for k in ("frac_queued", "frac_swapping", "frac_executing")
