@@ -62,11 +62,38 @@ def test_llama7b_has_a_4k_context_and_about_40k_tokens_of_kv():
     assert 35_000 <= device * 16 <= 42_000
 
 
+# A CPU-engine-like profile: every term of the formula is non-zero.
+CPU_LIKE = PRESETS["a100-opt13b"].model_copy(
+    update={
+        "step_overhead_s": 4e-4,
+        "per_attention_call_s": 8e-5,
+        "decode_pad_per_token_s": 4e-7,
+        "swap_overlaps_compute": False,
+    }
+)
+
+
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 3000)), min_size=1, max_size=20))
-def test_shares_add_up_to_the_step(chunks):
-    m = PRESETS["a100-opt13b"]
+@given(
+    st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 3000)), min_size=1, max_size=20),
+    st.sampled_from(["a100-opt13b", "cpu-like"]),
+)
+def test_shares_add_up_to_the_step(chunks, name):
+    m = CPU_LIKE if name == "cpu-like" else PRESETS[name]
     assert sum(m.shares(chunks)) == pytest.approx(m.step_time(chunks), rel=1e-9)
+
+
+def test_cpu_engine_terms_count_attention_calls_and_padded_decode_slots():
+    """One attention call per prefill chunk plus one for all decode rows; decode rows are
+    padded to the longest decode context."""
+    base = PRESETS["a100-opt13b"]
+    calls = base.model_copy(update={"per_attention_call_s": 1.0})
+    chunks = [(100, 0), (50, 20), (1, 10), (1, 300)]
+    assert calls.step_time(chunks) - base.step_time(chunks) == pytest.approx(3.0)
+    assert calls.step_time([(1, 5)] * 8) - base.step_time([(1, 5)] * 8) == pytest.approx(1.0)
+    pad = base.model_copy(update={"decode_pad_per_token_s": 1.0})
+    assert pad.step_time(chunks) - base.step_time(chunks) == pytest.approx(2 * 301)
+    assert pad.step_time([(64, 0)]) == base.step_time([(64, 0)])  # prefills are not padded
 
 
 def test_a_decode_token_riding_with_a_long_prefill_pays_about_a_decode_tokens_share():
@@ -112,8 +139,7 @@ def test_invalid_profiles_are_rejected():
 
 def test_cost_model_and_policies_stay_torch_free():
     code = (
-        "import sys, quanta.policies, quanta.costmodel, quanta.sim; "
-        "print('torch' in sys.modules)"
+        "import sys, quanta.policies, quanta.costmodel, quanta.sim; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -172,6 +172,21 @@ def test_reactive_swap_in_stalls_but_prefetch_overlaps():
     assert clock.now() == pytest.approx(2 * decode) and runner.stats.stall_s == 0
 
 
+def test_copies_inside_the_step_are_never_hidden():
+    """The CPU engine copies blocks inside ``execute``: a profile that says so puts every
+    copy of a step on its critical path, prefetch or not."""
+    inline = COST.model_copy(update={"swap_overlaps_compute": False})
+    pairs = tuple((i, i) for i in range(8))
+    clock = VirtualClock()
+    runner = SimRunner(inline, clock, 16)
+    other = seq("b", 1, 100, tuple(range(100, 108)))
+    runner.execute(SchedulerOutput((other,), swap_in=pairs))
+    step = inline.swap_time(8, 16) + inline.step_time([(1, 100)])
+    assert clock.now() == pytest.approx(step)
+    runner.execute(SchedulerOutput((seq("a", 1, 100, tuple(range(8))),)))
+    assert clock.now() == pytest.approx(step + inline.step_time([(1, 100)]))
+
+
 def test_swapped_out_block_is_reused_only_after_its_copy():
     clock = VirtualClock()
     runner = SimRunner(COST, clock, 16)
@@ -362,7 +377,8 @@ def test_cli_simulate_validate_compares_the_engine_and_the_simulator(tmp_path: P
     out = tmp_path / "validate.json"
     args = ["simulate", "validate", "--num-requests", "12", "--loads", "0.5", "--policies"]
     png = tmp_path / "validate.png"
-    res = CliRunner().invoke(app, [*args, "fcfs", "--output", str(out), "--plot", str(png)])
+    more = ["--repeats", "2", "--step-repeats", "2", "--calibration-seconds", "0.1"]
+    res = CliRunner().invoke(app, [*args, "fcfs", "--output", str(out), "--plot", str(png), *more])
     assert res.exit_code == 0, res.output
     assert png.stat().st_size > 0
     (row,) = json.loads(out.read_text())
@@ -371,6 +387,8 @@ def test_cli_simulate_validate_compares_the_engine_and_the_simulator(tmp_path: P
         measured, simulated = row["measured"][key], row["simulated"][key]
         assert measured > 0 and simulated > 0
         assert row["error"][key] == pytest.approx((simulated - measured) / measured)
+        assert row["noise"][key] >= 0  # two engine runs: their spread is a number
+    assert row["repeats"] == 2 and row["step_error"]["median"] >= 0
     assert "| 0.5 | fcfs |" in res.output
 
 

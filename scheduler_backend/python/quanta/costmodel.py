@@ -4,8 +4,11 @@ FastServe's premise (§4.1) is that one iteration's time is predictable from the
 hardware and the batch, even though a job's number of iterations is not. This module states
 that prediction as a small roofline-style formula whose coefficients are a JSON profile:
 
-    step = overhead + per_seq * seqs + max(weights_read, compute_per_token * new_tokens)
+    step = overhead + per_seq * seqs + per_attention_call * attention calls
+           + max(weights_read, compute_per_token * new_tokens)
            + sum over seqs of max(kv_read_per_token * context, attn_per_pair * query x key pairs)
+           + decode_pad_per_token * decode seqs * longest decode context
+           [+ the step's block copies, where they do not overlap compute]
 
 Decode iterations are memory-bound (the weights are streamed once per iteration, plus each
 sequence's KV); prefill is compute-bound once enough tokens share the weight read. Swapping is
@@ -41,6 +44,15 @@ class CostModel(BaseModel):
     compute_per_token_s: float = Field(ge=0, description="dense FLOPs of one new token")
     attn_per_pair_s: float = Field(ge=0, description="prefill attention per (query, key) pair")
     kv_read_per_token_s: float = Field(ge=0, description="reading one context token's KV")
+    per_attention_call_s: float = Field(
+        0.0, ge=0, description="per attention call: each prefill chunk, all decode rows"
+    )
+    decode_pad_per_token_s: float = Field(
+        0.0, ge=0, description="per key slot of a decode batch padded to its longest context"
+    )
+    swap_overlaps_compute: bool = Field(
+        True, description="block copies run beside the forward pass (else inside the step)"
+    )
     kv_bytes_per_token: int = Field(gt=0, description="4 * layers * hidden for fp16 MHA")
     swap_bandwidth: float = Field(gt=0, description="host<->device bytes/s, effective")
     swap_latency_s: float = Field(0.0, ge=0, description="fixed cost per batch of copies")
@@ -54,16 +66,28 @@ class CostModel(BaseModel):
 
         ``start_pos`` is the number of tokens already in the KV cache before the chunk.
         """
-        num_seqs = num_tokens = 0
+        num_seqs = num_tokens = prefills = decodes = longest = 0
         attention = 0.0
         for new, start in chunks:
             num_seqs += 1
             num_tokens += new
             attention += self._attention(new, start)
+            if new > 1:
+                prefills += 1
+            else:  # single-token rows share one decode attention call, padded to the longest
+                decodes += 1
+                longest = max(longest, start + 1)
         if num_seqs == 0:
             return 0.0
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
-        return self.step_overhead_s + self.per_seq_s * num_seqs + dense + attention
+        return (
+            self.step_overhead_s
+            + self.per_seq_s * num_seqs
+            + self.per_attention_call_s * (prefills + (decodes > 0))
+            + dense
+            + attention
+            + self.decode_pad_per_token_s * decodes * longest
+        )
 
     def shares(self, chunks: Sequence[tuple[int, int]]) -> list[float]:
         """Each chunk's own part of ``step_time(chunks)``; the parts add up to the step.
@@ -77,8 +101,19 @@ class CostModel(BaseModel):
         num_tokens = sum(new for new, _ in chunks)
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
         fixed = self.step_overhead_s / len(chunks) + self.per_seq_s
+        decode_contexts = [start + 1 for new, start in chunks if new == 1]
+        longest = max(decode_contexts, default=0)
+        decode_call = self.per_attention_call_s / max(1, len(decode_contexts))
         return [
-            fixed + dense * new / num_tokens + self._attention(new, start) for new, start in chunks
+            fixed
+            + dense * new / num_tokens
+            + self._attention(new, start)
+            + (
+                self.per_attention_call_s
+                if new > 1
+                else decode_call + self.decode_pad_per_token_s * longest
+            )
+            for new, start in chunks
         ]
 
     def _attention(self, new: int, start: int) -> float:

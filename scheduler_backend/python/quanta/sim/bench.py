@@ -1,11 +1,9 @@
 """``quanta bench policies`` and ``quanta bench scheduler``.
 
 ``policies`` runs one seeded trace through the real loop on the real (CPU) engine once per
-policy. Arrivals are honoured on a virtual clock that advances by each step's *measured*
-time (idle gaps are skipped): the engine runs one torch thread and is timed by that thread's
-CPU clock, so the comparison is the engine's own compute, without sleeping and without the
-noise of other processes on a shared machine. The rate comes from a profile measured the
-same way, as a multiple (``load``) of the estimated batched capacity.
+policy (``quanta.sim.engine_replay``): the engine runs one torch thread and is timed by that
+thread's CPU clock, on a virtual clock. The rate comes from a profile measured the same way
+(sweep plus calibration replay), as a multiple (``load``) of the estimated batched capacity.
 
 ``scheduler`` times one ``schedule()`` call over N candidate requests (Apt-Serve Table 6
 reports 0.3 / 1.0 / 10.8 ms for 50 / 200 / 1600 candidates, GPU-side scheduler in Python).
@@ -23,35 +21,21 @@ from pathlib import Path
 
 from quanta.core.apply import DecisionApplier
 from quanta.core.blocks import BlockManager
-from quanta.core.clock import VirtualClock
-from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.core.config import CacheConfig, SchedulerConfig
 from quanta.core.loop import LoopStats
 from quanta.core.plan import PoolView
 from quanta.core.request import Request, RequestStatus, SamplingParams, blocks_for
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel, load_profile
 from quanta.policies import make_policy
-from quanta.sim.driver import build_requests, drive, policy_options, time_runner
+from quanta.sim.driver import StepSample
+from quanta.sim.engine_replay import bench_trace, pressure_cache, replay
 from quanta.sim.metrics import request_metrics
 from quanta.sim.repro import batched_capacity
 from quanta.workloads import WorkloadRequest, arrival_times, make_workload, scale_to_rate
 from quanta.workloads.transforms import TooLong
 
 APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
-
-
-def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> list[WorkloadRequest]:
-    """ShareGPT-like lengths scaled by ``scale`` (a small CPU model cannot spend 338 tokens
-    per answer on hundreds of requests); the shape of the distribution is kept."""
-    trace = make_workload("sharegpt", num_requests, 1.0, seed=seed, max_len=max_len)
-    return [
-        replace(
-            r,
-            prompt_tokens=max(1, round(r.prompt_tokens * scale)),
-            output_tokens=max(1, round(r.output_tokens * scale)),
-        )
-        for r in trace
-    ]
 
 
 @dataclass(frozen=True)
@@ -63,9 +47,21 @@ class EngineBench:
     model: Path
     cost: CostModel
     timer: Callable[[], float]
+    step_repeats: int = 1  # time each step by its fastest of this many runs
 
     @classmethod
-    def create(cls, model: Path | None, profile: Path | None) -> EngineBench:
+    def create(
+        cls,
+        model: Path | None,
+        profile: Path | None,
+        *,
+        calibration_s: float = 20.0,
+        max_num_seqs: int = 8,
+        step_repeats: int = 1,
+    ) -> EngineBench:
+        """Without ``profile``, fit one here: the sweep, then ``calibration_s`` seconds of a
+        serving replay with ``max_num_seqs`` sequences (0: the sweep alone), its steps timed
+        as the bench will time them (``step_repeats``)."""
         from quanta.sim.profile import profile_engine
 
         if model is None:
@@ -79,9 +75,17 @@ class EngineBench:
         cost = (
             load_profile(profile)
             if profile is not None
-            else profile_engine(model, repeats=3, timer=timer, echo=lambda _: None)
+            else profile_engine(
+                model,
+                repeats=3,
+                timer=timer,
+                echo=lambda _: None,
+                calibration_s=calibration_s,
+                max_num_seqs=max_num_seqs,
+                step_repeats=step_repeats,
+            )
         )
-        return cls(model, cost, timer)
+        return cls(model, cost, timer, step_repeats)
 
     def trace(
         self,
@@ -108,14 +112,7 @@ class EngineBench:
 
     def cache(self, trace: Sequence[WorkloadRequest], max_num_seqs: int) -> CacheConfig:
         """Memory pressure as on the A100: room for about two batches of average jobs."""
-        per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / 16
-        return CacheConfig(
-            block_size=16,
-            num_device_blocks=max(
-                int(2 * max_num_seqs * per_job), 2 * self.cost.max_model_len // 16
-            ),
-            num_host_blocks=8 * max_num_seqs * int(per_job + 1),
-        )
+        return pressure_cache(trace, max_num_seqs, self.cost.max_model_len)
 
     def run(
         self,
@@ -124,29 +121,21 @@ class EngineBench:
         sched: SchedulerConfig,
         cache: CacheConfig,
         seed: int,
+        record: list[StepSample] | None = None,
     ) -> tuple[list[Request], LoopStats]:
         """Serve ``trace`` (with its arrival times) through the real loop and engine."""
-        from quanta.frontends.engine import build_engine
-
-        clock = VirtualClock()
-        config = EngineConfig(
-            model=str(self.model),
-            policy=policy,
-            cache=cache,
-            scheduler=sched,
-            policy_options=policy_options(policy, {}, self.cost),
+        return replay(
+            self.model,
+            policy,
+            trace,
+            sched,
+            cache,
+            seed,
+            cost=self.cost,
+            timer=self.timer,
+            record=record,
+            step_repeats=self.step_repeats,
         )
-        engine = build_engine(config, clock=clock)
-        engine.loop.runner = time_runner(engine.loop.runner, clock, self.timer)
-        vocab = engine.model_config.vocab_size
-        warm = build_requests(trace[:4], vocab_size=vocab, seed=seed + 1)
-        drive(engine.loop, clock, [replace_id(r, f"warm{i}") for i, r in enumerate(warm)])
-        start = clock.now()
-        requests = build_requests(trace, vocab_size=vocab, seed=seed)
-        for r in requests:
-            r.arrival_time += start
-        drive(engine.loop, clock, requests)
-        return requests, engine.loop.stats()
 
 
 def with_arrivals(
@@ -174,11 +163,14 @@ def bench_policies(
     workload: str | None = None,
     token_scale: float = 1.0,
     too_long: TooLong = "error",
+    calibration_s: float = 20.0,
     echo: Callable[[str], object] = print,
 ) -> dict[str, dict[str, float]]:
     """Each policy on the real engine, on one trace (see ``EngineBench.trace``) at ``load``
     times the estimated capacity (or at ``rate``)."""
-    bench = EngineBench.create(model, profile)
+    bench = EngineBench.create(
+        model, profile, calibration_s=calibration_s, max_num_seqs=max_num_seqs
+    )
     cost = bench.cost
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     trace = bench.trace(
@@ -218,10 +210,6 @@ def bench_policies(
                     f"p95 {base['p95_normalized_latency'] / m['p95_normalized_latency']:.2f}x"
                 )
     return results
-
-
-def replace_id(r: Request, rid: str) -> Request:
-    return Request(rid, r.prompt_token_ids, r.params, r.arrival_time, r.seed)
 
 
 def candidate_view(

@@ -14,6 +14,21 @@ import typer
 
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
 
+CalibrationOpt = Annotated[
+    float,
+    typer.Option(
+        min=0,
+        help="engine seconds of a serving replay the profile is refitted on (0: sweep only)",
+    ),
+]
+StepRepeatsOpt = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="time each engine step by its fastest of N runs (greedy steps without copies): "
+        "keeps a shared machine's interference out of the measurement",
+    ),
+]
 PolicyOpt = Annotated[
     list[str] | None,
     typer.Option("--policy-option", help="KEY=VALUE passed to the policy (JSON values)"),
@@ -197,13 +212,23 @@ def profile_cmd(
     device: Annotated[str, typer.Option()] = "cpu",
     block_size: Annotated[int, typer.Option()] = 16,
     repeats: Annotated[int, typer.Option(min=1)] = 3,
+    calibration_seconds: CalibrationOpt = 20.0,
+    max_num_seqs: Annotated[int, typer.Option(help="batch limit of the calibration replay")] = 8,
 ) -> None:
-    """Measure the real engine's iteration and swap times and fit a cost-model profile."""
+    """Measure the real engine's iteration and swap times and fit a cost-model profile:
+    a sweep of hand-built steps, then a short serving replay the fit is refined on."""
     from quanta.costmodel import save_profile
     from quanta.sim.profile import profile_engine
 
     cost = profile_engine(
-        model, dtype=dtype, device=device, block_size=block_size, repeats=repeats, echo=typer.echo
+        model,
+        dtype=dtype,
+        device=device,
+        block_size=block_size,
+        repeats=repeats,
+        echo=typer.echo,
+        calibration_s=calibration_seconds,
+        max_num_seqs=max_num_seqs,
     )
     save_profile(cost, output)
     typer.echo(f"wrote {output}")
@@ -227,6 +252,7 @@ def bench_policies_cmd(
     ] = None,
     token_scale: TokenScaleOpt = 1.0,
     too_long: TooLongOpt = "error",
+    calibration_seconds: CalibrationOpt = 20.0,
 ) -> None:
     """The same seeded trace through the real loop on the real engine, per policy."""
     from quanta.sim.bench import bench_policies
@@ -243,6 +269,7 @@ def bench_policies_cmd(
         workload=workload,
         token_scale=token_scale,
         too_long=too_long,
+        calibration_s=calibration_seconds,
         echo=typer.echo,
     )
 
@@ -281,13 +308,24 @@ def validate_cmd(
     token_scale: TokenScaleOpt = 1.0,
     output: Annotated[Path | None, typer.Option(help="write the rows as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG of simulated / measured")] = None,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="engine runs per cell (median; spread = noise floor)")
+    ] = 3,
+    calibration_seconds: CalibrationOpt = 20.0,
+    step_repeats: StepRepeatsOpt = 1,
 ) -> None:
     """The same trace through the real engine and the simulator; the simulator's error."""
     from quanta.sim.bench import EngineBench
     from quanta.sim.validate import plot as plot_rows
     from quanta.sim.validate import table, validate
 
-    bench = EngineBench.create(model, profile)
+    bench = EngineBench.create(
+        model,
+        profile,
+        calibration_s=calibration_seconds,
+        max_num_seqs=max_num_seqs,
+        step_repeats=step_repeats,
+    )
     rows = validate(
         bench,
         [p for p in policies.split(",") if p],
@@ -295,6 +333,7 @@ def validate_cmd(
         num_requests=num_requests,
         seed=seed,
         max_num_seqs=max_num_seqs,
+        repeats=repeats,
         workload=workload,
         token_scale=token_scale,
         echo=typer.echo,

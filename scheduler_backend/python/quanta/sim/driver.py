@@ -172,19 +172,61 @@ def drive(
     return rejected
 
 
-def time_runner(runner: Runner, clock: VirtualClock, timer: Any) -> Runner:
-    """Wrap a real runner so the virtual clock advances by its measured wall time: the real
-    engine under the simulator's arrival handling (``quanta bench policies``)."""
-    return _TimedRunner(runner, clock, timer)
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One measured step of the real engine: what ran and how long it took."""
+
+    chunks: tuple[tuple[int, int], ...]  # (new_tokens, start_pos) per sequence
+    copies: int  # blocks swapped in or out in the step
+    seconds: float
+
+
+def time_runner(
+    runner: Runner,
+    clock: VirtualClock,
+    timer: Any,
+    record: list[StepSample] | None = None,
+    repeats: int = 1,
+) -> Runner:
+    """Wrap a real runner so the virtual clock advances by its measured time: the real
+    engine under the simulator's arrival handling (``quanta bench policies``). With
+    ``record`` every step is appended to it, for fitting and checking the cost model.
+
+    With ``repeats`` > 1 a step without block copies is run that many times and timed by its
+    fastest run: interference on a shared machine only ever slows a step down, so the minimum
+    is the engine's own time. Running a step again rewrites the same KV slots with the same
+    values; it must sample the same tokens (greedy requests), which is checked.
+    """
+    return _TimedRunner(runner, clock, timer, record, repeats)
 
 
 class _TimedRunner:
-    def __init__(self, runner: Runner, clock: VirtualClock, timer: Any) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        clock: VirtualClock,
+        timer: Any,
+        record: list[StepSample] | None,
+        repeats: int,
+    ) -> None:
         self.runner, self.clock, self.timer = runner, clock, timer
+        self.record, self.repeats = record, repeats
         self.capabilities = runner.capabilities
 
     def execute(self, scheduler_output: Any) -> Any:
+        so = scheduler_output
         t0 = self.timer()
-        out = self.runner.execute(scheduler_output)
-        self.clock.advance(self.timer() - t0)
+        out = self.runner.execute(so)
+        elapsed = self.timer() - t0
+        if self.repeats > 1 and so.seqs and not so.swap_in and not so.swap_out:
+            for _ in range(self.repeats - 1):
+                t0 = self.timer()
+                again = self.runner.execute(so)
+                elapsed = min(elapsed, self.timer() - t0)
+                if again.sampled_token_ids != out.sampled_token_ids:
+                    raise RuntimeError("a repeated step sampled other tokens: not greedy")
+        self.clock.advance(elapsed)
+        if self.record is not None:
+            chunks = tuple((s.num_new_tokens, s.start_pos) for s in so.seqs)
+            self.record.append(StepSample(chunks, len(so.swap_in) + len(so.swap_out), elapsed))
         return out

@@ -4,7 +4,9 @@ FastServe profiles iteration time per model and hardware before serving (its ski
 the prefill time of a prompt before running it). We time ``ModelRunner.execute`` directly on
 hand-built steps: prefills of growing length, decode batches of growing size and context,
 block copies of growing count, then fit the ``CostModel`` formula by least squares and
-report how far the fit is from each measurement. Loads torch (inside the function).
+report how far the fit is from each measurement. With a calibration time the fit is then
+redone on the steps of a short real serving replay (``quanta.sim.calibrate``), which the
+sweep alone predicts about 20% short. Loads torch (inside the function).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import numpy as np
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.core.request import blocks_for
 from quanta.costmodel import CostModel
+from quanta.sim.calibrate import calibration_steps, refit, report
+from quanta.sim.driver import StepSample
 
 
 def _seq(rid: str, tokens: int, start: int, table: tuple[int, ...]) -> ScheduledSeq:
@@ -52,12 +56,51 @@ def profile_engine(
     max_batch: int = 32,
     timer: Callable[[], float] = time.perf_counter,
     echo: Callable[[str], object] = print,
+    calibration_s: float = 0.0,
+    max_num_seqs: int = 8,
+    step_repeats: int = 1,
 ) -> CostModel:
     """Time the engine at ``model_dir`` and return the fitted profile.
 
     ``timer`` is wall time by default; on a shared CPU with one torch thread
-    ``time.thread_time`` keeps other processes' load out of the numbers.
+    ``time.thread_time`` keeps other processes' load out of the numbers. With
+    ``calibration_s`` > 0 the fit is refined on about that much engine time of a real
+    serving replay with ``max_num_seqs`` sequences per batch.
     """
+    model, sweep = _sweep(model_dir, dtype, device, block_size, repeats, max_batch, timer, echo)
+    if calibration_s <= 0:
+        return model
+    loop = calibration_steps(
+        Path(model_dir),
+        model,
+        seconds=calibration_s,
+        timer=timer,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+        device=device,
+        step_repeats=step_repeats,
+    )
+    echo(report(model, loop, block_size).line("sweep fit on a serving replay"))
+    model = refit(model, sweep, loop, block_size)
+    model = model.model_copy(
+        update={"source": f"{model.source}, refitted on {len(loop)} steps of a serving replay"}
+    )
+    echo(report(model, loop, block_size).line("calibrated fit on the same replay"))
+    echo(report(model, sweep, block_size).line("calibrated fit on the sweep"))
+    return model
+
+
+def _sweep(
+    model_dir: Path,
+    dtype: str | None,
+    device: str,
+    block_size: int,
+    repeats: int,
+    max_batch: int,
+    timer: Callable[[], float],
+    echo: Callable[[str], object],
+) -> tuple[CostModel, list[StepSample]]:
+    """Hand-built steps one shape at a time, and the profile fitted to them alone."""
     from quanta.runner import ModelRunner, load_model_config
 
     cfg = load_model_config(model_dir)
@@ -97,6 +140,7 @@ def profile_engine(
         name=f"measured-{Path(model_dir).name}",
         source=f"quanta profile of {model_dir} on {device} ({runner.dtype}), "
         f"median of {repeats} runs per point, least-squares fit",
+        swap_overlaps_compute=False,  # the runner copies blocks inside execute()
         kv_bytes_per_token=max(1, bytes_per_block // block_size),
         device_kv_bytes=device_blocks * bytes_per_block,
         host_kv_bytes=4 * device_blocks * bytes_per_block,
@@ -106,7 +150,16 @@ def profile_engine(
     fits = [CostModel(**common, **coef) for coef in _fit_compute(prefill, decode)]
     model = min(fits, key=lambda m: _median_error(m, prefill, decode))
     _report(model, prefill, decode, swap, block_size, echo)
-    return model
+    return model, _as_samples(prefill, decode)
+
+
+def _as_samples(
+    prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]]
+) -> list[StepSample]:
+    """The sweep's points in the shape of recorded steps, so one fit takes both."""
+    alone = [StepSample(((n, 0),), 0, t) for n, t in prefill]
+    batches = [StepSample(((1, c // b - 1),) * b, 0, t) for b, c, t in decode]
+    return alone + batches
 
 
 def _fit_swap(swap: list[tuple[int, float]], bytes_per_block: int) -> dict[str, float]:

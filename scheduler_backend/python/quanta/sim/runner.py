@@ -5,6 +5,9 @@ overlap compute; a step's forward pass waits only for the copies of blocks it to
 swap-in issued for a job that runs in the same step (reactive) sits on the critical path,
 while one issued a step ahead (proactive) hides behind the other jobs' iteration, and a
 swapped-out block is reused only once its copy has left: FastServe's Fig. 9 as a timeline.
+A profile whose copies do not overlap compute (``swap_overlaps_compute=False``, the CPU
+engine, which copies inside ``execute`` before the forward pass) puts every copy of a step on
+its critical path instead.
 """
 
 from __future__ import annotations
@@ -47,12 +50,16 @@ class SimRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         so = scheduler_output
         start = self.clock.now()
+        if not self.cost.swap_overlaps_compute:
+            self._link_free_at = start  # the copies start with the step, nothing queued ahead
         self._copy(start, so)
         wait_until = start
         for seq in so.seqs:
             for block in seq.block_table:
                 wait_until = max(wait_until, self._ready_at.get(block, start))
         compute = self.cost.step_time((s.num_new_tokens, s.start_pos) for s in so.seqs)
+        if not self.cost.swap_overlaps_compute:
+            wait_until = max(start, self._link_free_at)  # every copy, touched or not
         end = wait_until + compute if so.seqs else max(start, self._link_free_at)
         self._account(so, wait_until - start, compute)
         self.clock.set(end)

@@ -1,0 +1,100 @@
+"""The real engine serving a trace on a virtual clock, timed step by step.
+
+``quanta bench policies``, ``quanta simulate validate`` and the profile's calibration all
+need the same thing: the real loop and policy driving the real ``ModelRunner`` over a seeded
+trace, with arrivals honoured on a virtual clock that advances by each step's *measured*
+time (idle gaps are skipped). Nothing sleeps, and with a thread-CPU timer other processes on
+a shared machine stay out of the numbers. Loads torch (inside ``replay``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from quanta.core.clock import VirtualClock
+from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.core.loop import LoopStats
+from quanta.core.request import Request
+from quanta.costmodel import CostModel
+from quanta.sim.driver import StepSample, build_requests, drive, policy_options, time_runner
+from quanta.workloads import WorkloadRequest, make_workload
+
+
+def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> list[WorkloadRequest]:
+    """ShareGPT-like lengths scaled by ``scale`` (a small CPU model cannot spend 338 tokens
+    per answer on hundreds of requests); the shape of the distribution is kept."""
+    trace = make_workload("sharegpt", num_requests, 1.0, seed=seed, max_len=max_len)
+    return [
+        replace(
+            r,
+            prompt_tokens=max(1, round(r.prompt_tokens * scale)),
+            output_tokens=max(1, round(r.output_tokens * scale)),
+        )
+        for r in trace
+    ]
+
+
+def pressure_cache(
+    trace: Sequence[WorkloadRequest], max_num_seqs: int, max_model_len: int
+) -> CacheConfig:
+    """Memory pressure as on the A100: room for about two batches of average jobs."""
+    per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / 16
+    return CacheConfig(
+        block_size=16,
+        num_device_blocks=max(int(2 * max_num_seqs * per_job), 2 * max_model_len // 16),
+        num_host_blocks=8 * max_num_seqs * int(per_job + 1),
+    )
+
+
+def replay(
+    model: Path,
+    policy: str,
+    trace: Sequence[WorkloadRequest],
+    sched: SchedulerConfig,
+    cache: CacheConfig,
+    seed: int,
+    *,
+    cost: CostModel,
+    timer: Callable[[], float],
+    dtype: str | None = None,
+    device: str = "cpu",
+    record: list[StepSample] | None = None,
+    step_repeats: int = 1,
+) -> tuple[list[Request], LoopStats]:
+    """Serve ``trace`` (with its arrival times) through the real loop and engine.
+
+    A few warm-up requests run first (allocator, kernels) and are not recorded; ``cost`` is
+    the profile handed to policies that predict iteration times; ``step_repeats`` times
+    each step by its fastest of that many runs (``time_runner``).
+    """
+    from quanta.frontends.engine import build_engine
+
+    clock = VirtualClock()
+    config = EngineConfig(
+        model=str(model),
+        policy=policy,
+        dtype=dtype,
+        device=device,
+        cache=cache,
+        scheduler=sched,
+        policy_options=policy_options(policy, {}, cost),
+    )
+    engine = build_engine(config, clock=clock)
+    timed = time_runner(engine.loop.runner, clock, timer, repeats=step_repeats)
+    engine.loop.runner = timed
+    vocab = engine.model_config.vocab_size
+    warm = build_requests(trace[:4], vocab_size=vocab, seed=seed + 1)
+    drive(engine.loop, clock, [_renamed(r, f"warm{i}") for i, r in enumerate(warm)])
+    timed.record = record  # type: ignore[attr-defined]
+    start = clock.now()
+    requests = build_requests(trace, vocab_size=vocab, seed=seed)
+    for r in requests:
+        r.arrival_time += start
+    drive(engine.loop, clock, requests)
+    return requests, engine.loop.stats()
+
+
+def _renamed(r: Request, rid: str) -> Request:
+    return Request(rid, r.prompt_token_ids, r.params, r.arrival_time, r.seed)
