@@ -9,7 +9,7 @@ import pytest
 from quanta.core.clock import VirtualClock
 from quanta.core.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 from quanta.costmodel import PRESETS
-from quanta.sim.calibrate import fit_steps, predict, report
+from quanta.sim.calibrate import fit_steps, predict, report, rescale
 from quanta.sim.driver import StepSample, time_runner
 from quanta.sim.validate import spread
 
@@ -125,3 +125,11 @@ def test_a_repeated_step_that_samples_differently_is_refused():
 def test_spread_of_repeated_runs():
     assert spread([1.0, 1.2, 0.9]) == pytest.approx(0.3)
     assert math.isnan(spread([1.0])) and math.isnan(spread([0.0, 0.0]))
+
+
+def test_a_rescaled_profile_is_the_same_machine_slower():
+    slow = rescale(TRUTH, 1.5)
+    for chunks in random_steps(random.Random(2), 50):
+        assert slow.step_time(chunks) == pytest.approx(1.5 * TRUTH.step_time(chunks))
+    assert slow.swap_time(8, 16) == pytest.approx(1.5 * TRUTH.swap_time(8, 16))
+    assert slow.num_blocks(16) == TRUTH.num_blocks(16)

@@ -388,6 +388,7 @@ def test_cli_simulate_validate_compares_the_engine_and_the_simulator(tmp_path: P
         assert measured > 0 and simulated > 0
         assert row["error"][key] == pytest.approx((simulated - measured) / measured)
         assert row["noise"][key] >= 0  # two engine runs: their spread is a number
+        assert row["rescaled"][key] > 0 and math.isfinite(row["rescaled_error"][key])
     assert row["repeats"] == 2 and row["step_error"]["median"] >= 0
     assert "| 0.5 | fcfs |" in res.output
 

@@ -75,6 +75,14 @@ def report(cost: CostModel, samples: Sequence[StepSample], block_size: int = 16)
     return FitReport(len(steps), statistics.median(errors), (sum(predicted) - measured) / measured)
 
 
+def rescale(cost: CostModel, factor: float) -> CostModel:
+    """``cost`` on a machine ``factor`` times slower: every time term scaled, memory kept."""
+    update: dict[str, float] = {name: getattr(cost, name) * factor for name in COEFFICIENTS}
+    update["swap_latency_s"] = cost.swap_latency_s * factor
+    update["swap_bandwidth"] = cost.swap_bandwidth / factor
+    return cost.model_copy(update=update)
+
+
 def fit_steps(
     start: CostModel,
     samples: Sequence[StepSample],
