@@ -355,3 +355,15 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json, or vocab\.json and merges\.txt"):
         load_tokenizer(tmp_path)
+
+
+def test_cli_make_model_into_an_existing_dir_is_a_clear_error(tmp_path):
+    from quanta.cli import app
+    from typer.testing import CliRunner
+
+    out = tmp_path / "m"
+    (out / "x").mkdir(parents=True)
+    res = CliRunner().invoke(app, ["make-model", "opt-tiny", "--out", str(out)])
+    assert res.exit_code == 1
+    assert "already exists" in res.output and "--overwrite" in res.output
+    assert "Traceback" not in res.output

@@ -32,7 +32,11 @@ def make_model(
     """Write an HF-layout checkpoint with random weights and a byte-level BPE tokenizer."""
     from quanta.build.checkpoint import make_checkpoint
 
-    path = make_checkpoint(preset, out, seed=seed, dtype=dtype, overwrite=overwrite)
+    try:
+        path = make_checkpoint(preset, out, seed=seed, dtype=dtype, overwrite=overwrite)
+    except FileExistsError as exc:  # a user's mistake, not a crash: no traceback
+        typer.echo(f"error: {exc} (--overwrite)", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"wrote {preset} to {path}")
 
 

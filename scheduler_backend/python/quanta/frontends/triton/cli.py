@@ -28,9 +28,15 @@ def serve(
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="address all three endpoints bind to")] = "127.0.0.1",
-    http_port: Annotated[int, typer.Option(help="HTTP port (0: any free port)")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="gRPC port (0: any free port)")] = 8001,
-    metrics_port: Annotated[int, typer.Option(help="Prometheus port (0: any free port)")] = 8002,
+    http_port: Annotated[
+        int, typer.Option(envvar="QUANTA_HTTP_PORT", help="HTTP port (0: any free port)")
+    ] = 8000,
+    grpc_port: Annotated[
+        int, typer.Option(envvar="QUANTA_GRPC_PORT", help="gRPC port (0: any free port)")
+    ] = 8001,
+    metrics_port: Annotated[
+        int, typer.Option(envvar="QUANTA_METRICS_PORT", help="Prometheus port (0: any free port)")
+    ] = 8002,
     tritonserver: Annotated[
         Path | None,
         typer.Option(help="tritonserver binary (default: on PATH, else nvidia-pytriton's)"),

@@ -1,0 +1,296 @@
+"""Every command the README and docs/ show runs here, at a tiny size.
+
+The commands come from the markdown itself (``doc_commands``), so a refactor that breaks a
+documented command, or a doc that shows a command nothing runs, fails this module. Each runs
+through bash as written, after ``shrink`` (counts, durations and the larger checkpoint made
+tiny; the documented ports mapped to free ones) in a scratch directory laid out like the
+repository: ``loadtests/`` linked, ``docs/`` copied (reproductions rewrite their doc), and
+``../shared/data`` holding the first rows of the Azure trace (a synthetic stand-in when the
+data is not beside the checkout). Client commands run against one real server started with the
+documented ``quanta serve --openai-port 9000``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from doc_commands import ROOT, DocCommand, documented_commands, shrink
+from quanta.frontends.triton.launcher import free_port
+
+COMMANDS = documented_commands()
+BIN = Path(sys.executable).parent
+AZURE = Path("data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv")
+SERVER_COMMAND = "quanta serve --openai-port 9000"
+
+# Commands no smoke test can run here, and why; each is still listed, so a new one is seen.
+NOT_RUN = {
+    "bash scripts/test.sh": "the test suite itself: CI runs it (.ci/run)",
+    "source .venv/bin/activate": "a shell built-in; these tests already run inside the venv",
+    "bench/peer/setup_vllm.sh": "installs vLLM's CPU build (GBs from the network), by hand",
+    "quanta bench peer": "needs the vLLM venv above; tests/test_bench_peer.py covers the harness",
+}
+# Inline mentions that name a flag rather than show a whole command.
+FRAGMENTS = {
+    "quanta bench serve --workload out/w.jsonl": "its whole command is in loadtests/README.md",
+}
+# Extra options that keep the slowest documented commands to seconds.
+FASTER = {
+    "quanta simulate validate": "--calibration-seconds 0.2 --repeats 1",
+    "quanta bench policies": "--calibration-seconds 0.2",
+}
+
+
+def kind(cmd: DocCommand) -> str:
+    words = cmd.words
+    if cmd.python:
+        return "client" if "OpenAI(" in cmd.text else "offline"
+    if any(cmd.text.startswith(prefix) for prefix in NOT_RUN) or cmd.text in FRAGMENTS:
+        return "not run"
+    if cmd.text == "bash scripts/demo.sh":
+        return "demo"
+    if cmd.text == SERVER_COMMAND:
+        return "fixture"
+    if words[:2] == ["quanta", "serve"]:
+        return "demo" if "--demo" in words else "server"
+    if words[:2] == ["quanta", "openai"]:
+        return "gateway"
+    if words[0] in ("curl", "locust") or words[:3] == ["quanta", "bench", "serve"]:
+        return "client"
+    if words[:2] == ["quanta", "generate"] and "--url" in words:
+        return "client"
+    if words[0] == "quanta":
+        return "offline"
+    return "unknown"
+
+
+def of_kind(name: str) -> list[pytest.param]:
+    return [pytest.param(c, id=c.where) for c in COMMANDS if kind(c) == name]
+
+
+def test_every_documented_command_has_a_smoke_test():
+    assert len(COMMANDS) >= 30  # the parser still finds the docs' commands
+    unknown = [f"{c.where}: {c.text}" for c in COMMANDS if kind(c) == "unknown"]
+    assert not unknown, "documented commands no smoke test knows how to run:\n" + "\n".join(unknown)
+    assert any(c.text == SERVER_COMMAND for c in COMMANDS), "the server fixture's command moved"
+
+
+def test_shrink_keeps_the_shape_and_maps_ports():
+    text = "quanta bench serve --url 127.0.0.1:8001 --rate 1,2,4 --num-requests 200 --seed 0"
+    assert shrink(text, {8001: 41234}) == (
+        "quanta bench serve --url 127.0.0.1:41234 --rate 4 --num-requests 6 --seed 0"
+    )
+    assert shrink("quanta make-model opt-125m --out engines/opt-125m") == (
+        "quanta make-model opt-tiny --out engines/opt-125m"
+    )
+
+
+# -- the scratch checkout ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("docs")
+    work = base / "work"
+    work.mkdir()
+    (work / "loadtests").symlink_to(ROOT / "loadtests")
+    shutil.copytree(ROOT / "docs", work / "docs")
+    (work / "out").mkdir()
+    trace = base / "shared" / AZURE
+    trace.parent.mkdir(parents=True)
+    real = ROOT.parent / "shared" / AZURE
+    if real.is_file():
+        with real.open() as f:
+            trace.write_text("".join(itertools.islice(f, 301)))
+    else:  # the same columns, invented rows two seconds apart
+        rows = [
+            f"2023-11-16 18:{15 + i // 30:02d}:{(2 * i) % 60:02d}.0000000,"
+            f"{90 + 37 * (i % 9)},{5 + 11 * (i % 7)}"
+            for i in range(300)
+        ]
+        trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    return work
+
+
+def env(**ports: int) -> dict[str, str]:
+    extra = {f"QUANTA_{k.upper()}_PORT": str(v) for k, v in ports.items()}
+    return {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
+def run(text: str, cwd: Path, timeout: float = 600, **ports: int) -> str:
+    proc = subprocess.run(
+        ["bash", "-c", text],
+        cwd=cwd,
+        env=env(**ports),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{text}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    return proc.stdout
+
+
+def written(text: str) -> list[str]:
+    """Files and folders a command says it writes (--output, --plot, --out, --csv prefix)."""
+    return re.findall(r"--(?:output|plot|out|plot-dir)\s+(\S+)", text)
+
+
+# -- offline commands, in the order the docs give them ---------------------------------------
+@pytest.mark.parametrize("cmd", of_kind("offline"))
+def test_offline_command(cmd: DocCommand, workdir: Path):
+    if cmd.python:
+        proc = subprocess.run(
+            [sys.executable, "-c", cmd.text],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return
+    text = shrink(cmd.text)
+    for prefix, extra in FASTER.items():
+        if text.startswith(prefix):
+            text = f"{text} {extra}"
+    run(text, workdir)
+    for path in written(text):
+        assert (workdir / path).exists(), f"{cmd.where}: {text} did not write {path}"
+
+
+# -- the demo --------------------------------------------------------------------------------
+@pytest.mark.parametrize("cmd", of_kind("demo"))
+def test_demo_command(cmd: DocCommand, workdir: Path):
+    cwd = ROOT if cmd.text.startswith("bash scripts/") else workdir
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    out = run(cmd.text, cwd, timeout=600, **ports)
+    assert re.search(r"^> .+", out, re.MULTILINE), out
+    assert f"HTTP    http://127.0.0.1:{ports['http']}" in out
+
+
+# -- servers ---------------------------------------------------------------------------------
+class Background:
+    """A documented long-running command, started in its own process group and stopped with
+    Ctrl-C (SIGINT), as a user would."""
+
+    def __init__(self, text: str, cwd: Path, **ports: int) -> None:
+        self.text = text
+        self.proc = subprocess.Popen(
+            ["bash", "-c", f"exec {text.rstrip(' &')}"],
+            cwd=cwd,
+            env=env(**ports),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+
+    def wait_for_line(self, prefix: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            self.lines.append(line)
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"{self.text}: no {prefix!r} line\n" + "".join(self.lines))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(workdir: Path):
+    """The documented ``quanta serve --openai-port 9000`` on free ports."""
+    ports = {8000: free_port(), 8001: free_port(), 8002: free_port(), 9000: free_port()}
+    srv = Background(
+        shrink(SERVER_COMMAND, ports),
+        workdir,
+        http=ports[8000],
+        grpc=ports[8001],
+        metrics=ports[8002],
+    )
+    try:
+        srv.wait_for_line("OpenAI ")
+        yield ports
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)
+
+
+@pytest.mark.parametrize("cmd", of_kind("server"))
+def test_server_command_starts_and_stops_on_ctrl_c(cmd: DocCommand, workdir: Path, server):
+    # NOTE: `server` is requested so the default checkpoint exists; MODELS is a repository.
+    text = cmd.text
+    if "MODELS" in text:
+        from quanta.frontends.triton.repository import write_model_repository
+
+        repo = write_model_repository(
+            workdir / "MODELS",
+            overrides={"model_dir": str(workdir / "engines" / "opt-tiny"), "policy": "fair"},
+        )
+        text = text.replace("MODELS", str(repo))
+    srv = Background(text, workdir, http=free_port(), grpc=free_port(), metrics=free_port())
+    try:
+        srv.wait_for_line("ready")
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)
+
+
+@pytest.mark.parametrize("cmd", of_kind("gateway"))
+def test_gateway_command_serves_next_to_a_running_triton(cmd: DocCommand, workdir: Path, server):
+    port = free_port()
+    gateway = Background(shrink(cmd.text, {8001: server[8001], 9000: port}), workdir)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                    assert b"quanta" in r.read()
+                    break
+            except OSError:
+                assert gateway.proc.poll() is None, "".join(gateway.lines)
+                assert time.monotonic() < deadline, "the gateway never answered"
+                time.sleep(0.5)
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize("cmd", of_kind("client"))
+def test_client_command_against_the_server(cmd: DocCommand, workdir: Path, server):
+    if cmd.python:
+        proc = subprocess.run(
+            [sys.executable, "-c", shrink(cmd.text, server)],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return
+    text = shrink(cmd.text, server)
+    out = run(text, workdir, timeout=300)
+    if cmd.words[0] in ("curl", "quanta") and "bench" not in cmd.words:
+        assert out.strip(), f"{text}: no output"
+    for path in written(text):
+        assert (workdir / path).exists(), f"{cmd.where}: {text} did not write {path}"
