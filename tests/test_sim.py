@@ -367,10 +367,27 @@ def test_cli_bench_policies_on_a_trace_file(tmp_path: Path):
     ]
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
     args = ["bench", "policies", "--workload", str(trace), "--num-requests", "6"]
+    args += ["--calibration-seconds", "0.2"]
     res = CliRunner().invoke(app, [*args, "--token-scale", "0.1", "--policies", "fcfs,sj-mlfq"])
     assert res.exit_code == 0, res.output
     assert "6 requests at" in res.output and "P99 TBT" in res.output
     assert "fcfs / sj-mlfq: mean" in res.output
+
+
+def test_cli_profile_refits_on_a_serving_replay(tmp_path: Path):
+    from quanta.build.checkpoint import ensure_checkpoint
+    from quanta.costmodel import load_profile
+
+    model = ensure_checkpoint("opt-tiny", tmp_path / "opt-tiny")
+    out = tmp_path / "p.json"
+    args = ["profile", "--model", str(model), "--output", str(out), "--repeats", "1"]
+    res = CliRunner().invoke(app, [*args, "--calibration-seconds", "0.2"])
+    assert res.exit_code == 0, res.output
+    assert "sweep fit on a serving replay:" in res.output
+    assert "calibrated fit on the same replay:" in res.output
+    cost = load_profile(out)
+    assert "refitted on" in cost.source and not cost.swap_overlaps_compute
+    assert cost.min_iteration_time > 0
 
 
 def test_cli_simulate_validate_compares_the_engine_and_the_simulator(tmp_path: Path):

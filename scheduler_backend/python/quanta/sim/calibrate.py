@@ -112,7 +112,7 @@ def fit_steps(
 
 def _columns(cost: CostModel, sample: StepSample) -> list[float]:
     """The step's value for each coefficient, with each maximum resolved to the side that
-    bounds it under ``cost`` (a zero coefficient leaves the other side in charge)."""
+    bounds it under ``cost``."""
     tokens = sum(new for new, _ in sample.chunks)
     weights_bound = cost.weights_read_s > cost.compute_per_token_s * tokens
     kv = pairs = 0.0
@@ -120,10 +120,14 @@ def _columns(cost: CostModel, sample: StepSample) -> list[float]:
     for new, start in sample.chunks:
         context = start + new
         causal_pairs = new * (start + (new + 1) / 2)
-        if cost.kv_read_per_token_s * context >= cost.attn_per_pair_s * causal_pairs:
-            kv += context
-        else:
+        if cost.attn_per_pair_s > 0:
+            by_pairs = cost.attn_per_pair_s * causal_pairs > cost.kv_read_per_token_s * context
+        else:  # a dropped term gets its natural chunks back, and another chance each round
+            by_pairs = new > 1
+        if by_pairs:
             pairs += causal_pairs
+        else:
+            kv += context
         if new > 1:
             prefills += 1
         else:
