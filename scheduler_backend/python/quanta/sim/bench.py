@@ -58,10 +58,12 @@ class EngineBench:
         calibration_s: float = 20.0,
         max_num_seqs: int = 8,
         step_repeats: int = 1,
+        length_scale: float = 0.25,
     ) -> EngineBench:
         """Without ``profile``, fit one here: the sweep, then ``calibration_s`` seconds of a
         serving replay with ``max_num_seqs`` sequences (0: the sweep alone), its steps timed
-        as the bench will time them (``step_repeats``)."""
+        as the bench will time them (``step_repeats``), its ShareGPT-like lengths scaled by
+        ``length_scale`` as the bench's own traces are."""
         from quanta.sim.profile import profile_engine
 
         if model is None:
@@ -83,6 +85,7 @@ class EngineBench:
                 calibration_s=calibration_s,
                 max_num_seqs=max_num_seqs,
                 step_repeats=step_repeats,
+                calibration_scale=length_scale,
             )
         )
         return cls(model, cost, timer, step_repeats)

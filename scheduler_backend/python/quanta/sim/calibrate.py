@@ -184,7 +184,7 @@ def calibration_steps(
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     probe = bench_trace(200, cost.max_model_len, CALIBRATION_SEED, scale)
     capacity = batched_capacity(probe, cost, sched)
-    count = int(min(400, max(40, 0.9 * capacity * seconds)))
+    count = int(min(400, max(16, 0.9 * capacity * seconds)))
     trace = bench_trace(count, cost.max_model_len, CALIBRATION_SEED, scale)
     times = arrival_times(count, 0.9 * capacity, random.Random(CALIBRATION_SEED))
     trace = [replace(r, arrival_time=t) for r, t in zip(trace, times, strict=True)]

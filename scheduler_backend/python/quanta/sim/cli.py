@@ -313,6 +313,10 @@ def validate_cmd(
     ] = 3,
     calibration_seconds: CalibrationOpt = 20.0,
     step_repeats: StepRepeatsOpt = 1,
+    length_scale: Annotated[
+        float,
+        typer.Option(min=0.01, help="ShareGPT-like lengths times this (smaller for slower models)"),
+    ] = 0.25,
 ) -> None:
     """The same trace through the real engine and the simulator; the simulator's error."""
     from quanta.sim.bench import EngineBench
@@ -325,6 +329,7 @@ def validate_cmd(
         calibration_s=calibration_seconds,
         max_num_seqs=max_num_seqs,
         step_repeats=step_repeats,
+        length_scale=length_scale,
     )
     rows = validate(
         bench,
@@ -334,6 +339,7 @@ def validate_cmd(
         seed=seed,
         max_num_seqs=max_num_seqs,
         repeats=repeats,
+        length_scale=length_scale,
         workload=workload,
         token_scale=token_scale,
         echo=typer.echo,

@@ -59,13 +59,15 @@ def profile_engine(
     calibration_s: float = 0.0,
     max_num_seqs: int = 8,
     step_repeats: int = 1,
+    calibration_scale: float = 0.25,
 ) -> CostModel:
     """Time the engine at ``model_dir`` and return the fitted profile.
 
     ``timer`` is wall time by default; on a shared CPU with one torch thread
     ``time.thread_time`` keeps other processes' load out of the numbers. With
     ``calibration_s`` > 0 the fit is refined on about that much engine time of a real
-    serving replay with ``max_num_seqs`` sequences per batch.
+    serving replay with ``max_num_seqs`` sequences per batch and ShareGPT-like lengths times
+    ``calibration_scale``.
     """
     model, sweep = _sweep(model_dir, dtype, device, block_size, repeats, max_batch, timer, echo)
     if calibration_s <= 0:
@@ -79,6 +81,7 @@ def profile_engine(
         dtype=dtype,
         device=device,
         step_repeats=step_repeats,
+        scale=calibration_scale,
     )
     echo(report(model, loop, block_size).line("sweep fit on a serving replay"))
     model = refit(model, sweep, loop, block_size)

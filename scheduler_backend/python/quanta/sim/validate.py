@@ -69,11 +69,14 @@ def validate(
     repeats: int = 3,
     workload: str | None = None,
     token_scale: float = 1.0,
+    length_scale: float = 0.25,
     echo: Callable[[str], object] = print,
 ) -> list[dict[str, Any]]:
     """One row per (load, policy): measured and simulated figures and their errors."""
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
-    base = bench.trace(num_requests, seed, workload=workload, token_scale=token_scale)
+    base = bench.trace(
+        num_requests, seed, scale=length_scale, workload=workload, token_scale=token_scale
+    )
     capacity = batched_capacity(base, bench.cost, sched)
     rows = []
     for load in loads:
