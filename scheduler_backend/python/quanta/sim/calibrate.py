@@ -61,8 +61,12 @@ class FitReport:
 
 def predict(cost: CostModel, sample: StepSample, block_size: int = 16) -> float:
     """The profile's time for a recorded step, copies included when they are in the step."""
-    copies = 0.0 if cost.swap_overlaps_compute else cost.swap_time(sample.copies, block_size)
-    return cost.step_time(sample.chunks) + copies
+    return cost.step_time(sample.chunks) + _copies(cost, sample, block_size)
+
+
+def _copies(cost: CostModel, sample: StepSample, block_size: int) -> float:
+    """The part of a recorded step its block copies took, by the profile."""
+    return 0.0 if cost.swap_overlaps_compute else cost.swap_time(sample.copies, block_size)
 
 
 def report(cost: CostModel, samples: Sequence[StepSample], block_size: int = 16) -> FitReport:
@@ -97,11 +101,10 @@ def fit_steps(
     steps = [(s, w) for s, w in steps if s.chunks and s.seconds > 0]
     if not steps:
         return start
+    target = [s.seconds - _copies(start, s, block_size) for s, _ in steps]  # copies are kept
     cost = start
     for _ in range(rounds):
         rows = [_columns(cost, s) for s, _ in steps]
-        copies = [predict(cost, s, block_size) - cost.step_time(s.chunks) for s, _ in steps]
-        target = [s.seconds - c for (s, _), c in zip(steps, copies, strict=True)]
         coef = _nonnegative_lstsq(rows, target, [w for _, w in steps])
         fitted = cost.model_copy(update=dict(zip(COEFFICIENTS, coef, strict=True)))
         if fitted == cost:
@@ -174,6 +177,7 @@ def calibration_steps(
     device: str = "cpu",
     scale: float = 0.25,
     step_repeats: int = 1,
+    block_size: int = 16,
 ) -> list[StepSample]:
     """Steps of a real FCFS replay lasting about ``seconds`` of engine time: ShareGPT-like
     lengths (x ``scale``) arriving at about the capacity ``cost`` estimates, so batches range
@@ -188,7 +192,7 @@ def calibration_steps(
     trace = bench_trace(count, cost.max_model_len, CALIBRATION_SEED, scale)
     times = arrival_times(count, 0.9 * capacity, random.Random(CALIBRATION_SEED))
     trace = [replace(r, arrival_time=t) for r, t in zip(trace, times, strict=True)]
-    cache = pressure_cache(trace, max_num_seqs, cost.max_model_len)
+    cache = pressure_cache(trace, max_num_seqs, cost.max_model_len, block_size)
     samples: list[StepSample] = []
     replay(
         model,

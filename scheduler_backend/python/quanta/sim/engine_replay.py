@@ -37,13 +37,13 @@ def bench_trace(num_requests: int, max_len: int, seed: int, scale: float) -> lis
 
 
 def pressure_cache(
-    trace: Sequence[WorkloadRequest], max_num_seqs: int, max_model_len: int
+    trace: Sequence[WorkloadRequest], max_num_seqs: int, max_model_len: int, block_size: int = 16
 ) -> CacheConfig:
     """Memory pressure as on the A100: room for about two batches of average jobs."""
-    per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / 16
+    per_job = sum(r.input_len + r.output_len for r in trace) / len(trace) / block_size
     return CacheConfig(
-        block_size=16,
-        num_device_blocks=max(int(2 * max_num_seqs * per_job), 2 * max_model_len // 16),
+        block_size=block_size,
+        num_device_blocks=max(int(2 * max_num_seqs * per_job), 2 * max_model_len // block_size),
         num_host_blocks=8 * max_num_seqs * int(per_job + 1),
     )
 
@@ -82,12 +82,13 @@ def replay(
         policy_options=policy_options(policy, {}, cost),
     )
     engine = build_engine(config, clock=clock)
-    timed = time_runner(engine.loop.runner, clock, timer, repeats=step_repeats)
-    engine.loop.runner = timed
+    engine.loop.runner = time_runner(engine.loop.runner, clock, timer, record, step_repeats)
     vocab = engine.model_config.vocab_size
     warm = build_requests(trace[:4], vocab_size=vocab, seed=seed + 1)
+    kept = len(record) if record is not None else 0
     drive(engine.loop, clock, [_renamed(r, f"warm{i}") for i, r in enumerate(warm)])
-    timed.record = record  # type: ignore[attr-defined]
+    if record is not None:
+        del record[kept:]  # the warm-up's steps are not the trace's
     start = clock.now()
     requests = build_requests(trace, vocab_size=vocab, seed=seed)
     for r in requests:

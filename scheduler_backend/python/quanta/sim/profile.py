@@ -82,6 +82,7 @@ def profile_engine(
         device=device,
         step_repeats=step_repeats,
         scale=calibration_scale,
+        block_size=block_size,
     )
     echo(report(model, loop, block_size).line("sweep fit on a serving replay"))
     model = refit(model, sweep, loop, block_size)
