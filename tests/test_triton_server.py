@@ -533,7 +533,9 @@ def test_bad_parameter_stops_model_load_with_its_name(tmp_path, model_dir, serve
         bad.stop()
 
 
-def test_serve_stops_cleanly_on_ctrl_c(tmp_path, model_dir, server):
+@pytest.mark.parametrize("inherited", ["default", "sigint-ignored"])
+def test_serve_stops_cleanly_on_ctrl_c(tmp_path, model_dir, server, inherited):
+    """Also when started with SIGINT ignored, as a background job of a script is."""
     import signal
     import socket
 
@@ -543,7 +545,14 @@ def test_serve_stops_cleanly_on_ctrl_c(tmp_path, model_dir, server):
     cmd = [sys.executable, "-m", "quanta.cli", "serve", "--model-repository", str(repo)]
     cmd += ["--http-port", str(http_port), "--grpc-port", str(free_port())]
     cmd += ["--metrics-port", str(free_port()), "--log-file", str(tmp_path / "triton.log")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ignore = inherited == "sigint-ignored"
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore else None,
+    )
     try:
         lines = []
         for line in proc.stdout:

@@ -85,7 +85,10 @@ def serve(
             ),
             log_file=log_file,
         )
-        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server cleanly too
+        # `kill` stops the server cleanly too, and Ctrl-C / `kill -INT` works even when the
+        # process was started with SIGINT ignored (a background job of a script).
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGINT, _interrupt)
         gateway = None
         try:
             server.start()
