@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,6 +252,11 @@ BAD = {
     "bad priority class": ({"extra_body": {"priority_class": "vip"}}, "priority_class", "online"),
     "too long for the model": ({"max_tokens": 600}, None, "exceeds the model's maximum length"),
     "too big for the KV pool": ({"max_tokens": 400}, None, "KV blocks"),
+    # Integers are range-checked before Triton's INT32/UINT64 tensors could wrap them.
+    "max_tokens past 32 bits": ({"max_tokens": 2**32 + 5}, "max_tokens", "2147483647"),
+    "max_tokens 2^70": ({"max_tokens": 2**70}, "max_tokens", "2147483647"),
+    "top_k past 32 bits": ({"extra_body": {"top_k": 2**32}}, "top_k", "2147483647"),
+    "negative seed": ({"seed": -1}, "seed", "greater than or equal to 0"),
 }
 
 
@@ -266,6 +272,37 @@ def test_invalid_request_is_400_in_openai_format(client, case):
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert message in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("completions", '{"model": "quanta", "prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+        (
+            "completions",
+            '{"model": "quanta", "prompt": "hi", "stop": ["\\udc00"], "max_tokens": 2}',
+            "stop",
+        ),
+        (
+            "chat/completions",
+            '{"model": "quanta", "messages": [{"role": "user", "content": "\\ud800x"}]}',
+            "messages",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_the_field(live, path, body, param):
+    """JSON may escape half of a UTF-16 pair; that text cannot be encoded for the model."""
+    req = urllib.request.Request(
+        f"{live.openai_url}/{path}",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    assert info.value.code == 400
+    error = json.loads(info.value.read())["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert "lone surrogate" in error["message"]
 
 
 def test_neutral_penalties_are_accepted(client, llm):

@@ -13,9 +13,16 @@ gateway's messages are the backend's.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.frontends.openai.errors import OpenAIError, invalid
@@ -24,41 +31,70 @@ from quanta.frontends.triton.tensors import validation_message
 # Triton finish reasons -> OpenAI's; anything else ("abort", "error") arrives as an error.
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
+# Integers travel to Triton as INT32 (counts) and UINT64 (seed) tensors: a larger value would
+# wrap or overflow there, so it is refused here, naming the field, before any narrowing.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
 
-class StreamOptions(BaseModel):
+
+class _Checked(BaseModel):
+    """Unknown fields forbidden, and every string encodable as UTF-8: a lone surrogate
+    (``"\\ud800"`` in the JSON) is a 400 naming the field, not a failure further down."""
+
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _utf8(cls, value: Any) -> Any:
+        _check_utf8(value)
+        return value
+
+
+def _check_utf8(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_utf8(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_utf8(key)
+            _check_utf8(item)
+
+
+class StreamOptions(_Checked):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Checked):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
-
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension; its bench client sends 1.0
     logit_bias: dict[str, float] | None = None
     # Quanta extensions
-    top_k: int | None = None
+    top_k: Int32 | None = None
     ignore_eos: bool = False
     tenant: str | None = None
     app: str | None = None
     interaction_id: str | None = None
-    interaction_stage: int | None = None
+    interaction_stage: Int32 | None = None
     interaction_last: bool | None = None
-    system_tokens: int | None = None
+    system_tokens: Int32 | None = None
     priority_class: str | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
@@ -124,7 +160,7 @@ _METADATA_FIELDS = tuple(name for name in RequestMetadata.model_fields if name !
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``; ``prompt`` is one text or one list of token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -153,16 +189,12 @@ class CompletionRequest(_GenerationRequest):
         return prompt  # type: ignore[return-value]
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ContentPart(_Checked):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(_Checked):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -179,7 +211,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
