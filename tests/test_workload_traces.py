@@ -301,3 +301,25 @@ def test_the_policies_bench_trace_is_sharegpt_scaled():
     small = bench_trace(20, 2048, 3, 0.25)
     assert [r.prompt_tokens for r in small] == [max(1, round(r.prompt_tokens / 4)) for r in base]
     assert [r.output_tokens for r in small] == [max(1, round(r.output_tokens / 4)) for r in base]
+
+
+def test_a_missing_workload_file_is_one_clear_error_everywhere(tmp_path):
+    """The loader says it (every consumer shows the message); Locust stops at start-up with
+    it, not with a traceback."""
+    import subprocess
+    import sys
+
+    from quanta.workloads import WorkloadError, load_workload
+
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(WorkloadError, match="no such workload file"):
+        load_workload(missing)
+    root = Path(__file__).resolve().parents[1]
+    locust = Path(sys.executable).parent / "locust"
+    cmd = [str(locust), "-f", str(root / "loadtests" / "locustfile.py"), "--headless"]
+    cmd += ["-u", "1", "-r", "1", "--run-time", "2s", "-H", "http://127.0.0.1:9"]
+    proc = subprocess.run(
+        [*cmd, "--workload", str(missing)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "no such workload file" in proc.stderr and "Traceback" not in proc.stderr

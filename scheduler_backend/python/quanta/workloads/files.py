@@ -67,6 +67,8 @@ def load_workload(
     if limit is not None and limit < 0:
         raise WorkloadError(f"limit must be >= 0, got {limit}")
     path = Path(path)
+    if not path.is_file():  # every consumer (CLI, Locust, bench) reports it in one line
+        raise WorkloadError(f"{path}: no such workload file")
     if path.suffix.lower() == ".csv":
         rows = read_csv_trace(path)
     else:
