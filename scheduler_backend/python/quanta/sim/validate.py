@@ -100,7 +100,8 @@ def validate(
             simulated = request_metrics(simulate(trace, setup).requests)
             errors = {k: error(simulated[k], measured[k]) for k in FIGURES}
             fit = report(bench.cost, steps, cache.block_size)
-            scaled = replace(setup, profile=rescale(bench.cost, 1 / (1 + fit.total_error)))
+            speed = 1 / (1 + fit.total_error) if math.isfinite(fit.total_error) else 1.0
+            scaled = replace(setup, profile=rescale(bench.cost, speed))
             rescaled = request_metrics(simulate(trace, scaled).requests)
             rows.append(
                 {
