@@ -258,6 +258,13 @@ BAD_HTTP = {
     # generate endpoint answers that with 500, whatever the backend would say.
     "malformed dtype": (MODEL, {"text_input": "hi", "max_tokens": "many"}, 500, "Unable to parse"),
     "token id out of range": (MODEL, {"input_ids": [1, 99999]}, 400, "input_ids"),
+    # Triton turns a field that names no input into a request parameter: refused, not dropped.
+    "unknown field": (
+        MODEL,
+        {"text_input": "hi", "max_token": 5},
+        400,
+        "unknown input 'max_token' (did you mean 'max_tokens'?)",
+    ),
     "unknown model": ("no-such-model", {"text_input": "hi"}, 404, "no-such-model"),
 }
 

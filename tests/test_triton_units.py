@@ -318,3 +318,14 @@ def test_template_documents_every_parameter_and_parses(tmp_path):
     active = {key: value for commented, key, value in found if not commented}
     engine, _ = parse_parameters({**active, "model_dir": "engines/x"}, cwd=tmp_path)
     assert engine.cache.num_device_blocks == 1024
+
+
+def test_unknown_request_parameters_are_refused_with_a_hint():
+    """Triton's HTTP generate passes fields that name no input as request parameters."""
+    get = _getter(text_input=np.array([b"hi"], dtype=np.object_))
+    with pytest.raises(InvalidRequestError, match=r"'max_token' \(did you mean 'max_tokens'\?\)"):
+        parse_request(get, '{"max_token": 5}')
+    with pytest.raises(InvalidRequestError, match="unknown input 'zzz'; this model's inputs"):
+        parse_request(get, '{"zzz": 1}')
+    assert parse_request(get, "{}").prompt == "hi"  # no parameters, or Triton's own
+    assert parse_request(get, '{"triton_enable_empty_final_response": true}').prompt == "hi"

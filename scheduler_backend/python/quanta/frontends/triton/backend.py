@@ -148,7 +148,7 @@ class TritonPythonModel:
         rid = f"{self._name}-{next(self._ids)}"
         inflight = InflightRequest(rid, request.get_response_sender(), stream=False)
         try:
-            parsed = parse_request(lambda name: self._input(request, name))
+            parsed = parse_request(lambda name: self._input(request, name), request.parameters())
         except QuantaError as exc:
             self._responder.reject(inflight, exc)
             return

@@ -11,6 +11,8 @@ is testable without a server.
 
 from __future__ import annotations
 
+import difflib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,8 +91,14 @@ class ParsedRequest:
     stream: bool
 
 
-def parse_request(get: Getter) -> ParsedRequest:
-    """Read and validate every input; raises ``InvalidRequestError`` naming the bad input."""
+def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
+    """Read and validate every input; raises ``InvalidRequestError`` naming the bad input.
+
+    ``parameters`` is the request's parameters as Triton hands them over (a JSON object):
+    Triton's HTTP generate endpoint turns every field that names no input into one, so a
+    misspelt ``max_token`` arrives there and is refused, as gRPC refuses an unknown input.
+    """
+    _refuse_unknown_fields(parameters)
     types = {name: dtype for name, dtype, _ in INPUTS}
     values: dict[str, Any] = {}
     for name, dtype, dims in INPUTS:
@@ -122,6 +130,30 @@ def parse_request(get: Getter) -> ParsedRequest:
         params=_validated(SamplingParams, sampling),
         metadata=_validated(RequestMetadata, metadata),
         stream=bool(values.get("stream", False)),
+    )
+
+
+def _refuse_unknown_fields(parameters: str | None) -> None:
+    """Custom request parameters mean nothing to this model; Triton's own (``triton_*``)
+    are left to Triton."""
+    if not parameters:
+        return
+    try:
+        given = json.loads(parameters)
+    except ValueError:
+        return  # not ours to judge: Triton built it
+    unknown = sorted(k for k in given if not str(k).startswith("triton_"))
+    if not unknown:
+        return
+    names = [name for name, _, _ in INPUTS]
+    hints = [
+        f"'{key}' (did you mean '{close[0]}'?)"
+        if (close := difflib.get_close_matches(key, names, n=1))
+        else f"'{key}'"
+        for key in unknown
+    ]
+    raise InvalidRequestError(
+        f"unknown input {', '.join(hints)}; this model's inputs are {', '.join(names)}"
     )
 
 
