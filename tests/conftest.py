@@ -12,7 +12,7 @@ from quanta.core.blocks import BlockManager
 from quanta.core.clock import VirtualClock
 from quanta.core.config import SchedulerConfig
 from quanta.core.loop import EngineLoop
-from quanta.core.request import Request, SamplingParams
+from quanta.core.request import Request, RequestStatus, SamplingParams
 from quanta.policies import make_policy
 
 
@@ -73,3 +73,21 @@ def make_requests(
         )
         for i in range(n)
     ]
+
+
+def make_resident(bm: BlockManager, req: Request) -> Request:
+    """``req`` as if its prompt had run: KV for the whole prompt on the device, the token its
+    last step sampled appended (one to decode next), RUNNING."""
+    tokens = len(req.prompt_token_ids)
+    req.num_computed_tokens = tokens
+    req.append_token(1, 0.0)
+    req.set_status(RequestStatus.RUNNING)
+    assert bm.allocate_slots(req.request_id, tokens) is not None
+    return req
+
+
+def move_to_host(bm: BlockManager, req: Request) -> Request:
+    """A resident ``req`` swapped out: its blocks on the host, SWAPPED."""
+    assert bm.swap_out(req.request_id) is not None
+    req.set_status(RequestStatus.SWAPPED)
+    return req

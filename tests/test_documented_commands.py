@@ -142,6 +142,13 @@ def run(text: str, cwd: Path, timeout: float = 600, **ports: int) -> str:
     return proc.stdout
 
 
+def run_python(source: str, cwd: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", source], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"{source}\n--- stderr\n{proc.stderr}"
+
+
 def written(text: str) -> list[str]:
     """Files and folders a command says it writes (--output, --plot, --out, --csv prefix)."""
     return re.findall(r"--(?:output|plot|out|plot-dir)\s+(\S+)", text)
@@ -151,14 +158,7 @@ def written(text: str) -> list[str]:
 @pytest.mark.parametrize("cmd", of_kind("offline"))
 def test_offline_command(cmd: DocCommand, workdir: Path):
     if cmd.python:
-        proc = subprocess.run(
-            [sys.executable, "-c", cmd.text],
-            cwd=workdir,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr
+        run_python(cmd.text, workdir)
         return
     text = shrink(cmd.text)
     for prefix, extra in FASTER.items():
@@ -279,14 +279,7 @@ def test_gateway_command_serves_next_to_a_running_triton(cmd: DocCommand, workdi
 @pytest.mark.parametrize("cmd", of_kind("client"))
 def test_client_command_against_the_server(cmd: DocCommand, workdir: Path, server):
     if cmd.python:
-        proc = subprocess.run(
-            [sys.executable, "-c", shrink(cmd.text, server)],
-            cwd=workdir,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr
+        run_python(shrink(cmd.text, server), workdir)
         return
     text = shrink(cmd.text, server)
     out = run(text, workdir, timeout=300)

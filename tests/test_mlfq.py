@@ -7,7 +7,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from conftest import make_requests
+from conftest import make_requests, make_resident, move_to_host
 from fakes import HashRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +19,7 @@ from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.loop import EngineLoop
 from quanta.core.output import RunnerOutput
 from quanta.core.plan import PoolView
-from quanta.core.request import Request, RequestStatus, SamplingParams
+from quanta.core.request import Request, SamplingParams
 from quanta.core.view import SchedulerView
 from quanta.costmodel import PRESETS, CostModel
 from quanta.policies import make_policy
@@ -235,19 +235,11 @@ def test_enst_formula():
 
 
 def resident(bm: BlockManager, rid: str, tokens: int, out: int = 8) -> Request:
-    req = request(rid, tokens, out)
-    req.num_computed_tokens = tokens
-    req.append_token(1, 0.0)  # the token its last step sampled: one to decode next
-    req.set_status(RequestStatus.RUNNING)
-    assert bm.allocate_slots(rid, tokens) is not None
-    return req
+    return make_resident(bm, request(rid, tokens, out))
 
 
 def on_host(bm: BlockManager, rid: str, tokens: int) -> Request:
-    req = resident(bm, rid, tokens)
-    assert bm.swap_out(rid) is not None
-    req.set_status(RequestStatus.SWAPPED)
-    return req
+    return move_to_host(bm, resident(bm, rid, tokens))
 
 
 def make_sj(seqs: int = 1, **opts: object):

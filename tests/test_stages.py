@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_requests
+from conftest import make_requests, make_resident, move_to_host
 from fakes import HashRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,19 +39,11 @@ def request(rid: str, prompt: int, out: int = 8, t: float = 0.0) -> Request:
 
 
 def resident(bm: BlockManager, rid: str, tokens: int, t: float = 0.0) -> Request:
-    req = request(rid, tokens, t=t)
-    req.num_computed_tokens = tokens
-    req.append_token(1, 0.0)
-    req.set_status(RequestStatus.RUNNING)
-    assert bm.allocate_slots(rid, tokens) is not None
-    return req
+    return make_resident(bm, request(rid, tokens, t=t))
 
 
 def swapped(bm: BlockManager, rid: str, tokens: int) -> Request:
-    req = resident(bm, rid, tokens)
-    assert bm.swap_out(rid) is not None
-    req.set_status(RequestStatus.SWAPPED)
-    return req
+    return move_to_host(bm, resident(bm, rid, tokens))
 
 
 def view_of(bm: BlockManager, *reqs: Request, now: float = 0.0) -> SchedulerView:
