@@ -73,7 +73,7 @@ def make_checkpoint(
     try:
         tmp.chmod(0o755)
         _write_checkpoint(spec, tmp, seed=seed, dtype=dtype)
-        _move_into_place(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -260,7 +260,7 @@ def _check_provenance(out_dir: Path, expected: dict[str, object]) -> None:
         )
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
+def move_into_place(tmp: Path, out_dir: Path) -> None:
     """Rename tmp to out_dir; an existing out_dir is moved aside first and removed after."""
     old: Path | None = None
     if out_dir.exists():

@@ -58,6 +58,8 @@ class EngineConfig(BaseModel):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     dtype: str | None = None
     device: str = "cpu"
+    # Longest prompt + output a request may have; None: the model's own context length.
+    max_seq_len: int | None = Field(None, ge=1)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
@@ -65,4 +67,7 @@ class EngineConfig(BaseModel):
     def _known_dtype(self) -> EngineConfig:
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         return self

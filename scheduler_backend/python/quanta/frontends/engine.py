@@ -7,12 +7,15 @@ code with the same defaults.
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from quanta.build.manifest import EngineManifestError, apply_manifest, check_files, read_manifest
+from quanta.build.shape import model_shape
 from quanta.core.blocks import BlockManager
 from quanta.core.clock import Clock, WallClock
 from quanta.core.config import EngineConfig
@@ -37,6 +40,24 @@ class Engine:
     loop: EngineLoop
     clock: Clock
     _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def describe(self) -> dict[str, str]:
+        """What this engine runs with, after an engine manifest's defaults: for the start-up
+        log and the ``quanta_engine_info`` metric's labels."""
+        c = self.config
+        return {
+            "model_dir": c.model,
+            "policy": c.policy,
+            "policy_options": json.dumps(c.policy_options, sort_keys=True),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "device": str(self.runner.device),
+            "max_num_seqs": str(c.scheduler.max_num_seqs),
+            "max_num_batched_tokens": str(c.scheduler.max_num_batched_tokens),
+            "max_seq_len": str(self.loop.max_model_len),
+            "block_size": str(self.runner.block_size),
+            "device_blocks": str(self.runner.num_device_blocks),
+            "host_blocks": str(self.runner.num_host_blocks),
+        }
 
     def make_request(
         self,
@@ -68,25 +89,41 @@ class Engine:
         )
 
 
+def engine_config_for(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """``config`` as it will run: an engine directory's manifest supplies the defaults and
+    refuses what it was not built for; ``max_seq_len`` may only shorten the context."""
+    model_dir = Path(config.model)
+    manifest = read_manifest(model_dir)
+    if manifest is not None:
+        check_files(manifest, model_dir, model_shape(model_config, model_dir))
+        config = apply_manifest(config, manifest)
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineManifestError(f"device {config.device} asked for, but CUDA is not available")
+    if config.max_seq_len is not None and config.max_seq_len > model_config.max_model_len:
+        raise ValueError(
+            f"max_seq_len {config.max_seq_len} exceeds the model's context length "
+            f"{model_config.max_model_len}"
+        )
+    return config
+
+
 def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     """Load the model, size both KV tiers and wire the loop."""
     model_dir = Path(config.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
     model_config = load_model_config(model_dir)
+    config = engine_config_for(config, model_config)
     cache = config.cache
     dtype = resolve_dtype(config.dtype, torch.device(config.device))
     per_block = ModelRunner.kv_bytes_per_block(model_config, cache.block_size, dtype)
     num_device, num_host = cache.resolve(per_block)
     sched = config.scheduler
-    if (
-        not sched.enable_chunked_prefill
-        and sched.max_num_batched_tokens < model_config.max_model_len
-    ):
+    max_model_len = config.max_seq_len or model_config.max_model_len
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         raise ValueError(
             "without chunked prefill max_num_batched_tokens "
-            f"({sched.max_num_batched_tokens}) must cover max_model_len "
-            f"({model_config.max_model_len})"
+            f"({sched.max_num_batched_tokens}) must cover max_seq_len ({max_model_len})"
         )
     runner = ModelRunner(
         model_dir,
@@ -103,7 +140,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         policy=make_policy(config.policy, sched, **config.policy_options),
         blocks=BlockManager(cache.block_size, num_device, num_host),
         clock=clock,
-        max_model_len=model_config.max_model_len,
+        max_model_len=max_model_len,
         decode=tokenizer.decode,
     )
     return Engine(config, model_config, tokenizer, runner, loop, clock)

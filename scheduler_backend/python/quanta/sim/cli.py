@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
+from quanta.cli_options import PolicyOpt, parse_options
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
 
 CalibrationOpt = Annotated[
@@ -29,24 +30,6 @@ StepRepeatsOpt = Annotated[
         "keeps a shared machine's interference out of the measurement",
     ),
 ]
-PolicyOpt = Annotated[
-    list[str] | None,
-    typer.Option("--policy-option", help="KEY=VALUE passed to the policy (JSON values)"),
-]
-
-
-def parse_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``["starve_limit=2", "memory=reactive"]`` -> ``{"starve_limit": 2, ...}``."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
 
 
 def simulate_cmd(

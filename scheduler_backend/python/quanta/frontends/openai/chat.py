@@ -75,6 +75,11 @@ class ChatTemplate:
         """A jinja2 template from a file (``--chat-template``)."""
         return cls(Path(path).read_text(encoding="utf-8"))
 
+    @property
+    def has_own_template(self) -> bool:
+        """False when this is the plain default (the checkpoint ships no template)."""
+        return self._template is not None
+
     def render(self, messages: Sequence[ChatMessage]) -> str:
         if self._template is None:
             lines = [f"{m.role}: {m.text()}\n" for m in messages]

@@ -117,6 +117,7 @@ class TritonPythonModel:
             stats=self._loop.stats,
             interval=settings.metrics_interval_ms / 1000,
             max_tenant_labels=settings.max_tenant_labels,
+            info=self._engine.describe(),
         )
         self._responder = Responder(
             TritonResponses(pb_utils),
@@ -127,9 +128,8 @@ class TritonPythonModel:
         self._loop.start()
         self._responder.start()
         self._metrics.start()
-        log.info(
-            "%s: serving %s with policy %s", self._name, engine_config.model, engine_config.policy
-        )
+        described = " ".join(f"{k}={v}" for k, v in self._engine.describe().items())
+        pb_utils.Logger.log_info(f"{self._name}: serving {described}")
 
     def execute(self, requests: list[Any]) -> None:
         """Submit each request and return at once; responses are sent by the responder."""

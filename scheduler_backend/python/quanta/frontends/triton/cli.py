@@ -13,13 +13,23 @@ from typing import Annotated, Any
 
 import typer
 
+from quanta.cli_options import PolicyOpt, parse_options
+
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add ``serve`` to the main app (``bench_app`` is unused: no Triton benchmark yet)."""
+    """Add ``serve`` and ``check-config`` to the main app."""
     app.command("serve")(serve)
+    app.command("check-config")(check_config)
 
 
 def serve(
+    model: Annotated[
+        Path | None,
+        typer.Argument(
+            help="engine (quanta build) or HF checkpoint directory to serve; without it, the "
+            "model repository"
+        ),
+    ] = None,
     model_repository: Annotated[
         Path | None,
         typer.Option(
@@ -54,24 +64,95 @@ def serve(
         typer.Option(help="once ready, stream one request with this prompt, then shut down"),
     ] = None,
     model_name: Annotated[
-        str, typer.Option(help="model the --demo request and the OpenAI gateway use")
-    ] = "quanta",
+        str | None,
+        typer.Option(
+            help="which model of the repository the --demo request and the OpenAI gateway use "
+            "(default: the served model name)"
+        ),
+    ] = None,
     openai_port: Annotated[
         int | None,
         typer.Option(help="also serve the OpenAI-compatible API on this port (0: any free port)"),
     ] = None,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(
+            help="Triton model name of MODEL or of the default model (default: quanta; "
+            "ensemble for TensorRT-LLM clients)"
+        ),
+    ] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="scheduling policy, e.g. fcfs, sj-mlfq, fair+sj-mlfq")
+    ] = None,
+    policy_option: PolicyOpt = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(min=1, help="sequences per step")] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(min=1, help="tokens per step")
+    ] = None,
+    max_seq_len: Annotated[
+        int | None, typer.Option(min=1, help="longest prompt + output of a request")
+    ] = None,
+    block_size: Annotated[int | None, typer.Option(min=1, help="tokens per KV block")] = None,
+    kv_cache_memory: Annotated[
+        str | None, typer.Option(help="device KV tier, e.g. 4GiB (default: the engine's)")
+    ] = None,
+    host_cache_memory: Annotated[
+        str | None, typer.Option(help="host tier for swapped KV, e.g. 8GiB")
+    ] = None,
 ) -> None:
-    """Serve the model repository through tritonserver (HTTP, gRPC, metrics) until Ctrl-C."""
+    """Serve MODEL, or the model repository, through tritonserver (HTTP, gRPC, metrics)."""
+    from quanta.frontends.triton.check import check_path
     from quanta.frontends.triton.launcher import LaunchError, ServerOptions, TritonServer
-    from quanta.frontends.triton.repository import write_model_repository
+    from quanta.frontends.triton.model_entry import EntryError, served_parameters, write_entry
+    from quanta.frontends.triton.repository import DEFAULT_MODEL_NAME, write_model_repository
 
+    try:
+        flags = served_parameters(
+            policy=policy,
+            policy_options=parse_options(policy_option) if policy_option else None,
+            dtype=dtype,
+            device=device,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            host_cache_memory=host_cache_memory,
+        )
+    except EntryError as exc:
+        raise typer.BadParameter(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="quanta-models-") as tmp:
         repo = model_repository
-        if repo is None:
-            repo = Path("triton_models")
-            if not repo.is_dir():
-                repo = write_model_repository(Path(tmp))
-                typer.echo(f"no ./triton_models: serving the default tiny model from {repo}")
+        served = served_model_name or DEFAULT_MODEL_NAME
+        if model is not None:
+            if model_repository is not None:
+                raise typer.BadParameter("give MODEL or --model-repository, not both")
+            try:
+                repo = write_entry(Path(tmp), served, model, flags)
+            except EntryError as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(1) from None
+            typer.echo(f"serving {model} as model {served!r}")
+        elif repo is None and not Path("triton_models").is_dir():
+            repo = write_model_repository(Path(tmp), model_name=served, overrides=flags)
+            typer.echo(f"no ./triton_models: serving the default tiny model from {repo}")
+        else:
+            repo = repo or Path("triton_models")
+            if flags or served_model_name:
+                given = ", ".join(f"--{k.replace('_', '-')}" for k in flags)
+                raise typer.BadParameter(
+                    f"{given or '--served-model-name'} set the model served from MODEL or the "
+                    f"default model; the models of {repo} take theirs from config.pbtxt"
+                )
+        problems = check_path(repo, cwd=Path.cwd())
+        for problem in problems:
+            typer.echo(str(problem), err=True)
+        if any(p.severity == "error" for p in problems):
+            typer.echo(f"error: {repo} would not load; nothing started", err=True)
+            raise typer.Exit(1)
+        model_name = model_name or served
         server = TritonServer(
             ServerOptions(
                 model_repository=repo,
@@ -115,6 +196,34 @@ def serve(
             if gateway is not None:
                 gateway.stop()
             server.stop()
+
+
+def check_config(
+    path: Annotated[
+        Path, typer.Argument(help="model repository, model folder, or config.pbtxt file")
+    ],
+    cwd: Annotated[
+        Path | None,
+        typer.Option(
+            help="the server's working directory, which relative model_dir resolve "
+            "against (default: here)"
+        ),
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option(help="also check engine weight files against their sha256")
+    ] = False,
+) -> None:
+    """Check every config.pbtxt parameter the quanta backend reads, before Triton loads it."""
+    from quanta.frontends.triton.check import check_path
+
+    problems = check_path(path, cwd=cwd, verify=verify)
+    for problem in problems:
+        typer.echo(str(problem))
+    errors = sum(p.severity == "error" for p in problems)
+    if errors:
+        typer.echo(f"{errors} error(s)")
+        raise typer.Exit(1)
+    typer.echo(f"{path}: OK" + (f" ({len(problems)} warning(s))" if problems else ""))
 
 
 def _start_gateway(server: Any, repo: Path, host: str, port: int, model_name: str) -> Any:

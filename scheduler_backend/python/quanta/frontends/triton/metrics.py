@@ -43,6 +43,11 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         "Time from arrival to the end of each finished request.",
         E2E_BUCKETS,
     ),
+    "quanta_engine_info": (
+        "GAUGE",
+        "Always 1; the labels say what the engine runs with (policy, dtype, limits, cache).",
+        None,
+    ),
     "quanta_num_requests_waiting": ("GAUGE", "Requests waiting to be scheduled.", None),
     "quanta_num_requests_running": ("GAUGE", "Requests with KV in the device tier.", None),
     "quanta_num_requests_swapped": ("GAUGE", "Requests with KV in the host tier.", None),
@@ -128,8 +133,10 @@ class MetricsReporter:
         stats: Callable[[], LoopStats],
         interval: float = 0.5,
         max_tenant_labels: int = 32,
+        info: dict[str, str] | None = None,
     ) -> None:
         self._labels = labels
+        self._info = tuple(sorted((info or {}).items()))
         self._tenant = TenantLabels(max_tenant_labels)
         self._stats = stats
         self._interval = interval
@@ -147,6 +154,7 @@ class MetricsReporter:
         self._thread = threading.Thread(target=self._run, name="quanta-metrics", daemon=True)
 
     def start(self) -> None:
+        self._metric("quanta_engine_info", self._info).set(1.0)
         self.flush()
         self._thread.start()
 

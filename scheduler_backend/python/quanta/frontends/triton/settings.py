@@ -47,6 +47,7 @@ class _Parameters(BaseModel):
     policy_options: Json[dict[str, Any]] = Field(default_factory=dict)
     dtype: str | None = None
     device: str = "cpu"
+    max_seq_len: int | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
     device_bytes: int | None = None
@@ -63,6 +64,10 @@ class _Parameters(BaseModel):
 
 
 _CACHE_KEYS = ("block_size", "num_device_blocks", "device_bytes", "num_host_blocks", "host_bytes")
+_ONE_OF = {
+    "device": ("num_device_blocks", "device_bytes", "device_memory_fraction"),
+    "host": ("num_host_blocks", "host_bytes"),
+}
 _SCHED_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
 
 
@@ -81,12 +86,14 @@ def parse_parameters(
     except ValidationError as exc:
         raise _parameter_error(exc) from None
     cache = {k: getattr(p, k) for k in _CACHE_KEYS if getattr(p, k) is not None}
-    if p.device_memory_fraction is not None:
-        if "device_bytes" in cache or "num_device_blocks" in cache:
+    for tier, keys in _ONE_OF.items():
+        given = [k for k in keys if getattr(p, k) is not None]
+        if len(given) > 1:
             raise ConfigParameterError(
-                "config.pbtxt parameter 'device_memory_fraction': give it or "
-                "device_bytes/num_device_blocks, not both"
+                f"config.pbtxt parameters {' and '.join(repr(k) for k in given)}: the {tier} "
+                f"tier is sized by one of {', '.join(keys)}, not several"
             )
+    if p.device_memory_fraction is not None:
         cache["device_bytes"] = int(p.device_memory_fraction * device_memory_bytes(p.device))
     sched = {k: getattr(p, k) for k in _SCHED_KEYS if getattr(p, k) is not None}
     model_dir = Path(p.model_dir)
@@ -99,6 +106,7 @@ def parse_parameters(
             policy_options=p.policy_options,
             dtype=p.dtype,
             device=p.device,
+            max_seq_len=p.max_seq_len,
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**sched),
         )

@@ -1,0 +1,112 @@
+"""``quanta build``: checkpoint -> engine directory (Typer).
+
+Registered into the main app by ``quanta.cli``; torch and the builders are imported inside the
+command so ``quanta --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from quanta.core.sizes import format_size, parse_size
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    app.command("build")(build)
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+SizeOpt = Annotated[str, typer.Option(help="bytes, or with a unit: 4GiB, 512MiB, 2GB")]
+
+
+def build(
+    checkpoint: Annotated[Path, typer.Argument(help="HF checkpoint directory (OPT or LLaMA)")],
+    out: Annotated[Path, typer.Option("--out", help="engine directory to write")],
+    name: Annotated[str | None, typer.Option(help="engine name (default: --out's name)")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32, bfloat16 or float16 (default: float32 on CPU, float16 CUDA)"),
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    max_batch_size: Annotated[
+        int, typer.Option(min=1, help="most sequences per step (the server's max_num_seqs)")
+    ] = 128,
+    max_num_tokens: Annotated[
+        int, typer.Option(min=1, help="most tokens per step (max_num_batched_tokens)")
+    ] = 2048,
+    max_seq_len: Annotated[
+        int | None,
+        typer.Option(min=1, help="longest prompt + output (default: the model's context)"),
+    ] = None,
+    block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = 16,
+    kv_cache_memory: SizeOpt = "1GiB",
+    host_cache_memory: Annotated[
+        str, typer.Option(help="host tier for swapped KV (0: none); e.g. 2GiB")
+    ] = "2GiB",
+    max_shard_size: Annotated[str, typer.Option(help="largest weight file written")] = "2GiB",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing engine")] = False,
+) -> None:
+    """Validate a checkpoint and convert it into an engine directory with a manifest."""
+    from pydantic import ValidationError
+    from rich.progress import MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from build_scripts import BuildError
+    from quanta.build.engine_build import BuildOptions, build_engine_dir
+
+    try:
+        options = BuildOptions(
+            name=name,
+            dtype=dtype,  # type: ignore[arg-type]
+            device=device,  # type: ignore[arg-type]
+            max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+            kv_cache_memory=_size(kv_cache_memory),
+            host_cache_memory=_size(host_cache_memory),
+            max_shard_size=_size(max_shard_size),
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        raise typer.BadParameter(err["msg"], param_hint=flag) from None
+    columns = (*Progress.get_default_columns()[:-1], MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as bars:
+
+        def progress(description: str, total: int) -> Callable[[int], None]:
+            task = bars.add_task(description, total=total)
+            return lambda amount: bars.advance(task, amount)
+
+        try:
+            manifest = build_engine_dir(
+                checkpoint, out, options, overwrite=overwrite, progress=progress
+            )
+        except (BuildError, FileExistsError) as exc:
+            bars.stop()
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+    m, lim, cache = manifest.model, manifest.limits, manifest.cache
+    typer.echo(
+        f"built {manifest.name} ({m.architecture}, {manifest.num_parameters / 1e6:.1f}M "
+        f"parameters, {manifest.dtype}, {manifest.device}) in {out}"
+    )
+    typer.echo(
+        f"limits: max_batch_size {lim.max_batch_size}, max_num_tokens {lim.max_num_tokens}, "
+        f"max_seq_len {lim.max_seq_len}"
+    )
+    typer.echo(
+        f"KV cache: {cache.num_device_blocks} blocks of {cache.block_size} tokens "
+        f"({format_size(cache.kv_cache_memory)}, {cache.max_cached_tokens} tokens); "
+        f"host tier {cache.num_host_blocks} blocks ({format_size(cache.host_cache_memory)})"
+    )
+    typer.echo(f"serve it: quanta serve {out}")

@@ -1,0 +1,408 @@
+"""``quanta build``: turn an HF checkpoint into an engine directory with a manifest.
+
+Why a build step at all: the checkpoint is validated once, against the runner's own model
+(names, shapes, tokenizer, chat template), before any server depends on it; the weights are
+stored in the dtype they are served in, so a load is a plain read with no cast and no second
+copy; and the limits and cache sizing the engine was sized for travel with it
+(``quanta_engine.json``), so a server cannot silently run it beyond them.
+
+Peak memory of a build is one output shard plus one tensor: tensors are read one at a time and
+shards are written as they fill. The directory appears atomically (built beside ``out``, then
+renamed), so an interrupted build never leaves a half engine behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from build_scripts import BuildError, FamilyBuilder, builder_for
+from quanta.build.checkpoint import PRESET_FILE, move_into_place
+from quanta.build.manifest import (
+    MANIFEST_FILE,
+    CacheSizing,
+    Capabilities,
+    DeviceKind,
+    Dtype,
+    EngineManifest,
+    Limits,
+    Source,
+    WeightFile,
+)
+from quanta.build.shape import model_shape
+from quanta.core.output import RunnerCapabilities
+from quanta.runner.model_runner import ModelRunner, resolve_dtype
+from quanta.runner.models import build_model_skeleton
+from quanta.runner.models.config import ModelConfig, load_model_config
+from quanta.runner.models.loader import checkpoint_files
+
+GiB = 1 << 30
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+_NOT_COPIED = {"config.json", MANIFEST_FILE, PRESET_FILE, "model.safetensors.index.json"}
+_HASH_CHUNK = 1 << 22
+
+Progress = Callable[[str, int], Callable[[int], None]]
+"""``progress(description, total)`` starts a task and returns ``advance(amount)``."""
+
+
+class BuildOptions(BaseModel):
+    """What ``quanta build`` takes; names follow ``trtllm-build`` where they mean the same."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str | None = None  # default: the output directory's name
+    dtype: Dtype | None = None  # default: the runner's default for the device
+    device: DeviceKind = "cpu"
+    max_batch_size: int = Field(128, ge=1)
+    max_num_tokens: int = Field(2048, ge=1)
+    max_seq_len: int | None = Field(None, ge=1)  # default: the model's context length
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory: int = Field(1 * GiB, ge=1)
+    host_cache_memory: int = Field(2 * GiB, ge=0)
+    max_shard_size: int = Field(2 * GiB, ge=1)
+
+
+def build_engine_dir(
+    checkpoint: Path,
+    out: Path,
+    options: BuildOptions | None = None,
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> EngineManifest:
+    """Validate ``checkpoint``, convert it into ``out`` and return the manifest written."""
+    options = options or BuildOptions()
+    checkpoint, out = Path(checkpoint), Path(out)
+    progress = progress or _no_progress
+    if checkpoint.resolve() == out.resolve():
+        raise BuildError("--out must differ from the checkpoint directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out} already exists and is not empty")
+    config, raw = _read_config(checkpoint)
+    builder = builder_for(config.family, options.device)
+    builder.check_config(raw, config)
+    dtype = resolve_dtype(options.dtype, torch.device(options.device))
+    dtype_name = str(dtype).removeprefix("torch.")
+    plan = _plan_tensors(checkpoint, config, builder)
+    limits = _limits(options, config)
+    sizing = _cache_sizing(options, config, dtype, limits, plan.bytes_at(dtype))
+    chat_template = _check_tokenizer(checkpoint, config)
+    source = _hash_source(checkpoint, progress)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        weights = _convert(checkpoint, tmp, plan, builder, dtype, options, progress)
+        _copy_side_files(checkpoint, tmp)
+        serving = builder.serving_config(raw, dtype_name)
+        (tmp / "config.json").write_text(json.dumps(serving, indent=2) + "\n", encoding="utf-8")
+        manifest = EngineManifest(
+            name=options.name or out.name,
+            quanta_version=_quanta_version(),
+            builder=builder.name,
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            model=model_shape(config, checkpoint),
+            num_parameters=plan.num_parameters,
+            dtype=dtype_name,  # type: ignore[arg-type]
+            device=options.device,
+            limits=limits,
+            cache=sizing,
+            capabilities=Capabilities(**dataclasses.asdict(RunnerCapabilities())),
+            chat_template=chat_template,
+            weights=weights,
+            source=source,
+        )
+        manifest.write(tmp)
+        move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+# -- validation --------------------------------------------------------------------------------
+def _read_config(checkpoint: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    if not (checkpoint / "config.json").is_file():
+        raise BuildError(f"{checkpoint} is not a checkpoint directory (no config.json)")
+    raw = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    try:
+        return load_model_config(checkpoint), raw
+    except (KeyError, ValueError, NotImplementedError) as exc:
+        raise BuildError(f"{checkpoint}/config.json: {exc}") from None
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Which stored tensor becomes which runner parameter, checked before anything is read."""
+
+    keys: dict[Path, list[tuple[str, str]]]  # file -> [(checkpoint key, parameter name)]
+    numel: dict[str, int]
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(self.numel.values())
+
+    def bytes_at(self, dtype: torch.dtype) -> int:
+        return self.num_parameters * torch.empty((), dtype=dtype).element_size()
+
+
+def _plan_tensors(checkpoint: Path, config: ModelConfig, builder: FamilyBuilder) -> _Plan:
+    """Names and shapes against a meta-device skeleton of the runner's model: a checkpoint
+    that would fail to load (or load wrongly) fails here, before a byte is converted."""
+    try:
+        skeleton = build_model_skeleton(config)
+    except (ValueError, NotImplementedError) as exc:
+        raise BuildError(f"{checkpoint}: {exc}") from None
+    params = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+    keys: dict[Path, list[tuple[str, str]]] = {}
+    seen: dict[str, str] = {}
+    unexpected: list[str] = []
+    try:
+        files = checkpoint_files(checkpoint)
+    except FileNotFoundError as exc:
+        raise BuildError(str(exc)) from None
+    for path in files:
+        keys[path] = []
+        with safe_open(str(path), framework="pt", device="cpu") as reader:
+            for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = builder.tensor_name(key, params)
+                if name is None:
+                    if not builder.droppable(key, config):
+                        unexpected.append(key)
+                    continue
+                if name in seen:
+                    raise BuildError(f"checkpoint holds {name!r} twice ({seen[name]}, {key})")
+                shape = tuple(reader.get_slice(key).get_shape())
+                if shape != params[name]:
+                    raise BuildError(
+                        f"tensor {key!r} has shape {shape}; config.json implies {params[name]}"
+                    )
+                seen[name] = key
+                keys[path].append((key, name))
+    missing = sorted(set(params) - set(seen))
+    if missing or unexpected:
+        raise BuildError(
+            f"{checkpoint} does not match its config.json: {len(missing)} tensor(s) missing "
+            f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+        )
+    numel = {name: _numel(params[name]) for name in seen}
+    return _Plan(keys, numel)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _limits(options: BuildOptions, config: ModelConfig) -> Limits:
+    max_seq_len = options.max_seq_len or config.max_model_len
+    if max_seq_len > config.max_model_len:
+        raise BuildError(
+            f"--max-seq-len {max_seq_len} exceeds the model's context length {config.max_model_len}"
+        )
+    return Limits(
+        max_batch_size=options.max_batch_size,
+        max_num_tokens=options.max_num_tokens,
+        max_seq_len=max_seq_len,
+    )
+
+
+def _cache_sizing(
+    options: BuildOptions, config: ModelConfig, dtype: torch.dtype, limits: Limits, weights: int
+) -> CacheSizing:
+    per_block = ModelRunner.kv_bytes_per_block(config, options.block_size, dtype)
+    device_blocks = options.kv_cache_memory // per_block
+    tokens = device_blocks * options.block_size
+    if tokens < limits.max_seq_len:
+        raise BuildError(
+            f"--kv-cache-memory {options.kv_cache_memory} bytes holds {tokens} tokens "
+            f"({per_block} bytes per block of {options.block_size}), fewer than one "
+            f"--max-seq-len {limits.max_seq_len} request"
+        )
+    available = _device_memory(options.device)
+    if available is not None and weights + options.kv_cache_memory > available:
+        raise BuildError(
+            f"weights ({weights} bytes) plus --kv-cache-memory ({options.kv_cache_memory}) "
+            f"exceed this machine's {options.device} memory ({available} bytes)"
+        )
+    return CacheSizing(
+        block_size=options.block_size,
+        kv_bytes_per_block=per_block,
+        kv_cache_memory=options.kv_cache_memory,
+        num_device_blocks=device_blocks,
+        host_cache_memory=options.host_cache_memory,
+        num_host_blocks=options.host_cache_memory // per_block,
+        max_cached_tokens=tokens,
+    )
+
+
+def _device_memory(device: str) -> int | None:
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise BuildError("--device cuda, but CUDA is not available on this machine")
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_tokenizer(checkpoint: Path, config: ModelConfig) -> bool:
+    """The tokenizer loads and fits the model; a chat template compiles and renders.
+    Returns whether the checkpoint has its own chat template."""
+    from quanta.frontends.openai.chat import ChatTemplate
+    from quanta.frontends.openai.protocol import ChatMessage
+    from quanta.frontends.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(checkpoint)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BuildError(f"{checkpoint}: the tokenizer does not load: {exc}") from None
+    ids = tokenizer.encode("Hello, world")
+    if not ids or max(ids) >= config.vocab_size:
+        raise BuildError(
+            f"{checkpoint}: the tokenizer produces ids up to {max(ids, default=-1)}, the model "
+            f"has {config.vocab_size} embedding rows"
+        )
+    bad_eos = [t for t in config.eos_token_ids if not 0 <= t < config.vocab_size]
+    if bad_eos:
+        raise BuildError(f"{checkpoint}: eos_token_id {bad_eos} is outside the vocabulary")
+    try:
+        template = ChatTemplate.from_model_dir(checkpoint)
+        messages = [
+            ChatMessage(role="system", content="You are terse."),
+            ChatMessage(role="user", content="Hello"),
+        ]
+        template.render(messages)
+    except Exception as exc:  # jinja syntax or a template that raises on a plain chat
+        raise BuildError(f"{checkpoint}: the chat template does not render: {exc}") from None
+    return template.has_own_template
+
+
+# -- conversion --------------------------------------------------------------------------------
+def _hash_source(checkpoint: Path, progress: Progress) -> Source:
+    files = sorted(p for p in checkpoint.iterdir() if p.is_file())
+    advance = progress("hashing the checkpoint", sum(p.stat().st_size for p in files))
+    digests = {p.name: _sha256(p, advance) for p in files}
+    overall = hashlib.sha256()
+    for name, digest in digests.items():
+        overall.update(f"{name}\0{digest}\n".encode())
+    return Source(path=str(checkpoint.resolve()), sha256=overall.hexdigest(), files=digests)
+
+
+def _sha256(path: Path, advance: Callable[[int], None] | None = None) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+            if advance is not None:
+                advance(len(chunk))
+    return digest.hexdigest()
+
+
+def _convert(
+    checkpoint: Path,
+    out: Path,
+    plan: _Plan,
+    builder: FamilyBuilder,
+    dtype: torch.dtype,
+    options: BuildOptions,
+    progress: Progress,
+) -> list[WeightFile]:
+    """Stream tensors into shards of at most ``max_shard_size`` bytes (HF's sharded layout
+    when more than one), so a build never holds the whole converted model."""
+    advance = progress(f"converting to {str(dtype).removeprefix('torch.')}", len(plan.numel))
+    shards: list[tuple[Path, list[str]]] = []
+    with _shard_writer(out, options.max_shard_size, shards) as add:
+        for path, pairs in plan.keys.items():
+            with safe_open(str(path), framework="pt", device="cpu") as reader:
+                for key, name in pairs:
+                    add(name, builder.convert(name, reader.get_tensor(key), dtype))
+                    advance(1)
+    files = _name_shards(out, shards)
+    return [WeightFile(name=p.name, bytes=p.stat().st_size, sha256=_sha256(p)) for p in files]
+
+
+@contextmanager
+def _shard_writer(
+    out: Path, limit: int, shards: list[tuple[Path, list[str]]]
+) -> Iterator[Callable[[str, torch.Tensor], None]]:
+    pending: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if pending:
+            path = out / f".shard-{len(shards):05d}.safetensors"
+            save_file(pending, str(path), metadata={"format": "pt"})
+            shards.append((path, list(pending)))
+            pending.clear()
+            size = 0
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        nonlocal size
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and size + nbytes > limit:
+            flush()
+        pending[name] = tensor
+        size += nbytes
+
+    yield add
+    flush()
+
+
+def _name_shards(out: Path, shards: list[tuple[Path, list[str]]]) -> list[Path]:
+    """One shard is ``model.safetensors``; more are numbered with an index, as HF writes."""
+    if len(shards) == 1:
+        final = out / "model.safetensors"
+        shards[0][0].rename(final)
+        final.chmod(0o644)
+        return [final]
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for i, (path, names) in enumerate(shards, start=1):
+        final = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        path.rename(final)
+        final.chmod(0o644)
+        files.append(final)
+        weight_map |= {name: final.name for name in names}
+    total = sum(p.stat().st_size for p in files)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def _copy_side_files(checkpoint: Path, out: Path) -> None:
+    """Tokenizer, generation config, chat template and the like, unchanged."""
+    for path in sorted(checkpoint.iterdir()):
+        if not path.is_file() or path.name in _NOT_COPIED:
+            continue
+        if path.name.endswith(_WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
+            continue
+        shutil.copy2(path, out / path.name)
+
+
+def _no_progress(description: str, total: int) -> Callable[[int], None]:
+    return lambda amount: None
+
+
+def _quanta_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("quanta")
+    except PackageNotFoundError:
+        return "unknown"

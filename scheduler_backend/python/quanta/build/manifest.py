@@ -1,0 +1,234 @@
+"""The engine manifest: what an engine directory was built for, and the check at load.
+
+An engine directory (``quanta build``) is an HF-layout checkpoint converted to its serving
+dtype, plus ``quanta_engine.json``. The manifest records the limits and cache sizing the
+engine was validated for, so a server can take them as its defaults and refuse settings that
+go beyond them, and so a copied, edited or half-written engine is caught at start-up rather
+than by a wrong answer. Pure pydantic, no torch: ``quanta check-config`` and the Triton
+backend run the same check before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+
+MANIFEST_FILE = "quanta_engine.json"
+ENGINE_FORMAT = 1
+Dtype = Literal["float32", "float16", "bfloat16"]
+DeviceKind = Literal["cpu", "cuda"]
+
+
+class EngineManifestError(ValueError):
+    """An engine directory does not match its manifest, the machine, or the serving config."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelShape(_Frozen):
+    """The architecture, as the runner reads it from ``config.json``."""
+
+    family: Literal["opt", "llama"]
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+
+class Limits(_Frozen):
+    """The most a server of this engine may ask for (``trtllm-build``'s names)."""
+
+    max_batch_size: int = Field(ge=1)  # sequences per step: the server's max_num_seqs
+    max_num_tokens: int = Field(ge=1)  # tokens per step: max_num_batched_tokens
+    max_seq_len: int = Field(ge=1)  # prompt + output tokens of one request
+
+
+class CacheSizing(_Frozen):
+    """The KV pools for the stated memory budgets, in blocks of ``block_size`` tokens."""
+
+    block_size: int = Field(ge=1)
+    kv_bytes_per_block: int = Field(ge=1)
+    kv_cache_memory: int = Field(ge=1)
+    num_device_blocks: int = Field(ge=1)
+    host_cache_memory: int = Field(ge=0)
+    num_host_blocks: int = Field(ge=0)
+    max_cached_tokens: int = Field(ge=1)
+
+
+class Capabilities(_Frozen):
+    """Runner capabilities the engine offers (policies that need more are refused)."""
+
+    hidden_cache: bool
+    layer_safepoints: bool
+    async_swap: bool
+
+
+class WeightFile(_Frozen):
+    name: str
+    bytes: int = Field(ge=0)
+    sha256: str
+
+
+class Source(_Frozen):
+    """The checkpoint the engine was built from: every file's digest and one over all."""
+
+    path: str
+    sha256: str
+    files: dict[str, str]
+
+
+class EngineManifest(_Frozen):
+    """``quanta_engine.json``."""
+
+    format: int = ENGINE_FORMAT
+    name: str
+    quanta_version: str
+    builder: str
+    created: str
+    model: ModelShape
+    num_parameters: int
+    dtype: Dtype
+    device: DeviceKind
+    limits: Limits
+    cache: CacheSizing
+    capabilities: Capabilities
+    chat_template: bool
+    weights: list[WeightFile]
+    source: Source
+
+    def write(self, engine_dir: Path) -> Path:
+        path = Path(engine_dir) / MANIFEST_FILE
+        path.write_text(json.dumps(self.model_dump(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+def read_manifest(model_dir: str | Path) -> EngineManifest | None:
+    """The manifest of an engine directory, or None for a plain checkpoint."""
+    path = Path(model_dir) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        raw: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EngineManifestError(f"{path} is not readable JSON: {exc}") from None
+    fmt = raw.get("format") if isinstance(raw, dict) else None
+    if isinstance(fmt, int) and fmt > ENGINE_FORMAT:
+        raise EngineManifestError(
+            f"{path}: engine format {fmt} is newer than this Quanta reads "
+            f"({ENGINE_FORMAT}); upgrade Quanta or rebuild the engine with this one"
+        )
+    try:
+        return EngineManifest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "manifest"
+        raise EngineManifestError(
+            f"{path}: {where}: {first['msg']} ({exc.error_count()} problem(s)); rebuild the "
+            "engine with `quanta build`"
+        ) from None
+
+
+def check_files(manifest: EngineManifest, engine_dir: Path, shape: ModelShape) -> None:
+    """The directory holds what the manifest lists: same shape in config.json, every weight
+    file present with its recorded size (digests are checked by ``check-config --verify``)."""
+    if shape != manifest.model:
+        diff = [
+            f"{k} {getattr(manifest.model, k)} -> {getattr(shape, k)}"
+            for k in ModelShape.model_fields
+            if getattr(shape, k) != getattr(manifest.model, k)
+        ]
+        raise EngineManifestError(
+            f"{engine_dir}: config.json no longer matches the engine's manifest "
+            f"({', '.join(diff)}); rebuild the engine"
+        )
+    for weight in manifest.weights:
+        path = engine_dir / weight.name
+        if not path.is_file():
+            raise EngineManifestError(f"{engine_dir}: weight file {weight.name} is missing")
+        size = path.stat().st_size
+        if size != weight.bytes:
+            raise EngineManifestError(
+                f"{engine_dir}: {weight.name} has {size} bytes, the manifest says "
+                f"{weight.bytes}: the engine was changed or not fully copied; rebuild it"
+            )
+
+
+def apply_manifest(config: EngineConfig, manifest: EngineManifest) -> EngineConfig:
+    """``config`` with the engine's limits and cache sizing as defaults.
+
+    What the caller set explicitly (pydantic's ``model_fields_set``) wins, within the limits
+    the engine was built for; a dtype or device other than the engine's is refused, since
+    its weights and cache sizing were made for them.
+    """
+    where = f"engine {manifest.name!r}"
+    if config.dtype is not None and config.dtype != manifest.dtype:
+        raise EngineManifestError(
+            f"{where} was built for dtype {manifest.dtype}, the server asks for "
+            f"{config.dtype}: drop the dtype setting or rebuild with --dtype {config.dtype}"
+        )
+    device_kind = config.device.split(":", 1)[0]
+    if device_kind != manifest.device:
+        raise EngineManifestError(
+            f"{where} was built for device {manifest.device}, the server asks for "
+            f"{config.device}: rebuild with --device {device_kind}"
+        )
+    limits = manifest.limits
+    sched_set = config.scheduler.model_fields_set
+    sched = config.scheduler.model_dump()
+    for key, limit, flag in (
+        ("max_num_seqs", limits.max_batch_size, "--max-batch-size"),
+        ("max_num_batched_tokens", limits.max_num_tokens, "--max-num-tokens"),
+    ):
+        if key not in sched_set:
+            sched[key] = limit
+        elif sched[key] > limit:
+            raise EngineManifestError(
+                f"{key} {sched[key]} exceeds the {limit} {where} was built for "
+                f"(rebuild with {flag} {sched[key]})"
+            )
+    max_seq_len = config.max_seq_len
+    if max_seq_len is None:
+        max_seq_len = limits.max_seq_len
+    elif max_seq_len > limits.max_seq_len:
+        raise EngineManifestError(
+            f"max_seq_len {max_seq_len} exceeds the {limits.max_seq_len} {where} was built for "
+            f"(rebuild with --max-seq-len {max_seq_len})"
+        )
+    sizing = manifest.cache
+    cache: dict[str, Any] = {
+        "block_size": sizing.block_size,
+        "device_bytes": sizing.kv_cache_memory,
+        "host_bytes": sizing.host_cache_memory,
+    }
+    if config.cache.block_size == sizing.block_size or "block_size" not in (
+        config.cache.model_fields_set
+    ):
+        cache |= {
+            "num_device_blocks": sizing.num_device_blocks,
+            "num_host_blocks": sizing.num_host_blocks,
+        }
+    given = config.cache.model_dump(include=config.cache.model_fields_set)
+    if {"device_bytes", "num_device_blocks"} & given.keys():
+        cache.pop("num_device_blocks", None)
+    if {"host_bytes", "num_host_blocks"} & given.keys():
+        cache.pop("num_host_blocks", None)
+    return config.model_copy(
+        update={
+            "dtype": manifest.dtype,
+            "max_seq_len": max_seq_len,
+            "scheduler": SchedulerConfig(**sched),
+            "cache": CacheConfig(**(cache | given)),
+        }
+    )
