@@ -118,6 +118,7 @@ TINY_VALUES = {
     "--prompt-len": "16",
     "--gen-len": "8",
     "--time-scale": "0.05",
+    "--repeat": "1",
 }
 
 

@@ -4,10 +4,10 @@ The commands come from the markdown itself (``doc_commands``), so a refactor tha
 documented command, or a doc that shows a command nothing runs, fails this module. Each runs
 through bash as written, after ``shrink`` (counts, durations and the larger checkpoint made
 tiny; the documented ports mapped to free ones) in a scratch directory laid out like the
-repository: ``loadtests/`` linked, ``docs/`` copied (reproductions rewrite their doc), and
-``../shared/data`` holding the first rows of the Azure trace (a synthetic stand-in when the
-data is not beside the checkout). Client commands run against one real server started with the
-documented ``quanta serve --openai-port 9000``.
+repository: ``loadtests/`` and ``triton_models/`` linked, ``docs/`` copied (reproductions
+rewrite their doc), and ``../shared/data`` holding the first rows of the Azure trace (a
+synthetic stand-in when the data is not beside the checkout). Client commands run against one
+real server started with the documented ``quanta serve --openai-port 9000``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import itertools
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 from doc_commands import ROOT, DocCommand, documented_commands, shrink
 from quanta.frontends.triton.launcher import free_port
+from serving import Background
 
 COMMANDS = documented_commands()
 BIN = Path(sys.executable).parent
@@ -101,6 +101,7 @@ def workdir(tmp_path_factory) -> Path:
     work = base / "work"
     work.mkdir()
     (work / "loadtests").symlink_to(ROOT / "loadtests")
+    (work / "triton_models").symlink_to(ROOT / "triton_models")
     shutil.copytree(ROOT / "docs", work / "docs")
     (work / "out").mkdir()
     trace = base / "shared" / AZURE
@@ -180,46 +181,6 @@ def test_demo_command(cmd: DocCommand, workdir: Path):
 
 
 # -- servers ---------------------------------------------------------------------------------
-class Background:
-    """A documented long-running command, started in its own process group and stopped with
-    Ctrl-C (SIGINT), as a user would."""
-
-    def __init__(self, text: str, cwd: Path, **ports: int) -> None:
-        self.text = text
-        self.proc = subprocess.Popen(
-            ["bash", "-c", f"exec {text.rstrip(' &')}"],
-            cwd=cwd,
-            env=env(**ports),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-
-    def wait_for_line(self, prefix: str, timeout: float = 300) -> str:
-        deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                break
-            self.lines.append(line)
-            if line.startswith(prefix):
-                return line
-        raise AssertionError(f"{self.text}: no {prefix!r} line\n" + "".join(self.lines))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
 def server(workdir: Path):
     """The documented ``quanta serve --openai-port 9000`` on free ports."""
@@ -227,9 +188,7 @@ def server(workdir: Path):
     srv = Background(
         shrink(SERVER_COMMAND, ports),
         workdir,
-        http=ports[8000],
-        grpc=ports[8001],
-        metrics=ports[8002],
+        env(http=ports[8000], grpc=ports[8001], metrics=ports[8002]),
     )
     try:
         srv.wait_for_line("OpenAI ")
@@ -250,7 +209,7 @@ def test_server_command_starts_and_stops_on_ctrl_c(cmd: DocCommand, workdir: Pat
             overrides={"model_dir": str(workdir / "engines" / "opt-tiny"), "policy": "fair"},
         )
         text = text.replace("MODELS", str(repo))
-    srv = Background(text, workdir, http=free_port(), grpc=free_port(), metrics=free_port())
+    srv = Background(text, workdir, env(http=free_port(), grpc=free_port(), metrics=free_port()))
     try:
         srv.wait_for_line("ready")
     finally:
@@ -260,7 +219,7 @@ def test_server_command_starts_and_stops_on_ctrl_c(cmd: DocCommand, workdir: Pat
 @pytest.mark.parametrize("cmd", of_kind("gateway"))
 def test_gateway_command_serves_next_to_a_running_triton(cmd: DocCommand, workdir: Path, server):
     port = free_port()
-    gateway = Background(shrink(cmd.text, {8001: server[8001], 9000: port}), workdir)
+    gateway = Background(shrink(cmd.text, {8001: server[8001], 9000: port}), workdir, env())
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -45,6 +44,7 @@ from quanta.build.manifest import (
 )
 from quanta.build.shape import model_shape
 from quanta.core.output import RunnerCapabilities
+from quanta.frontends.devices import device_memory_bytes
 from quanta.runner.model_runner import ModelRunner, resolve_dtype
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
@@ -236,7 +236,7 @@ def _cache_sizing(
             f"--max-seq-len {limits.max_seq_len} request"
         )
     available = _device_memory(options.device)
-    if available is not None and weights + options.kv_cache_memory > available:
+    if weights + options.kv_cache_memory > available:
         raise BuildError(
             f"weights ({weights} bytes) plus --kv-cache-memory ({options.kv_cache_memory}) "
             f"exceed this machine's {options.device} memory ({available} bytes)"
@@ -252,12 +252,10 @@ def _cache_sizing(
     )
 
 
-def _device_memory(device: str) -> int | None:
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise BuildError("--device cuda, but CUDA is not available on this machine")
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def _device_memory(device: str) -> int:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BuildError("--device cuda, but CUDA is not available on this machine")
+    return device_memory_bytes(device)
 
 
 def _check_tokenizer(checkpoint: Path, config: ModelConfig) -> bool:

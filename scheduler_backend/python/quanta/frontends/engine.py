@@ -22,6 +22,8 @@ from quanta.core.config import EngineConfig
 from quanta.core.errors import InvalidRequestError
 from quanta.core.loop import EngineLoop
 from quanta.core.request import Request, RequestMetadata, SamplingParams
+from quanta.core.sizes import format_size
+from quanta.frontends.devices import device_memory_bytes
 from quanta.frontends.tokenizer import Tokenizer, load_tokenizer
 from quanta.policies import make_policy
 from quanta.runner import ModelRunner, load_model_config
@@ -107,6 +109,24 @@ def engine_config_for(config: EngineConfig, model_config: ModelConfig) -> Engine
     return config
 
 
+def _check_memory(config: EngineConfig, device_kv: int, host_kv: int) -> None:
+    """KV tiers this machine cannot hold fail here, with the numbers, rather than as an
+    allocation failure (or the OOM killer) once the weights are loaded."""
+    ram = device_memory_bytes("cpu")
+    if config.device.startswith("cuda"):
+        needs = [("device KV tier", device_kv, device_memory_bytes(config.device), "GPU")]
+        needs.append(("host KV tier", host_kv, ram, "RAM"))
+    else:  # both tiers live in RAM
+        needs = [("device and host KV tiers", device_kv + host_kv, ram, "RAM")]
+    for what, need, total, where in needs:
+        if need > total:
+            raise ValueError(
+                f"the {what} need {format_size(need)}, more than this machine's "
+                f"{format_size(total)} of {where}; lower kv-cache-memory / host-cache-memory "
+                "(or num_device_blocks / num_host_blocks)"
+            )
+
+
 def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     """Load the model, size both KV tiers and wire the loop."""
     model_dir = Path(config.model)
@@ -118,6 +138,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     dtype = resolve_dtype(config.dtype, torch.device(config.device))
     per_block = ModelRunner.kv_bytes_per_block(model_config, cache.block_size, dtype)
     num_device, num_host = cache.resolve(per_block)
+    _check_memory(config, num_device * per_block, num_host * per_block)
     sched = config.scheduler
     max_model_len = config.max_seq_len or model_config.max_model_len
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:

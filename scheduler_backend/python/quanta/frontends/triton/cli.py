@@ -101,6 +101,9 @@ def serve(
     host_cache_memory: Annotated[
         str | None, typer.Option(help="host tier for swapped KV, e.g. 8GiB")
     ] = None,
+    torch_threads: Annotated[
+        int | None, typer.Option(min=1, help="CPU threads of the engine (default: torch's)")
+    ] = None,
 ) -> None:
     """Serve MODEL, or the model repository, through tritonserver (HTTP, gRPC, metrics)."""
     from quanta.frontends.triton.check import check_path
@@ -120,6 +123,7 @@ def serve(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
             host_cache_memory=host_cache_memory,
+            torch_threads=torch_threads,
         )
     except EntryError as exc:
         raise typer.BadParameter(str(exc)) from None

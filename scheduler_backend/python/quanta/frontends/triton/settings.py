@@ -9,13 +9,13 @@ than a silently ignored setting.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, Json, ValidationError
 
 from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.frontends.devices import device_memory_bytes
 
 
 class ConfigParameterError(ValueError):
@@ -145,15 +145,6 @@ def _parameter_error(exc: ValidationError) -> ConfigParameterError:
         where = f"parameter '{name}'" if name else "parameters"
         parts.append(f"config.pbtxt {where}: {err['msg']}")
     return ConfigParameterError("; ".join(parts))
-
-
-def device_memory_bytes(device: str) -> int:
-    """Total memory of ``device``: physical RAM for CPU, the GPU's memory for CUDA."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def load_model_config(args: dict[str, Any]) -> dict[str, Any]:
