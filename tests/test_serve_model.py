@@ -170,3 +170,17 @@ def test_serve_argument_mistakes(checkpoints, tmp_path, args, message):
     )
     assert proc.returncode in (1, 2), proc.stdout + proc.stderr
     assert message in " ".join(proc.stderr.split()), proc.stderr
+
+
+def test_default_model_takes_the_flags_and_the_served_name(tmp_path):
+    """No MODEL and no ./triton_models: the tiny default model, named and set by flags."""
+    cmd = [sys.executable, "-m", "quanta.cli", "serve", "--served-model-name", "ensemble"]
+    cmd += ["--policy", "sj-mlfq", "--max-num-seqs", "4", "--demo", "Hello"]
+    for option in ("--http-port", "--grpc-port", "--metrics-port"):
+        cmd += [option, str(free_port())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "serving the default tiny model" in out and "> Hello\n" in proc.stdout
+    assert re.search(r"serving model_dir=\S+ policy=sj-mlfq .*max_num_seqs=4 ", out), out
+    assert (tmp_path / "engines" / "opt-tiny" / "config.json").is_file()  # the preset, at load

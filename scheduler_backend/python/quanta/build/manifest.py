@@ -207,23 +207,19 @@ def apply_manifest(config: EngineConfig, manifest: EngineManifest) -> EngineConf
             f"(rebuild with --max-seq-len {max_seq_len})"
         )
     sizing = manifest.cache
+    given = config.cache.model_dump(include=config.cache.model_fields_set)
     cache: dict[str, Any] = {
         "block_size": sizing.block_size,
         "device_bytes": sizing.kv_cache_memory,
         "host_bytes": sizing.host_cache_memory,
     }
-    if config.cache.block_size == sizing.block_size or "block_size" not in (
-        config.cache.model_fields_set
-    ):
-        cache |= {
-            "num_device_blocks": sizing.num_device_blocks,
-            "num_host_blocks": sizing.num_host_blocks,
-        }
-    given = config.cache.model_dump(include=config.cache.model_fields_set)
-    if {"device_bytes", "num_device_blocks"} & given.keys():
-        cache.pop("num_device_blocks", None)
-    if {"host_bytes", "num_host_blocks"} & given.keys():
-        cache.pop("num_host_blocks", None)
+    if given.get("block_size", sizing.block_size) == sizing.block_size:
+        # The manifest's block counts hold for its block size; a budget given explicitly
+        # (in bytes or blocks) replaces them.
+        if not {"device_bytes", "num_device_blocks"} & given.keys():
+            cache["num_device_blocks"] = sizing.num_device_blocks
+        if not {"host_bytes", "num_host_blocks"} & given.keys():
+            cache["num_host_blocks"] = sizing.num_host_blocks
     return config.model_copy(
         update={
             "dtype": manifest.dtype,
