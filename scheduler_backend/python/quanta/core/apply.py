@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from quanta.core.blocks import BlockManager
 from quanta.core.decision import Decision, PreemptMode
 from quanta.core.errors import PolicyError
-from quanta.core.output import ScheduledSeq, SchedulerOutput
+from quanta.core.output import LogitsProcessing, ScheduledSeq, SchedulerOutput
 from quanta.core.plan import PoolView, StepPlan
 from quanta.core.request import Request, RequestStatus
 
@@ -74,18 +74,42 @@ class DecisionApplier:
         if r.first_scheduled_time is None:
             r.first_scheduled_time = now
         p = r.params
+        sample = start + n == r.num_tokens
         return ScheduledSeq(
             request_id=r.request_id,
             token_ids=tuple(r.all_token_ids[start : start + n]),
             start_pos=start,
             block_table=self.blocks.block_table(r.request_id),
-            sample=start + n == r.num_tokens,
+            sample=sample,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
             seed=r.seed,
             output_index=r.num_output_tokens,
+            processing=_processing(r) if sample else None,
         )
+
+
+def _processing(r: Request) -> LogitsProcessing | None:
+    """The row's logits processing, or None for a plain request (nothing extra to ship)."""
+    p = r.params
+    early = r.num_output_tokens < p.min_tokens
+    if not (p.penalized or early or p.logprobs is not None):
+        return None
+    suppress: tuple[int, ...] = ()
+    if early:
+        eos = () if p.ignore_eos else r.eos_token_ids
+        suppress = tuple(dict.fromkeys((*eos, *p.stop_token_ids)))
+    return LogitsProcessing(
+        history=tuple(r.all_token_ids) if p.penalized else (),
+        num_prompt_tokens=r.num_prompt_tokens,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        suppress=suppress,
+        bad_words_ids=p.bad_words_ids,
+        logprobs=p.logprobs,
+    )
 
 
 def _get(live: Mapping[str, Request], rid: str) -> Request:

@@ -13,7 +13,7 @@ from quanta.core.blocks import BlockManager
 from quanta.core.clock import Clock
 from quanta.core.detokenize import Decode, Detokenizer
 from quanta.core.errors import QuantaError
-from quanta.core.output import RunnerOutput, SchedulerOutput
+from quanta.core.output import RunnerOutput, SchedulerOutput, TokenLogprob
 from quanta.core.request import Request, RequestStatus
 from quanta.core.stream import RequestMetrics, RequestOutput, Sink
 
@@ -44,22 +44,26 @@ class Committer:
         """Apply one step's results; returns the requests that finished."""
         now = self.clock.now()
         done: list[Request] = []
-        for seq, token in zip(sched.seqs, out.sampled_token_ids, strict=True):
+        logprobs = out.logprobs or (None,) * len(sched.seqs)
+        for seq, token, lp in zip(sched.seqs, out.sampled_token_ids, logprobs, strict=True):
             r = live[seq.request_id]
             r.num_computed_tokens += seq.num_new_tokens
             r.attained_service += step_time
             if token is None:
                 continue
             r.append_token(token, now)
+            new_logprobs = () if lp is None else (lp,)
+            if lp is not None:
+                r.cumulative_logprob += lp.logprob
             self.num_generated_tokens += 1
             status = self._stop_status(r, token)
             text, hit_stop = self._text(r, final=status is not None)
             if hit_stop:
                 status = RequestStatus.FINISHED_STOPPED
             if status is None:
-                self._emit(r, RequestOutput(r.request_id, (token,), text))
+                self._emit(r, RequestOutput(r.request_id, (token,), text, logprobs=new_logprobs))
             else:
-                self._finish(r, status, (token,), text)
+                self._finish(r, status, (token,), text, logprobs=new_logprobs)
                 done.append(r)
         return done
 
@@ -94,13 +98,21 @@ class Committer:
         tokens: tuple[int, ...],
         text: str,
         error: QuantaError | None = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         r.set_status(status)
         r.finish_time = self.clock.now()
         self.blocks.free(r.request_id)
         self._detok.pop(r.request_id, None)
         out = RequestOutput(
-            r.request_id, tokens, text, True, r.finish_reason, error, RequestMetrics.of(r)
+            r.request_id,
+            tokens,
+            text,
+            True,
+            r.finish_reason,
+            error,
+            RequestMetrics.of(r),
+            logprobs,
         )
         self._emit(r, out)
         self._sinks.pop(r.request_id, None)

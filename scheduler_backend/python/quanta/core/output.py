@@ -12,6 +12,29 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
+class LogitsProcessing:
+    """What the sampler does to one row's logits besides temperature/top-k/top-p; present
+    only for requests that ask for it, so plain requests carry no history."""
+
+    history: tuple[int, ...] = ()  # prompt + output so far (when a penalty needs it)
+    num_prompt_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    suppress: tuple[int, ...] = ()  # token ids banned this step (EOS before min_tokens)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs: int | None = None  # top log-probabilities to return (0: the sampled token's)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of a sampled token, and the most likely tokens' (raw distribution)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One request's share of a step: a prefill chunk or a single decode token."""
 
@@ -25,6 +48,7 @@ class ScheduledSeq:
     top_k: int
     seed: int
     output_index: int  # index of the token to sample; seeds its random stream
+    processing: LogitsProcessing | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -59,6 +83,7 @@ class RunnerOutput:
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int | None, ...]
     step_time: float | None = None  # seconds the step took, when the runner knows better
+    logprobs: tuple[TokenLogprob | None, ...] = ()  # per seq, where asked for (else empty)
 
 
 @dataclass(frozen=True, slots=True)

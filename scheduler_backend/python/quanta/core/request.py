@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quanta.core.errors import EmptyPromptError, PromptTooLongError
 
@@ -34,6 +34,19 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # HF's repetition penalty over prompt and output (1 = off); OpenAI's presence and
+    # frequency penalties over the output (0 = off).
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # EOS and stop_token_ids cannot end the output before this many tokens.
+    min_tokens: int = Field(0, ge=0)
+    # Token sequences never generated (HF's bad_words_ids: the last token of a sequence is
+    # banned when the output so far ends with the rest of it).
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # Log-probabilities of each sampled token and of the ``logprobs`` most likely ones (None:
+    # none returned; 0: the sampled token's only), from the model's raw distribution.
+    logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -56,9 +69,36 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids must be non-negative")
         return value
 
+    @field_validator("bad_words_ids")
+    @classmethod
+    def _bad_words_non_empty(
+        cls, value: tuple[tuple[int, ...], ...]
+    ) -> tuple[tuple[int, ...], ...]:
+        if any(not words or any(t < 0 for t in words) for words in value):
+            raise ValueError("bad_words_ids must be non-empty sequences of token ids")
+        return value
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler needs the request's token history."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.bad_words_ids)
+        )
 
 
 class RequestMetadata(BaseModel):
@@ -145,6 +185,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs were asked for
     error: str | None = None
 
     # Timestamps in the loop clock's seconds; None until the event happens.

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from quanta.core.errors import QuantaError
+from quanta.core.output import TokenLogprob
 from quanta.core.request import Request
 
 
@@ -52,6 +53,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: QuantaError | None = None
     metrics: RequestMetrics | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asked
 
 
 Sink = Callable[[RequestOutput], None]
@@ -67,6 +69,11 @@ class CompletedRequest:
     finish_reason: str | None
     error: QuantaError | None
     metrics: RequestMetrics | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
 
 
 class RequestStream:
@@ -90,10 +97,12 @@ class RequestStream:
         """Block until the request ends and return it whole (errors are in ``.error``)."""
         text: list[str] = []
         ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         while True:
             out = self._queue.get(timeout=timeout)
             text.append(out.new_text)
             ids.extend(out.new_token_ids)
+            logprobs.extend(out.logprobs)
             if out.finished:
                 return CompletedRequest(
                     self.request_id,
@@ -102,4 +111,5 @@ class RequestStream:
                     out.finish_reason,
                     out.error,
                     out.metrics,
+                    tuple(logprobs),
                 )

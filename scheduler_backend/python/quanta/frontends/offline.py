@@ -12,6 +12,7 @@ from typing import Any
 
 from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quanta.core.errors import QuantaError
+from quanta.core.output import TokenLogprob
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.stream import RequestMetrics, RequestStream
 from quanta.frontends.engine import Engine, build_engine
@@ -27,6 +28,7 @@ class GenerationResult:
     finish_reason: str | None
     metrics: RequestMetrics | None
     error: QuantaError | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # per output token, with SamplingParams(logprobs=)
 
 
 class LLM:
@@ -89,6 +91,7 @@ class LLM:
                     done.finish_reason,
                     done.metrics,
                     done.error,
+                    done.logprobs,
                 )
             )
         return results

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
+from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput, TokenLogprob
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
+from quanta.runner.logits import process_logits, token_logprob
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import load_weights
@@ -103,6 +104,7 @@ class ModelRunner:
             self._copy_blocks(scheduler_output.swap_out, self.device_kv_cache, self.host_kv_cache)
             self._copy_blocks(scheduler_output.swap_in, self.host_kv_cache, self.device_kv_cache)
             sampled: list[int | None] = [None] * len(seqs)
+            logprobs: list[TokenLogprob | None] = [None] * len(seqs)
             if batch is not None:
                 hidden = self.model(
                     batch.input_ids, batch.positions, self.device_kv_cache, batch.meta
@@ -112,13 +114,19 @@ class ModelRunner:
                     rows = [batch.last_rows[i] for i in chosen]
                     index = torch.tensor(rows, dtype=torch.long, device=self.device)
                     logits = self.model.compute_logits(hidden.index_select(0, index)).float()
-                    tokens = sample(logits, [seqs[i] for i in chosen])
+                    rows = [seqs[i] for i in chosen]
+                    raw = process_logits(logits, rows)
+                    tokens = sample(logits, rows)
                     for i, token in zip(chosen, tokens, strict=True):
                         sampled[i] = token
+                    for j, lp in raw.items():
+                        top = rows[j].processing.logprobs  # type: ignore[union-attr]
+                        logprobs[chosen[j]] = token_logprob(lp, tokens[j], top or 0)
         return RunnerOutput(
             request_ids=tuple(seq.request_id for seq in seqs),
             sampled_token_ids=tuple(sampled),
             step_time=time.perf_counter() - started,
+            logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
         )
 
     def forward_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:

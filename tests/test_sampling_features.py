@@ -1,0 +1,164 @@
+"""Penalties, min_tokens, bad words and logprobs on real tiny checkpoints: HF transformers'
+logits processors are the reference where HF has one (repetition penalty, min new tokens, bad
+words, scores), OpenAI's formula where it has none (presence/frequency), and outputs stay
+identical under preemption."""
+
+from __future__ import annotations
+
+import pytest
+import quanta
+import torch
+from pydantic import ValidationError
+from quanta import SamplingParams
+from quanta.build.checkpoint import ensure_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["Hello, my name is", "The capital of France", "a"]
+N = 16
+
+
+@pytest.fixture(scope="module", params=["opt-tiny", "llama-tiny"])
+def model_dir(request, tmp_path_factory):
+    return ensure_checkpoint(request.param, tmp_path_factory.mktemp("ckpt") / request.param)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return quanta.LLM(str(model_dir), cache={"num_device_blocks": 64})
+
+
+def hf_generate(hf, llm, prompt: str, **kwargs) -> list[int]:
+    ids = torch.tensor([llm.tokenizer.encode(prompt)])
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=N,
+        pad_token_id=0,
+        **kwargs,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=N, temperature=0.0, **kwargs)
+
+
+def test_repetition_penalty_matches_hf(hf, llm):
+    changed = 0
+    for prompt in PROMPTS:
+        got = llm.generate(prompt, greedy(repetition_penalty=1.8, ignore_eos=True))[0]
+        assert got.token_ids == hf_generate(hf, llm, prompt, repetition_penalty=1.8)
+        plain = llm.generate(prompt, greedy(ignore_eos=True))[0]
+        changed += got.token_ids != plain.token_ids
+    assert changed  # the penalty does something
+
+
+def test_min_tokens_holds_back_stop_tokens_like_hf_min_new_tokens(hf, llm):
+    prompt = PROMPTS[0]
+    plain = llm.generate(prompt, greedy(ignore_eos=True))[0].token_ids
+    stop = plain[2]  # a token greedy decoding reaches early
+    early = llm.generate(prompt, greedy(stop_token_ids=(stop,)))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 3
+    held = llm.generate(prompt, greedy(stop_token_ids=(stop,), min_tokens=8, ignore_eos=True))[0]
+    assert len(held.token_ids) > 8 or stop not in held.token_ids[:8]
+    assert stop not in held.token_ids[:8]
+    reference = hf_generate(hf, llm, prompt, eos_token_id=stop, min_new_tokens=8)
+    assert held.token_ids == reference
+
+
+def test_bad_words_match_hf(hf, llm):
+    prompt = PROMPTS[1]
+    plain = llm.generate(prompt, greedy(ignore_eos=True))[0].token_ids
+    bad = ((plain[0],), (plain[3], plain[4]))
+    got = llm.generate(prompt, greedy(bad_words_ids=bad, ignore_eos=True))[0].token_ids
+    assert plain[0] not in got
+    assert got == hf_generate(hf, llm, prompt, bad_words_ids=[list(b) for b in bad])
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(hf, llm):
+    prompt = PROMPTS[0]
+    params = greedy(presence_penalty=0.7, frequency_penalty=1.3, ignore_eos=True)
+    got = llm.generate(prompt, params)[0].token_ids
+    ids = llm.tokenizer.encode(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(N):
+            logits = hf(torch.tensor([ids + out])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(logits))
+            logits = logits - 1.3 * counts - 0.7 * (counts > 0).float()
+            out.append(int(logits.argmax()))
+    assert got == out
+    plain = llm.generate(prompt, greedy(ignore_eos=True))[0].token_ids
+    if len(set(plain)) < len(plain):  # greedy repeats a token: the penalties must change it
+        assert got != plain
+
+
+def test_logprobs_are_hfs_log_softmax_of_the_raw_scores(hf, llm):
+    prompt = PROMPTS[2]
+    got = llm.generate(prompt, greedy(logprobs=3, repetition_penalty=1.5, ignore_eos=True))[0]
+    assert len(got.logprobs) == len(got.token_ids) == N
+    ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + got.token_ids[:-1]])).logits[0, len(ids) - 1 :]
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    for i, (token, lp) in enumerate(zip(got.token_ids, got.logprobs, strict=True)):
+        assert lp.logprob == pytest.approx(float(raw[i, token]), abs=1e-4)
+        top = torch.topk(raw[i], 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    plain = llm.generate(prompt, greedy(ignore_eos=True))[0]
+    assert plain.logprobs == ()
+
+
+@pytest.mark.parametrize(("host_blocks", "kind"), [(64, "swap"), (0, "recompute")])
+def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
+    params = [
+        greedy(repetition_penalty=1.4, logprobs=2, ignore_eos=True),
+        SamplingParams(
+            max_tokens=N, temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.4
+        ),
+        greedy(min_tokens=10, bad_words_ids=((5,), (7, 9)), logprobs=0),
+    ] * 2
+    prompts = PROMPTS * 2
+    expected = quanta.LLM(str(model_dir), cache={"num_device_blocks": 64}).generate(
+        prompts, params
+    )
+    small = quanta.LLM(
+        str(model_dir),
+        cache={"num_device_blocks": 14, "num_host_blocks": host_blocks, "block_size": 4},
+        scheduler={"max_num_batched_tokens": 16},
+    )
+    got = small.generate(prompts, params)
+    stats = small.engine.loop.stats()
+    count = stats.num_preemptions_swap if kind == "swap" else stats.num_preemptions_recompute
+    assert count > 0, f"the small pool never forced a {kind}"
+    for e, g in zip(expected, got, strict=True):
+        assert g.token_ids == e.token_ids
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+            [lp.logprob for lp in e.logprobs], abs=1e-5
+        )
+    small.engine.loop.blocks.check_integrity()
+    assert small.engine.loop.blocks.all_free()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"repetition_penalty": 0}, "greater than 0"),
+        ({"presence_penalty": 2.5}, "less than or equal to 2"),
+        ({"frequency_penalty": -3}, "greater than or equal to -2"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must not exceed max_tokens"),
+        ({"logprobs": 21}, "less than or equal to 20"),
+        ({"bad_words_ids": ((),)}, "bad_words_ids must be non-empty"),
+    ],
+)
+def test_bad_values_are_refused(kwargs, message):
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams(**kwargs)
