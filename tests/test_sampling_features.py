@@ -127,9 +127,7 @@ def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
         greedy(min_tokens=10, bad_words_ids=((5,), (7, 9)), logprobs=0),
     ] * 2
     prompts = PROMPTS * 2
-    expected = quanta.LLM(str(model_dir), cache={"num_device_blocks": 64}).generate(
-        prompts, params
-    )
+    expected = quanta.LLM(str(model_dir), cache={"num_device_blocks": 64}).generate(prompts, params)
     small = quanta.LLM(
         str(model_dir),
         cache={"num_device_blocks": 14, "num_host_blocks": host_blocks, "block_size": 4},
