@@ -243,10 +243,16 @@ BAD = {
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
     "n=2": ({"n": 2}, "n", "n=2 is not supported"),
     "logprobs": ({"logprobs": 1}, "logprobs", "logprobs is not supported"),
-    "repetition penalty": (
-        {"extra_body": {"repetition_penalty": 1.2}},
+    "repetition penalty 0": (
+        {"extra_body": {"repetition_penalty": 0}},
         "repetition_penalty",
-        "repetition_penalty is not supported",
+        "greater than 0",
+    ),
+    "presence penalty 3": ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    "min_tokens over max_tokens": (
+        {"max_tokens": 4, "extra_body": {"min_tokens": 8}},
+        None,
+        "min_tokens (8) must not exceed max_tokens (4)",
     ),
     "unknown field": ({"extra_body": {"tenantt": "x"}}, "tenantt", "Extra inputs"),
     "bad priority class": ({"extra_body": {"priority_class": "vip"}}, "priority_class", "online"),
@@ -314,6 +320,25 @@ def test_neutral_penalties_are_accepted(client, llm):
         extra_body=extra,
     )  # fmt: skip
     assert out.choices[0].text == expected
+
+
+def test_penalties_and_min_tokens_reach_the_sampler(client, llm):
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        presence_penalty=0.6,
+        frequency_penalty=0.9,
+        repetition_penalty=1.3,
+        min_tokens=5,
+    )
+    expected = llm.generate(["Hello there"], params)[0].text
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=12, temperature=0, presence_penalty=0.6,
+        frequency_penalty=0.9, extra_body={"repetition_penalty": 1.3, "min_tokens": 5},
+    )  # fmt: skip
+    assert out.choices[0].text == expected
+    plain = llm.generate(["Hello there"], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert expected != plain.text
 
 
 def test_invalid_chat_request_is_400(client):

@@ -31,6 +31,7 @@ from quanta.frontends.triton.client import (
     grpc_inputs,
     http_events,
     output_ids,
+    output_list,
     request_inputs,
 )
 from quanta.frontends.triton.launcher import ServerOptions, TritonServer, free_port
@@ -137,6 +138,61 @@ def test_all_transports_match_offline_api(server, llm, params):
         assert final["num_output_tokens"] == len(expected.token_ids)
         times = [final[f"{k}_time_ns"] for k in ("arrival", "first_token", "finish")]
         assert 0 < times[0] <= times[1] <= times[2]
+
+
+FEATURES = SamplingParams(
+    max_tokens=16,
+    temperature=0.0,
+    repetition_penalty=1.5,
+    presence_penalty=0.5,
+    frequency_penalty=0.3,
+    min_tokens=6,
+    logprobs=0,
+)
+
+
+def test_trtllm_sampling_inputs_and_log_probs_match_offline_api(server, llm):
+    prompt = "The quick brown fox"
+    expected = llm.generate(prompt, FEATURES)[0]
+    want = [lp.logprob for lp in expected.logprobs]
+    for mode in MODES:
+        ids, events = run(server, mode, prompt, FEATURES)
+        assert ids == expected.token_ids, mode
+        logprobs = [x for e in events for x in output_list(e, "output_log_probs")]
+        assert logprobs == pytest.approx(want, abs=1e-4), mode
+        final = events[-1]
+        assert final["cum_log_probs"] == pytest.approx(sum(want), abs=1e-3), mode
+        assert final["sequence_length"] == len(output_ids(final)), mode
+
+
+def test_exclude_input_in_output_false_echoes_the_prompt(server, llm):
+    prompt = "Hello there"
+    expected = llm.generate(prompt, GREEDY)[0]
+    inputs = request_inputs(prompt, GREEDY, stream=False) | {"exclude_input_in_output": False}
+    for events in (
+        list(http_events(server.http_url, MODEL, inputs, stream=False)),
+        list(grpc_events(server.grpc_url, MODEL, inputs)),
+    ):
+        final = events[-1]
+        assert final["text_output"] == prompt + expected.text
+        assert output_ids(final) == llm.tokenizer.encode(prompt) + expected.token_ids
+
+
+def test_bad_words_are_banned_and_beam_search_is_refused(server, llm):
+    prompt = "The quick brown fox"
+    plain = llm.generate(prompt, GREEDY)[0]
+    word = llm.tokenizer.decode(plain.token_ids[:1])
+    banned = tuple(llm.tokenizer.encode(word, add_special_tokens=False))
+    expected = llm.generate(prompt, GREEDY.model_copy(update={"bad_words_ids": (banned,)}))[0]
+    inputs = request_inputs(prompt, GREEDY, stream=False) | {"bad_words": [word]}
+    events = list(http_events(server.http_url, MODEL, inputs, stream=False))
+    assert output_ids(events[-1]) == expected.token_ids != plain.token_ids
+    for extra, message in (
+        ({"beam_width": 2}, "beam search is not supported"),
+        ({"num_return_sequences": 2}, "'num_return_sequences' must be 1"),
+    ):
+        with pytest.raises(GenerateError, match=message):
+            list(http_events(server.http_url, MODEL, inputs | extra, stream=False))
 
 
 def test_input_ids_instead_of_text(server, llm):

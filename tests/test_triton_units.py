@@ -16,6 +16,7 @@ from quanta.core.errors import (
     RequestAbortedError,
     ThrottledError,
 )
+from quanta.core.output import TokenLogprob
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
 from quanta.frontends.triton.responder import InflightRequest, Responder
@@ -120,10 +121,74 @@ def test_parse_request_maps_trtllm_names():
     assert (m.tenant, m.priority_class, m.ttft_slo_ms) == ("acme", "offline", 250.0)
 
 
+def test_parse_request_takes_trtllm_sampling_inputs():
+    text = np.array([b"hi"], dtype=np.object_)
+    parsed = parse_request(
+        _getter(
+            text_input=text,
+            max_tokens=np.array([9], dtype=np.int32),
+            repetition_penalty=np.array([1.2], dtype=np.float32),
+            presence_penalty=np.array([0.5], dtype=np.float32),
+            frequency_penalty=np.array([-0.5], dtype=np.float32),
+            min_length=np.array([3], dtype=np.int32),
+            bad_words=np.array([b"foo", b"bar baz"], dtype=np.object_),
+            return_log_probs=np.array([True]),
+            exclude_input_in_output=np.array([False]),
+            beam_width=np.array([1], dtype=np.int32),
+            num_return_sequences=np.array([1], dtype=np.int32),
+            pad_id=np.array([0], dtype=np.int32),
+            return_context_logits=np.array([False]),
+        )
+    )
+    p = parsed.params
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == pytest.approx(
+        (1.2, 0.5, -0.5)
+    )
+    assert (p.min_tokens, p.logprobs) == (3, 0)
+    assert parsed.bad_words == ("foo", "bar baz") and parsed.echo and parsed.return_log_probs
+    plain = parse_request(_getter(text_input=text))
+    assert not plain.echo and plain.params.logprobs is None  # absent: no echo (see README)
+    kept = parse_request(_getter(text_input=text, exclude_input_in_output=np.array([True])))
+    assert not kept.echo
+
+
 @pytest.mark.parametrize(
     ("arrays", "message"),
     [
         ({}, "text_input"),
+        (
+            {"text_input": np.array([b"x"], dtype=np.object_), "beam_width": np.array([2])},
+            "'beam_width' must be 1: beam search is not supported",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "num_return_sequences": np.array([3]),
+            },
+            "'num_return_sequences' must be 1",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "return_generation_logits": np.array([True]),
+            },
+            "logits are not returned",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "min_tokens": np.array([2], dtype=np.int32),
+                "min_length": np.array([3], dtype=np.int32),
+            },
+            "min_tokens and min_length",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "repetition_penalty": np.array([0.0], dtype=np.float32),
+            },
+            "repetition_penalty",
+        ),
         ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one value"),
         ({"text_input": np.array([1.5])}, "'text_input' must be STRING"),
         ({"text_input": np.array([b"\xff"], dtype=np.object_)}, "UTF-8"),
@@ -213,12 +278,36 @@ def test_responder_streams_deltas_and_ends_with_final_flag():
         sink(RequestOutput(rid, (6,), "y", finished=True, finish_reason="length"))
     _wait(lambda: len(stream_sender.sent) == 2 and len(whole_sender.sent) == 1)
     responder.stop()
-    assert stream_sender.sent[0] == ({"text_output": [b"x"], "output_ids": [5]}, 0)
+    first = {"text_output": [b"x"], "output_ids": [5], "sequence_length": [1]}
+    assert stream_sender.sent[0] == (first, 0)
     final, flags = stream_sender.sent[1]
     assert flags == 1 and final["text_output"] == [b"y"] and final["finish_reason"] == [b"length"]
     whole, flags = whole_sender.sent[0]
     assert flags == 1 and whole["text_output"] == [b"xy"] and whole["output_ids"] == [5, 6]
     assert responder.num_live() == 0 and cancels == []
+
+
+def test_responder_echoes_the_prompt_and_returns_log_probs_when_asked():
+    responder = Responder(FakeFactory(), lambda rid: None)
+    responder.start()
+    whole, streamed = FakeSender(), FakeSender()
+    echo = InflightRequest("e", whole, stream=False, echo_text="Hi", echo_ids=(1, 2))
+    echo.return_log_probs = True
+    sinks = [(responder.track(echo), "e")]
+    stream = InflightRequest("s", streamed, stream=True, return_log_probs=True)
+    sinks.append((responder.track(stream), "s"))
+    for sink, rid in sinks:
+        sink(RequestOutput(rid, (5,), "x", logprobs=(TokenLogprob(-0.5),)))
+        sink(RequestOutput(rid, (6,), "y", True, "length", logprobs=(TokenLogprob(-1.25),)))
+    _wait(lambda: len(whole.sent) == 1 and len(streamed.sent) == 2)
+    responder.stop()
+    final, _ = whole.sent[0]
+    assert final["text_output"] == [b"Hixy"] and final["output_ids"] == [1, 2, 5, 6]
+    assert final["sequence_length"] == [4]
+    assert final["output_log_probs"] == [-0.5, -1.25] and final["cum_log_probs"] == [-1.75]
+    first, last = streamed.sent[0][0], streamed.sent[1][0]
+    assert first["output_log_probs"] == [-0.5] and "cum_log_probs" not in first
+    assert last["output_log_probs"] == [-1.25] and last["cum_log_probs"] == [-1.75]
 
 
 def test_responder_cancels_and_still_sends_the_final_flag():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,8 +70,13 @@ class Engine:
         metadata: RequestMetadata | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        bad_words: Sequence[str] = (),
     ) -> Request:
-        """Tokenize and stamp a request; the loop validates lengths on submit."""
+        """Tokenize and stamp a request; the loop validates lengths on submit.
+
+        ``bad_words`` are strings (TensorRT-LLM's ``bad_words``), each tokenized as it would
+        appear mid-text and banned as a token sequence.
+        """
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt) if prompt else [], prompt
         else:
@@ -78,6 +84,13 @@ class Engine:
             vocab = self.model_config.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"input_ids must lie in [0, {vocab})")
+        if bad_words:
+            extra = tuple(
+                tuple(self.tokenizer.encode(w, add_special_tokens=False)) for w in bad_words
+            )
+            if not all(extra):
+                raise InvalidRequestError("bad_words: an entry is empty")
+            params = params.model_copy(update={"bad_words_ids": (*params.bad_words_ids, *extra)})
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         return Request(
             request_id=request_id or f"req-{next(self._ids)}",

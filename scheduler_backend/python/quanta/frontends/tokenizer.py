@@ -65,8 +65,11 @@ class Tokenizer:
         """The underlying `tokenizers.Tokenizer`, for callers that need offsets or batching."""
         return self._tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text, with BOS first when the checkpoint prepends one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text, with BOS first when the checkpoint prepends one (unless
+        ``add_special_tokens`` is false: a piece of text, such as a word to ban)."""
+        if not add_special_tokens:
+            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
         ids: list[int] = self._tokenizer.encode(text).ids
         return self._prefix + ids[1:] if self._strip_first else self._prefix + ids
 

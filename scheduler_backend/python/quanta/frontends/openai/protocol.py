@@ -2,7 +2,7 @@
 
 Requests are pydantic models that forbid unknown fields, so a typo is a 400 naming the field
 rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``n > 1``,
-``logprobs``, penalties, tools, ...) are rejected with a message that says so. Scheduling
+``logprobs``, ``logit_bias``, tools, ...) are rejected with a message that says so. Scheduling
 metadata are extra top-level fields (``tenant``, ``app``, ``interaction_id``,
 ``interaction_stage``, ``interaction_last``, ``system_tokens``, ``priority_class``,
 ``ttft_slo_ms``, ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless
@@ -84,7 +84,8 @@ class _GenerationRequest(_Checked):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's extension; its bench client sends 1.0
+    repetition_penalty: float | None = None  # vLLM's extension (HF's penalty)
+    min_tokens: Int32 | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     # Quanta extensions
     top_k: Int32 | None = None
@@ -111,11 +112,6 @@ class _GenerationRequest(_Checked):
         """The first requested feature Quanta does not offer, as a 400."""
         if self.n != 1:
             return invalid(f"n={self.n} is not supported: Quanta returns one choice (n=1)", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return invalid(f"{name} is not supported (only 0)", name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            return invalid("repetition_penalty is not supported (only 1.0)", "repetition_penalty")
         if self.logit_bias:
             return invalid("logit_bias is not supported", "logit_bias")
         return None
@@ -126,7 +122,7 @@ class _GenerationRequest(_Checked):
             "max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
             "ignore_eos": self.ignore_eos,
         }
-        for name in ("temperature", "top_p", "top_k", "seed"):
+        for name in _SAMPLING_FIELDS:
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         if self.stop is not None:
@@ -153,6 +149,16 @@ class _GenerationRequest(_Checked):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
 # Every scheduling field but ``tenant``, which ``user`` may give instead.
 _METADATA_FIELDS = tuple(name for name in RequestMetadata.model_fields if name != "tenant")
 

@@ -155,11 +155,19 @@ class TritonPythonModel:
         inflight.stream = parsed.stream
         inflight.tenant = parsed.metadata.tenant
         inflight.priority_class = parsed.metadata.priority_class
+        inflight.return_log_probs = parsed.return_log_probs
         sink = self._responder.track(inflight)
         try:
             r = self._engine.make_request(
-                parsed.prompt, parsed.params, metadata=parsed.metadata, request_id=rid
+                parsed.prompt,
+                parsed.params,
+                metadata=parsed.metadata,
+                request_id=rid,
+                bad_words=parsed.bad_words,
             )
+            if parsed.echo:
+                inflight.echo_ids = tuple(r.prompt_token_ids)
+                inflight.echo_text = r.prompt or self._engine.tokenizer.decode(r.prompt_token_ids)
             self._loop.submit(r, sink)
         except QuantaError as exc:
             self._responder.reject(inflight, exc)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from quanta.core.request import RequestMetadata, SamplingParams
-from quanta.frontends.triton.tensors import INPUTS
+from quanta.frontends.triton.tensors import INPUTS, OUTPUTS
 
 _NUMPY = {
     "TYPE_STRING": (np.object_, "BYTES"),
@@ -29,6 +29,7 @@ _NUMPY = {
     "TYPE_BOOL": (np.bool_, "BOOL"),
 }
 _TYPES = {name: (dtype, dims) for name, dtype, dims in INPUTS}
+_LIST_OUTPUTS = frozenset(name for name, _, dims in OUTPUTS if dims == [-1])
 
 
 class GenerateError(RuntimeError):
@@ -63,6 +64,14 @@ def request_inputs(
         raise ValueError("the Triton frontend takes one stop token id (end_id)")
     if params.ignore_eos:
         inputs["ignore_eos"] = True
+    defaults = SamplingParams()
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens"):
+        if getattr(params, name) != getattr(defaults, name):
+            inputs[name] = getattr(params, name)
+    if params.logprobs is not None:
+        inputs["return_log_probs"] = True
+    if params.bad_words_ids:
+        raise ValueError("the Triton frontend takes bad words as text (the bad_words input)")
     if metadata is not None:
         inputs.update(metadata.model_dump(exclude_none=True))
     return inputs
@@ -166,7 +175,7 @@ def grpc_outputs(result: Any) -> dict[str, Any]:
         if array is None:
             continue
         values = [v.decode("utf-8") if isinstance(v, bytes) else v.item() for v in array.ravel()]
-        event[out.name] = values[0] if out.name != "output_ids" else values
+        event[out.name] = values if out.name in _LIST_OUTPUTS else values[0]
     return event
 
 
@@ -194,8 +203,13 @@ def generate(
 
 def output_ids(event: dict[str, Any]) -> list[int]:
     """``output_ids`` of one response as a list (HTTP JSON unwraps a single element)."""
-    ids = event.get("output_ids", [])
-    return [ids] if isinstance(ids, int) else list(ids)
+    return output_list(event, "output_ids")
+
+
+def output_list(event: dict[str, Any], name: str) -> list[Any]:
+    """A list-shaped output of one response (HTTP JSON unwraps a single element)."""
+    values = event.get(name, [])
+    return list(values) if isinstance(values, list) else [values]
 
 
 def _checked(event: dict[str, Any]) -> dict[str, Any]:

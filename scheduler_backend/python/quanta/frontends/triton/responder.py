@@ -53,6 +53,12 @@ class InflightRequest:
     priority_class: str = "online"
     text: list[str] = field(default_factory=list)  # accumulated when not streaming
     token_ids: list[int] = field(default_factory=list)
+    # exclude_input_in_output=false: the non-streamed answer starts with the prompt
+    echo_text: str = ""
+    echo_ids: tuple[int, ...] = ()
+    return_log_probs: bool = False
+    logprobs: list[float] = field(default_factory=list)  # accumulated when not streaming
+    cumulative_logprob: float = 0.0
     cancelled: bool = False
     last_cancel_check: float = 0.0
 
@@ -130,26 +136,40 @@ class Responder:
             self._sweep()
 
     def _handle(self, inflight: InflightRequest, out: RequestOutput) -> None:
+        new_logprobs = [lp.logprob for lp in out.logprobs]
+        inflight.cumulative_logprob += sum(new_logprobs)
+        want = inflight.return_log_probs
         if not out.finished:
             if self._poll_cancelled(inflight, force=inflight.stream):
                 return
             if inflight.stream:
-                self._send(
-                    inflight, self._factory.response(output_arrays(out.new_text, out.new_token_ids))
+                arrays = output_arrays(
+                    out.new_text, out.new_token_ids, logprobs=new_logprobs if want else None
                 )
+                self._send(inflight, self._factory.response(arrays))
             else:
                 inflight.text.append(out.new_text)
                 inflight.token_ids.extend(out.new_token_ids)
+                inflight.logprobs.extend(new_logprobs)
             return
         with self._lock:
             self._live.pop(inflight.request_id, None)
-        text, ids = out.new_text, list(out.new_token_ids)
+        text, ids, logprobs = out.new_text, list(out.new_token_ids), new_logprobs
         if not inflight.stream:  # the one response carries everything
-            text, ids = "".join([*inflight.text, text]), [*inflight.token_ids, *ids]
+            text = "".join([inflight.echo_text, *inflight.text, text])
+            ids = [*inflight.echo_ids, *inflight.token_ids, *ids]
+            logprobs = [*inflight.logprobs, *logprobs]
         if out.error is not None:
             response = self._error(out.error)
         else:
-            arrays = output_arrays(text, ids, finish_reason=out.finish_reason, metrics=out.metrics)
+            arrays = output_arrays(
+                text,
+                ids,
+                finish_reason=out.finish_reason,
+                metrics=out.metrics,
+                logprobs=logprobs if want else None,
+                cumulative_logprob=inflight.cumulative_logprob if want else None,
+            )
             response = self._factory.response(arrays)
         self._send_final(inflight, response)
         if self._on_finished is not None:

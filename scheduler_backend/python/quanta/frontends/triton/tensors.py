@@ -46,6 +46,20 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("priority_class", "TYPE_STRING", [1]),
     ("ttft_slo_ms", "TYPE_FP32", [1]),
     ("tpot_slo_ms", "TYPE_FP32", [1]),
+    # TensorRT-LLM's names for the sampler's other features, with their dtypes.
+    ("repetition_penalty", "TYPE_FP32", [1]),
+    ("presence_penalty", "TYPE_FP32", [1]),
+    ("frequency_penalty", "TYPE_FP32", [1]),
+    ("min_tokens", "TYPE_INT32", [1]),
+    ("min_length", "TYPE_INT32", [1]),  # TensorRT-LLM's older name of min_tokens
+    ("bad_words", "TYPE_STRING", [-1]),
+    ("return_log_probs", "TYPE_BOOL", [1]),
+    ("exclude_input_in_output", "TYPE_BOOL", [1]),
+    ("beam_width", "TYPE_INT32", [1]),  # 1 only
+    ("num_return_sequences", "TYPE_INT32", [1]),  # 1 only
+    ("pad_id", "TYPE_INT32", [1]),  # accepted: nothing is padded
+    ("return_context_logits", "TYPE_BOOL", [1]),  # false only
+    ("return_generation_logits", "TYPE_BOOL", [1]),  # false only
 )
 OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("text_output", "TYPE_STRING", [1]),
@@ -57,6 +71,9 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("num_prompt_tokens", "TYPE_INT32", [1]),
     ("num_output_tokens", "TYPE_INT32", [1]),
     ("num_preemptions", "TYPE_INT32", [1]),
+    ("sequence_length", "TYPE_INT32", [1]),  # tokens in this response's output_ids
+    ("cum_log_probs", "TYPE_FP32", [1]),  # with return_log_probs, on the final response
+    ("output_log_probs", "TYPE_FP32", [-1]),  # with return_log_probs: one per output id
 )
 
 # numpy kinds accepted per Triton type: Triton already enforces the configured type, this is the
@@ -75,6 +92,17 @@ _SAMPLING_INPUTS = {
     "top_p": "top_p",
     "seed": "seed",
     "ignore_eos": "ignore_eos",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "min_tokens": "min_tokens",
+}
+# Inputs TensorRT-LLM clients send whose only meaningful value here is the default.
+_ONLY = {
+    "beam_width": (1, "beam search is not supported"),
+    "num_return_sequences": (1, "one sequence per request: send n requests with their own seeds"),
+    "return_context_logits": (False, "logits are not returned; ask for return_log_probs"),
+    "return_generation_logits": (False, "logits are not returned; ask for return_log_probs"),
 }
 _METADATA_INPUTS = tuple(RequestMetadata.model_fields)  # NOTE: each one is also in INPUTS
 
@@ -89,6 +117,9 @@ class ParsedRequest:
     params: SamplingParams
     metadata: RequestMetadata
     stream: bool
+    echo: bool = False  # exclude_input_in_output: false: a non-streamed answer repeats the prompt
+    return_log_probs: bool = False
+    bad_words: tuple[str, ...] = ()  # tokenized by the engine into SamplingParams.bad_words_ids
 
 
 def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
@@ -119,7 +150,16 @@ def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
         else:
             values[name] = [_scalar(name, v) for v in array.reshape(-1)]
     prompt = _prompt(values)
+    for name, (allowed, why) in _ONLY.items():
+        if name in values and values[name] != allowed:
+            raise InvalidRequestError(f"input '{name}' must be {allowed}: {why}")
+    min_length = values.get("min_length")
+    if min_length is not None and values.setdefault("min_tokens", min_length) != min_length:
+        raise InvalidRequestError("min_tokens and min_length (its older name) differ")
     sampling = {key: values[name] for name, key in _SAMPLING_INPUTS.items() if name in values}
+    return_log_probs = bool(values.get("return_log_probs", False))
+    if return_log_probs:
+        sampling["logprobs"] = 0
     if "stop_words" in values:
         sampling["stop"] = tuple(values["stop_words"])
     if "end_id" in values:
@@ -130,6 +170,9 @@ def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
         params=_validated(SamplingParams, sampling),
         metadata=_validated(RequestMetadata, metadata),
         stream=bool(values.get("stream", False)),
+        echo=values.get("exclude_input_in_output") is False,
+        return_log_probs=return_log_probs,
+        bad_words=tuple(values.get("bad_words", ())),
     )
 
 
@@ -205,12 +248,19 @@ def output_arrays(
     *,
     finish_reason: str | None = None,
     metrics: RequestMetrics | None = None,
+    logprobs: list[float] | None = None,
+    cumulative_logprob: float | None = None,
 ) -> dict[str, np.ndarray]:
     """Output tensors of one response; the final one also carries timing and accounting."""
     arrays = {
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
         "output_ids": np.array(token_ids, dtype=np.int32),
+        "sequence_length": np.array([len(token_ids)], dtype=np.int32),
     }
+    if logprobs is not None:
+        arrays["output_log_probs"] = np.array(logprobs, dtype=np.float32)
+    if cumulative_logprob is not None:
+        arrays["cum_log_probs"] = np.array([cumulative_logprob], dtype=np.float32)
     if finish_reason is not None:
         arrays["finish_reason"] = np.array([finish_reason.encode()], dtype=np.object_)
     if metrics is not None:
