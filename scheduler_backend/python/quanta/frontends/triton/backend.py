@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,7 @@ class TritonPythonModel:
             interval=settings.metrics_interval_ms / 1000,
             max_tenant_labels=settings.max_tenant_labels,
             info=self._engine.describe(),
+            restarts=int(os.environ.get("QUANTA_SERVER_RESTARTS", "0") or 0),
         )
         self._responder = Responder(
             TritonResponses(pb_utils),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -104,6 +105,14 @@ def serve(
     torch_threads: Annotated[
         int | None, typer.Option(min=1, help="CPU threads of the engine (default: torch's)")
     ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="restart a tritonserver that dies, at most this many times in a row "
+            "(a server up for 5 minutes resets the count); 0: exit with it",
+        ),
+    ] = 5,
 ) -> None:
     """Serve MODEL, or the model repository, through tritonserver (HTTP, gRPC, metrics)."""
     from quanta.frontends.triton.check import check_path
@@ -188,7 +197,7 @@ def serve(
                 _demo(server.http_url, model_name, demo)
                 return
             typer.echo("ready; Ctrl-C stops the server")
-            code = server.wait()
+            code = _supervise(server, max_restarts, ready_timeout)
             if code != 0:
                 raise typer.Exit(code)
         except LaunchError as exc:
@@ -200,6 +209,54 @@ def serve(
             if gateway is not None:
                 gateway.stop()
             server.stop()
+
+
+HEALTHY_S = 300.0  # a server up this long has recovered: its restarts no longer count
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
+
+def _supervise(server: Any, max_restarts: int, ready_timeout: float) -> int:
+    """Wait for the server; restart it when it dies, with backoff, until it has died
+    ``max_restarts`` times in a row. Returns its exit code when it stops for good.
+
+    Why: tritonserver 2.51 aborts on some streams of gRPC errors from clients (see the
+    README's "When tritonserver dies"); the clients, the OpenAI gateway and the ports
+    outlive it, so a restart on the same ports is all they need.
+    """
+    from quanta.frontends.triton.launcher import LaunchError
+
+    in_a_row = 0
+    while True:
+        started = time.monotonic()
+        code = server.wait()
+        if code == 0:  # it was shut down, not killed: nothing to recover from
+            return 0
+        if time.monotonic() - started >= HEALTHY_S:
+            in_a_row = 0
+        status = server.exit_status()
+        tail = "\n".join(f"  | {line}" for line in server.log_tail(25))
+        if in_a_row >= max_restarts:
+            typer.echo(
+                f"tritonserver died ({status}) and was restarted {in_a_row} time(s) in a row "
+                f"(--max-restarts {max_restarts}); giving up. Its last lines:\n{tail}",
+                err=True,
+            )
+            return code or 1
+        delay = BACKOFF_S[min(in_a_row, len(BACKOFF_S) - 1)]
+        in_a_row += 1
+        typer.echo(
+            f"tritonserver died ({status}); restart {in_a_row}/{max_restarts} in {delay:.0f}s. "
+            f"Its last lines:\n{tail}",
+            err=True,
+        )
+        time.sleep(delay)
+        try:
+            server.restart()
+            server.wait_ready(ready_timeout)
+        except LaunchError as exc:
+            typer.echo(f"restart failed: {exc}", err=True)
+            continue
+        typer.echo(f"ready again after restart {server.restarts}")
 
 
 def check_config(

@@ -10,6 +10,7 @@ libpython that must be the running interpreter's. So the launcher lays out a bac
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib.resources
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -162,6 +164,18 @@ class ServerOptions:
     extra_args: list[str] = field(default_factory=list)
 
 
+def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
+    """Until no process of the group is left (SIGKILL is delivered asynchronously), so the
+    shared memory and files they held are free when we go on."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on right now (best effort, as everywhere)."""
     import socket
@@ -183,6 +197,11 @@ class TritonServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._own_backend_dir = options.backend_dir is None
         self.backend_dir = options.backend_dir or Path(tempfile.mkdtemp(prefix="quanta-triton-"))
+        self._shm_prefix = ""
+        # Triton's last lines when it logs to the terminal (tee'd through a pipe), for the
+        # message that says why it died.
+        self._tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.restarts = 0  # how often start() ran after the first time (the backend reports it)
 
     @property
     def http_url(self) -> str:
@@ -198,7 +217,7 @@ class TritonServer:
 
     def command(self, binary: Path) -> list[str]:
         o = self.options
-        shm_prefix = f"quanta{os.getpid()}_{secrets.token_hex(3)}_"  # concurrent servers
+        shm_prefix = self._shm_prefix = f"quanta{os.getpid()}_{secrets.token_hex(3)}_"
         return [
             str(binary),
             f"--model-repository={Path(o.model_repository).resolve()}",
@@ -219,18 +238,57 @@ class TritonServer:
 
     def start(self) -> TritonServer:
         binary = find_tritonserver(self.options.tritonserver)
-        layout_backend_dir(self.backend_dir, binary)
-        out: IO[Any] | None = None
+        if not (self.backend_dir / BACKEND_NAME / "model.py").is_file():  # once: a restart
+            layout_backend_dir(self.backend_dir, binary)  # may find old stubs still exiting
+        out: IO[Any] | int = subprocess.PIPE
         if self.log_file is not None:
             out = self._log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
+        env = server_env(binary)
+        env["QUANTA_SERVER_RESTARTS"] = str(self.restarts)
         self._proc = subprocess.Popen(
             self.command(binary),
-            env=server_env(binary),
+            env=env,
             stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches us only; we forward it exactly once
         )
+        if self.log_file is None:
+            threading.Thread(target=self._tee, args=(self._proc,), daemon=True).start()
         return self
+
+    def restart(self) -> TritonServer:
+        """Stop what is left of a dead server (stubs, shared memory) and start a new one on
+        the same ports; the backend reports ``restarts`` as ``quanta_server_restarts_total``."""
+        self.stop(remove_backend_dir=False)
+        self._tail.clear()
+        self.restarts += 1
+        return self.start()
+
+    def exit_status(self) -> str:
+        """How the server ended, in words: "exit code 1", "signal 6 (SIGABRT)"."""
+        code = None if self._proc is None else self._proc.returncode
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        return f"exit code {code}"
+
+    def log_tail(self, n: int = 20) -> list[str]:
+        """Triton's last ``n`` log lines (from its log file, or from the terminal tee)."""
+        if self.log_file is not None and Path(self.log_file).is_file():
+            return Path(self.log_file).read_text(errors="replace").splitlines()[-n:]
+        return list(self._tail)[-n:]
+
+    def _tee(self, proc: subprocess.Popen[bytes]) -> None:
+        """Copy Triton's output to ours, keeping the tail; it must drain the pipe whatever
+        happens to our stdout, or Triton would block on a full pipe."""
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace")
+            self._tail.append(line.rstrip("\n"))
+            with contextlib.suppress(Exception):
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
     def is_ready(self) -> bool:
         try:
@@ -252,11 +310,15 @@ class TritonServer:
         raise LaunchError(f"tritonserver not ready after {timeout:.0f}s{self._log_tail()}")
 
     def wait(self) -> int:
-        assert self._proc is not None
+        """Block until the server exits; its exit code (1 when it never started)."""
+        if self._proc is None:
+            return 1
         return self._proc.wait()
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGINT (Triton's clean shutdown), then SIGKILL after ``timeout``; idempotent."""
+    def stop(self, timeout: float = 30.0, *, remove_backend_dir: bool = True) -> int | None:
+        """SIGINT (Triton's clean shutdown), then SIGKILL after ``timeout``; idempotent.
+        Whatever the way it ended, no process of its group and none of its shared-memory
+        segments outlive it."""
         code = None
         if self._proc is not None:
             if self._proc.poll() is None:
@@ -272,14 +334,25 @@ class TritonServer:
             # group, holding its shared memory; nothing of the group may survive a stop.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
+            _wait_group_gone(self._proc.pid)
             code = self._proc.returncode
             self._proc = None
+            self._remove_shared_memory()
         if self._log is not None:
             self._log.close()
             self._log = None
-        if self._own_backend_dir:
+        if self._own_backend_dir and remove_backend_dir:
             shutil.rmtree(self.backend_dir, ignore_errors=True)
         return code
+
+    def _remove_shared_memory(self) -> None:
+        """The Python backend's segments (``/dev/shm/<prefix>*``) are left behind when the
+        server dies without unloading its models."""
+        if not self._shm_prefix:
+            return
+        for segment in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
+            with contextlib.suppress(OSError):
+                segment.unlink()
 
     def __enter__(self) -> TritonServer:
         try:
@@ -294,7 +367,5 @@ class TritonServer:
         self.stop()
 
     def _log_tail(self, n: int = 40) -> str:
-        if self.log_file is None or not Path(self.log_file).is_file():
-            return ""
-        lines = Path(self.log_file).read_text(errors="replace").splitlines()[-n:]
-        return "\n--- tritonserver log (tail) ---\n" + "\n".join(lines)
+        lines = self.log_tail(n)
+        return "\n--- tritonserver log (tail) ---\n" + "\n".join(lines) if lines else ""

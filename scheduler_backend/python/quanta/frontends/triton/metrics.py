@@ -48,6 +48,11 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         "Always 1; the labels say what the engine runs with (policy, dtype, limits, cache).",
         None,
     ),
+    "quanta_server_restarts_total": (
+        "COUNTER",
+        "Times quanta serve restarted a tritonserver that died (counted across restarts).",
+        None,
+    ),
     "quanta_num_requests_waiting": ("GAUGE", "Requests waiting to be scheduled.", None),
     "quanta_num_requests_running": ("GAUGE", "Requests with KV in the device tier.", None),
     "quanta_num_requests_swapped": ("GAUGE", "Requests with KV in the host tier.", None),
@@ -134,8 +139,10 @@ class MetricsReporter:
         interval: float = 0.5,
         max_tenant_labels: int = 32,
         info: dict[str, str] | None = None,
+        restarts: int = 0,
     ) -> None:
         self._labels = labels
+        self._restarts = restarts
         self._info = tuple(sorted((info or {}).items()))
         self._tenant = TenantLabels(max_tenant_labels)
         self._stats = stats
@@ -155,6 +162,9 @@ class MetricsReporter:
 
     def start(self) -> None:
         self._metric("quanta_engine_info", self._info).set(1.0)
+        restarts = self._metric("quanta_server_restarts_total")
+        if self._restarts:
+            restarts.increment(float(self._restarts))
         self.flush()
         self._thread.start()
 
