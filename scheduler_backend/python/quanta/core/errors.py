@@ -42,6 +42,13 @@ class RequestAbortedError(QuantaError):
     code = "cancelled"
 
 
+class ShuttingDownError(QuantaError):
+    """The server is draining before a shutdown: it takes no new requests (retry elsewhere),
+    and one still running when the drain time ran out was ended."""
+
+    code = "shutting_down"
+
+
 class EngineStepError(QuantaError):
     """An exception inside an engine step failed the requests of that step."""
 

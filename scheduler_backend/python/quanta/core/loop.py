@@ -162,8 +162,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="quanta-loop", daemon=True)
         self._thread.start()
 
-    def stop(self, reason: str = "the engine stopped") -> None:
-        """Stop the thread and fail whatever is still in flight with ``reason``."""
+    def stop(
+        self,
+        reason: str = "the engine stopped",
+        error: type[QuantaError] = RequestAbortedError,
+    ) -> None:
+        """Stop the thread and fail whatever is still in flight with ``error(reason)``."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -171,7 +175,7 @@ class EngineLoop:
             self._thread.join()
             self._thread = None
         self._ingest()
-        self._fail(list(self._live.values()), reason, RequestAbortedError)
+        self._fail(list(self._live.values()), reason, error)
 
     def _run(self) -> None:
         while True:

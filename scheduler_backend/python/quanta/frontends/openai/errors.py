@@ -28,6 +28,7 @@ _TAGS = {
     "resource_exhausted": 429,  # a policy throttled the request
     "unavailable": 429,  # the tag older backends gave throttling
     "cancelled": 503,
+    "shutting_down": 503,  # draining before a shutdown: retry on another replica
     "internal": 500,
 }
 _TAG = re.compile(r"^\[(?P<tag>[a-z_]+)\]\s*")

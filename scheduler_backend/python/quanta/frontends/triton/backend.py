@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from quanta.core.errors import EngineStepError, QuantaError
+from quanta.core.errors import EngineStepError, QuantaError, ShuttingDownError
 from quanta.core.stream import RequestOutput
+from quanta.frontends.triton.drain import DrainWatch, drain_dir_from_env
 from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
 from quanta.frontends.triton.responder import InflightRequest, Responder
 from quanta.frontends.triton.settings import (
@@ -34,12 +35,15 @@ _ERROR_CODES = {
     # (HTTP 503), and the message's tag says what it really is.
     "resource_exhausted": "UNAVAILABLE",
     "cancelled": "CANCELLED",
+    "shutting_down": "UNAVAILABLE",
     "internal": "INTERNAL",
 }
+_DRAINING = "the server is shutting down and takes no new requests; retry on another replica"
 _FINISH_LABELS = {
     "invalid_argument": "invalid",
     "resource_exhausted": "throttled",
     "cancelled": "abort",
+    "shutting_down": "shutdown",
     "internal": "error",
 }
 
@@ -130,6 +134,16 @@ class TritonPythonModel:
         self._loop.start()
         self._responder.start()
         self._metrics.start()
+        self._drain: DrainWatch | None = None
+        drain_dir = drain_dir_from_env()
+        if drain_dir is not None and drain_dir.is_dir():
+            self._drain = DrainWatch(
+                drain_dir,
+                self._name,
+                num_live=self._responder.num_live,
+                end_all=lambda reason: self._loop.stop(reason, ShuttingDownError),
+            )
+            self._drain.start()
         described = " ".join(f"{k}={v}" for k, v in self._engine.describe().items())
         pb_utils.Logger.log_info(f"{self._name}: serving {described}")
 
@@ -141,6 +155,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Stop the loop (failing what is in flight), flush responses, then drop metrics."""
+        if self._drain is not None:
+            self._drain.stop()
         self._loop.stop("the model is being unloaded; the request was aborted")
         self._responder.stop()
         self._metrics.stop()
@@ -149,6 +165,9 @@ class TritonPythonModel:
     def _submit(self, request: Any) -> None:
         rid = f"{self._name}-{next(self._ids)}"
         inflight = InflightRequest(rid, request.get_response_sender(), stream=False)
+        if self._drain is not None and self._drain.is_draining():
+            self._responder.reject(inflight, ShuttingDownError(_DRAINING))
+            return
         try:
             parsed = parse_request(lambda name: self._input(request, name), request.parameters())
         except QuantaError as exc:

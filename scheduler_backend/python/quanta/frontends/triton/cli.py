@@ -105,6 +105,14 @@ def serve(
     torch_threads: Annotated[
         int | None, typer.Option(min=1, help="CPU threads of the engine (default: torch's)")
     ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish while new "
+            "ones are refused (503); 0: end them at once",
+        ),
+    ] = 30.0,
     max_restarts: Annotated[
         int,
         typer.Option(
@@ -204,11 +212,36 @@ def serve(
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
-            typer.echo("\nshutting down tritonserver ...")
+            _drain(server, drain_timeout)
+            typer.echo("shutting down tritonserver ...")
         finally:
+            # NOTE: a further Ctrl-C must not interrupt the stop half way and orphan Triton;
+            # the stop is bounded anyway (Triton's exit timeout, then SIGKILL).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if gateway is not None:
                 gateway.stop()
             server.stop()
+
+
+def _drain(server: Any, timeout: float) -> None:
+    """Refuse new requests, give in-flight ones ``timeout`` seconds, end the rest clearly;
+    a second Ctrl-C stops at once."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        drained = server.drain(
+            timeout,
+            announce=lambda: typer.echo(
+                f"\ndraining: new requests are refused, in-flight ones get {timeout:g} s "
+                "(Ctrl-C again to stop now) ..."
+            ),
+        )
+        if drained:
+            typer.echo("drained")
+        else:
+            typer.echo("drain did not finish in time; stopping anyway", err=True)
+    except KeyboardInterrupt:
+        typer.echo("stopping now")
 
 
 HEALTHY_S = 300.0  # a server up this long has recovered: its restarts no longer count

@@ -27,9 +27,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from quanta.frontends.triton.drain import ENV as DRAIN_ENV
+from quanta.frontends.triton.drain import request_drain, wait_drained
 
 BACKEND_NAME = "quanta"
 
@@ -202,6 +206,7 @@ class TritonServer:
         # message that says why it died.
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self.restarts = 0  # how often start() ran after the first time (the backend reports it)
+        self.drain_dir = Path(tempfile.mkdtemp(prefix="quanta-drain-"))
 
     @property
     def http_url(self) -> str:
@@ -245,6 +250,7 @@ class TritonServer:
             out = self._log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
         env = server_env(binary)
         env["QUANTA_SERVER_RESTARTS"] = str(self.restarts)
+        env[DRAIN_ENV] = str(self.drain_dir)
         self._proc = subprocess.Popen(
             self.command(binary),
             env=env,
@@ -261,8 +267,21 @@ class TritonServer:
         the same ports; the backend reports ``restarts`` as ``quanta_server_restarts_total``."""
         self.stop(remove_backend_dir=False)
         self._tail.clear()
+        for stale in self.drain_dir.iterdir():  # the dead instances never unregistered
+            stale.unlink()
         self.restarts += 1
         return self.start()
+
+    def drain(self, timeout: float, announce: Callable[[], None] | None = None) -> bool:
+        """Ask the running models to refuse new requests and finish theirs within
+        ``timeout`` seconds (the rest end with an error); True once none is in flight.
+        ``announce`` runs once the request is out (new requests are refused from then on)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return True
+        request_drain(self.drain_dir, timeout)
+        if announce is not None:
+            announce()
+        return wait_drained(self.drain_dir, timeout + 5.0)
 
     def exit_status(self) -> str:
         """How the server ended, in words: "exit code 1", "signal 6 (SIGABRT)"."""
@@ -341,8 +360,10 @@ class TritonServer:
         if self._log is not None:
             self._log.close()
             self._log = None
-        if self._own_backend_dir and remove_backend_dir:
-            shutil.rmtree(self.backend_dir, ignore_errors=True)
+        if remove_backend_dir:
+            shutil.rmtree(self.drain_dir, ignore_errors=True)
+            if self._own_backend_dir:
+                shutil.rmtree(self.backend_dir, ignore_errors=True)
         return code
 
     def _remove_shared_memory(self) -> None:
