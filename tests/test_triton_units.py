@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -275,6 +276,8 @@ def test_responder_streams_deltas_and_ends_with_final_flag():
     sink_b = responder.track(InflightRequest("b", whole_sender, stream=False))
     for sink, rid in ((sink_a, "a"), (sink_b, "b")):
         sink(RequestOutput(rid, (5,), "x"))
+    _wait(lambda: len(stream_sender.sent) == 1)  # sent before the next delta exists
+    for sink, rid in ((sink_a, "a"), (sink_b, "b")):
         sink(RequestOutput(rid, (6,), "y", finished=True, finish_reason="length"))
     _wait(lambda: len(stream_sender.sent) == 2 and len(whole_sender.sent) == 1)
     responder.stop()
@@ -298,6 +301,8 @@ def test_responder_echoes_the_prompt_and_returns_log_probs_when_asked():
     sinks.append((responder.track(stream), "s"))
     for sink, rid in sinks:
         sink(RequestOutput(rid, (5,), "x", logprobs=(TokenLogprob(-0.5),)))
+    _wait(lambda: len(streamed.sent) == 1)
+    for sink, rid in sinks:
         sink(RequestOutput(rid, (6,), "y", True, "length", logprobs=(TokenLogprob(-1.25),)))
     _wait(lambda: len(whole.sent) == 1 and len(streamed.sent) == 2)
     responder.stop()
@@ -308,6 +313,34 @@ def test_responder_echoes_the_prompt_and_returns_log_probs_when_asked():
     first, last = streamed.sent[0][0], streamed.sent[1][0]
     assert first["output_log_probs"] == [-0.5] and "cum_log_probs" not in first
     assert last["output_log_probs"] == [-1.25] and last["cum_log_probs"] == [-1.75]
+
+
+def test_responder_merges_what_queued_up_into_one_response_per_request():
+    """A responder behind the engine sends each request's backlog at once, not one IPC per
+    token, so streams catch up and a disconnect is seen within a step or two."""
+    gate = threading.Event()
+
+    class SlowSender(FakeSender):
+        def send(self, response=None, flags=0):
+            gate.wait(5)  # the first send blocks while the engine makes more deltas
+            super().send(response, flags)
+
+    responder = Responder(FakeFactory(), lambda rid: None)
+    responder.start()
+    sender = SlowSender()
+    sink = responder.track(InflightRequest("m", sender, stream=True))
+    sink(RequestOutput("m", (1,), "a"))
+    time.sleep(0.05)  # the responder is now blocked sending "a"
+    for i, text in enumerate("bcd", start=2):
+        sink(RequestOutput("m", (i,), text, logprobs=(TokenLogprob(-float(i)),)))
+    sink(RequestOutput("m", (5,), "e", True, "length"))
+    gate.set()
+    _wait(lambda: len(sender.sent) == 2)
+    responder.stop()
+    (first, _), (rest, flags) = sender.sent
+    assert first["text_output"] == [b"a"]
+    assert rest["text_output"] == [b"bcde"] and rest["output_ids"] == [2, 3, 4, 5]
+    assert flags == 1 and rest["finish_reason"] == [b"length"]
 
 
 def test_responder_cancels_and_still_sends_the_final_flag():

@@ -120,19 +120,28 @@ class Responder:
             except queue.Empty:
                 self._sweep()
                 continue
-            if item is _STOP:
+            batch = [item]
+            while True:  # whatever else is queued: sent together, one response per request
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(entry is _STOP for entry in batch)
+            for inflight, payload in _coalesce([e for e in batch if e is not _STOP]):
+                try:
+                    if isinstance(payload, QuantaError):
+                        self._send_final(inflight, self._error(payload))
+                        if self._on_finished is not None:
+                            rejected = RequestOutput(
+                                inflight.request_id, (), "", True, None, payload
+                            )
+                            self._on_finished(inflight, rejected)
+                    else:
+                        self._handle(inflight, payload)
+                except Exception:  # one broken request must not stop everyone's responses
+                    log.exception("responding to %s failed", inflight.request_id)
+            if stop:
                 return
-            inflight, payload = item
-            try:
-                if isinstance(payload, QuantaError):
-                    self._send_final(inflight, self._error(payload))
-                    if self._on_finished is not None:
-                        rejected = RequestOutput(inflight.request_id, (), "", True, None, payload)
-                        self._on_finished(inflight, rejected)
-                else:
-                    self._handle(inflight, payload)
-            except Exception:  # one broken request must not stop everyone's responses
-                log.exception("responding to %s failed", inflight.request_id)
             self._sweep()
 
     def _handle(self, inflight: InflightRequest, out: RequestOutput) -> None:
@@ -140,6 +149,8 @@ class Responder:
         inflight.cumulative_logprob += sum(new_logprobs)
         want = inflight.return_log_probs
         if not out.finished:
+            # NOTE: asked at every batch of a stream's deltas (one per responder round, as
+            # they are merged), so a disconnect is seen within a step or two at any load.
             if self._poll_cancelled(inflight, force=inflight.stream):
                 return
             if inflight.stream:
@@ -219,3 +230,42 @@ class Responder:
             live = list(self._live.values())
         for inflight in live:
             self._poll_cancelled(inflight)
+
+
+def _coalesce(
+    items: list[tuple[InflightRequest, RequestOutput | QuantaError]],
+) -> list[tuple[InflightRequest, RequestOutput | QuantaError]]:
+    """One entry per request, in order of first appearance: its deltas merged into one.
+
+    Why: every response is a blocking IPC to Triton, and an engine step makes one delta per
+    running request. At high concurrency the responder fell behind the engine, so streams
+    lagged and a client's disconnect was noticed only once its backlog was sent (about 100
+    tokens late at 50 streams); merging what queued up meanwhile bounds the IPCs per step.
+    """
+    merged: dict[str, tuple[InflightRequest, list[RequestOutput | QuantaError]]] = {}
+    for inflight, payload in items:
+        merged.setdefault(inflight.request_id, (inflight, []))[1].append(payload)
+    out: list[tuple[InflightRequest, RequestOutput | QuantaError]] = []
+    for inflight, payloads in merged.values():
+        deltas = [p for p in payloads if isinstance(p, RequestOutput)]
+        out.extend((inflight, p) for p in payloads if not isinstance(p, RequestOutput))
+        if deltas:
+            out.append((inflight, _merge(deltas)))
+    return out
+
+
+def _merge(deltas: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one (the last one says whether it finished)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return RequestOutput(
+        last.request_id,
+        tuple(t for d in deltas for t in d.new_token_ids),
+        "".join(d.new_text for d in deltas),
+        last.finished,
+        last.finish_reason,
+        last.error,
+        last.metrics,
+        tuple(lp for d in deltas for lp in d.logprobs),
+    )
