@@ -242,7 +242,8 @@ BAD = {
     "temperature < 0": ({"temperature": -1}, "temperature", "greater than or equal to 0"),
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
     "n=2": ({"n": 2}, "n", "n=2 is not supported"),
-    "logprobs": ({"logprobs": 1}, "logprobs", "logprobs is not supported"),
+    "echo": ({"echo": True}, "echo", "echo is not supported"),
+    "logprobs 21": ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     "repetition penalty 0": (
         {"extra_body": {"repetition_penalty": 0}},
         "repetition_penalty",
@@ -339,6 +340,47 @@ def test_penalties_and_min_tokens_reach_the_sampler(client, llm):
     assert out.choices[0].text == expected
     plain = llm.generate(["Hello there"], SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert expected != plain.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_logprobs_are_the_engines(client, llm, stream):
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    expected = llm.generate(["Hello there"], params)[0]
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=8, temperature=0, logprobs=2, stream=stream
+    )
+    choices = [c for chunk in out for c in chunk.choices] if stream else out.choices
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+    values = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+    tops = [d for c in choices if c.logprobs for d in c.logprobs.top_logprobs]
+    offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset]
+    assert values == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
+    text = llm.tokenizer.decode
+    assert tokens == [text([t]) for t in expected.token_ids]
+    # NOTE: the legacy format keys alternatives by text: two ids with one text merge
+    assert len(tops) == len(tokens) and all(1 <= len(d) <= 2 for d in tops)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_chat_logprobs_with_top_logprobs(client, llm):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy took the best
+        assert entry.bytes == list(entry.token.encode())
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=2
+        )
 
 
 def test_invalid_chat_request_is_400(client):

@@ -165,6 +165,19 @@ def test_trtllm_sampling_inputs_and_log_probs_match_offline_api(server, llm):
         assert final["sequence_length"] == len(output_ids(final)), mode
 
 
+def test_top_log_probs_come_as_n_ids_and_values_per_token(server, llm):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    expected = llm.generate("Hello", params)[0]
+    want_ids = [t for lp in expected.logprobs for t, _ in lp.top]
+    want_values = [v for lp in expected.logprobs for _, v in lp.top]
+    for mode in MODES:
+        _, events = run(server, mode, "Hello", params)
+        ids = [t for e in events for t in output_list(e, "top_log_prob_ids")]
+        values = [v for e in events for v in output_list(e, "top_log_probs")]
+        assert ids == want_ids, mode
+        assert values == pytest.approx(want_values, abs=1e-4), mode
+
+
 def test_exclude_input_in_output_false_echoes_the_prompt(server, llm):
     prompt = "Hello there"
     expected = llm.generate(prompt, GREEDY)[0]

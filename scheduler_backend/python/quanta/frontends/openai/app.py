@@ -29,13 +29,16 @@ from quanta.frontends.openai.protocol import (
     FINISH_REASONS,
     ChatCompletionRequest,
     CompletionRequest,
+    TokenLogprobs,
     chat_body,
     chat_chunk,
+    chat_logprobs,
     completion_body,
+    completion_logprobs,
     usage,
 )
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
-from quanta.frontends.triton.client import request_inputs
+from quanta.frontends.triton.client import output_ids, output_list, request_inputs
 
 Body = CompletionRequest | ChatCompletionRequest
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
@@ -128,6 +131,11 @@ class Gateway:
         error = body.unsupported()
         if error is not None:
             raise error
+        if body.top_logprobs_wanted is not None and self.template.token_text is None:
+            raise invalid(
+                "logprobs need the model's tokenizer: start the gateway with --model-dir",
+                "logprobs",
+            )
 
     async def _generate(
         self,
@@ -158,9 +166,29 @@ class Gateway:
         final = events[-1]
         finish = _finish(final)
         use = usage(final.get("num_prompt_tokens", 0), final.get("num_output_tokens", 0))
+        top = body.top_logprobs_wanted
+        tokens = None if top is None else [t for e in events for t in self._logprobs(e, top)]
         if chat:
-            return JSONResponse(chat_body(rid, body.model, text, finish, use))
-        return JSONResponse(completion_body(rid, body.model, text, finish, use, chunk=False))
+            logprobs = None if tokens is None else chat_logprobs(tokens)
+            return JSONResponse(chat_body(rid, body.model, text, finish, use, logprobs))
+        logprobs = None if tokens is None else completion_logprobs(tokens, top or 0)
+        body_ = completion_body(rid, body.model, text, finish, use, chunk=False, logprobs=logprobs)
+        return JSONResponse(body_)
+
+    def _logprobs(self, event: dict[str, Any], top: int) -> TokenLogprobs:
+        """The tokens of one Triton response with their logprobs, as text."""
+        text = self.template.token_text
+        assert text is not None  # checked in _check
+        ids = output_ids(event)
+        values = output_list(event, "output_log_probs")
+        alt_ids = output_list(event, "top_log_prob_ids")
+        alt_values = output_list(event, "top_log_probs")
+        out: TokenLogprobs = []
+        for i, (token, logprob) in enumerate(zip(ids, values, strict=True)):
+            window = slice(i * top, (i + 1) * top)
+            alts = zip(alt_ids[window], alt_values[window], strict=True)
+            out.append((text(token), logprob, [(text(a), v) for a, v in alts]))
+        return out
 
     async def _chunks(
         self, rid: str, body: Body, first: dict[str, Any], stream: GenerationStream
@@ -170,13 +198,27 @@ class Gateway:
         if chat:
             yield chat_chunk(rid, body.model, {"role": "assistant", "content": ""})
         event = first
+        top = body.top_logprobs_wanted
+        offset = 0
+        pending: TokenLogprobs = []  # tokens whose text the detokenizer still holds back
         while True:
             text, finish = event.get("text_output", ""), _finish(event)
+            if top is not None:
+                pending += self._logprobs(event, top)
             if text or finish:
+                tokens, pending = (None if top is None else pending), []
                 if chat:
-                    yield chat_chunk(rid, body.model, {"content": text} if text else {}, finish)
+                    delta = {"content": text} if text else {}
+                    logprobs = None if tokens is None else chat_logprobs(tokens)
+                    yield chat_chunk(rid, body.model, delta, finish, logprobs=logprobs)
                 else:
-                    yield completion_body(rid, body.model, text, finish, None, chunk=True)
+                    logprobs = None if tokens is None else completion_logprobs(tokens, top, offset)
+                    yield completion_body(
+                        rid, body.model, text, finish, None, chunk=True, logprobs=logprobs
+                    )
+                # NOTE: offsets count token texts, as a whole response's do (a token that is
+                # part of a multi-byte character has a text of its own)
+                offset += sum(len(t) for t, _, _ in tokens or ())
             if stream.done:
                 break
             event = await _next(stream)

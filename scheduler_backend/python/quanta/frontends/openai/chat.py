@@ -19,10 +19,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quanta.frontends.openai.errors import invalid
 from quanta.frontends.openai.protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from quanta.frontends.tokenizer import Tokenizer
 
 
 class ChatTemplate:
@@ -35,9 +38,13 @@ class ChatTemplate:
         bos_token: str = "",
         eos_token: str = "",
         count_tokens: Callable[[str], int] | None = None,
+        token_text: Callable[[int], str] | None = None,
     ) -> None:
         self.source = source
+        # The checkpoint's tokenizer as the gateway needs it: token counts of system
+        # messages, and the text of each token that logprobs name.
         self.count_tokens = count_tokens
+        self.token_text = token_text
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
         self._template: Any = None
         if source is not None:
@@ -52,22 +59,25 @@ class ChatTemplate:
         """The checkpoint's template if its ``tokenizer_config.json`` has one, else the default."""
         if model_dir is None:
             return cls()
-        count = _token_counter(Path(model_dir))
+        tokenizer = _tokenizer(Path(model_dir))
+        count = None if tokenizer is None else (lambda text: len(tokenizer.encode(text)))
+        text = None if tokenizer is None else (lambda token: tokenizer.decode([token]))
         path = Path(model_dir) / "tokenizer_config.json"
         if not path.is_file():
-            return cls(count_tokens=count)
+            return cls(count_tokens=count, token_text=text)
         config = json.loads(path.read_text(encoding="utf-8"))
         source = config.get("chat_template")
         if isinstance(source, list):  # HF's named templates: take "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
         if not isinstance(source, str):
-            return cls(count_tokens=count)
+            return cls(count_tokens=count, token_text=text)
         return cls(
             source,
             bos_token=_token(config, "bos_token"),
             eos_token=_token(config, "eos_token"),
             count_tokens=count,
+            token_text=text,
         )
 
     @classmethod
@@ -133,12 +143,11 @@ def _token(config: dict[str, Any], key: str) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _token_counter(model_dir: Path) -> Callable[[str], int] | None:
-    """Token counts by the checkpoint's own tokenizer, when the directory has one."""
+def _tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The checkpoint's own tokenizer, when the directory has one."""
     from quanta.frontends.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(model_dir)
+        return load_tokenizer(model_dir)
     except (FileNotFoundError, OSError, ValueError):
         return None
-    return lambda text: len(tokenizer.encode(text))

@@ -2,7 +2,7 @@
 
 Requests are pydantic models that forbid unknown fields, so a typo is a 400 naming the field
 rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``n > 1``,
-``logprobs``, ``logit_bias``, tools, ...) are rejected with a message that says so. Scheduling
+``echo``, ``logit_bias``, tools, ...) are rejected with a message that says so. Scheduling
 metadata are extra top-level fields (``tenant``, ``app``, ``interaction_id``,
 ``interaction_stage``, ``interaction_last``, ``system_tokens``, ``priority_class``,
 ``ttft_slo_ms``, ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless
@@ -127,7 +127,14 @@ class _GenerationRequest(_Checked):
                 fields[name] = getattr(self, name)
         if self.stop is not None:
             fields["stop"] = self.stop
+        wanted = self.top_logprobs_wanted
+        if wanted is not None:
+            fields["logprobs"] = wanted
         return _validated(SamplingParams, fields)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return None
 
     def metadata(self, system_tokens: int | None = None) -> RequestMetadata:
         """Scheduling metadata; ``tenant`` wins over OpenAI's ``user``, and an explicit
@@ -172,9 +179,12 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Logprobs asked for: None (none), else how many alternatives per token."""
+        return self.logprobs
+
     def unsupported(self) -> OpenAIError | None:
-        if self.logprobs is not None:
-            return invalid("logprobs is not supported by Quanta", "logprobs")
         if self.echo:
             return invalid("echo is not supported", "echo")
         if self.suffix:
@@ -224,9 +234,13 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> OpenAIError | None:
-        if self.logprobs or self.top_logprobs is not None:
-            return invalid("logprobs is not supported by Quanta", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            return invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             return invalid("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type") != "text":
@@ -259,11 +273,50 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+TokenLogprobs = list[tuple[str, float, list[tuple[str, float]]]]
+"""Per token: its text, its log-probability, and the alternatives asked for."""
+
+
+def completion_logprobs(tokens: TokenLogprobs, top: int, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset``: characters already sent."""
+    offsets = []
+    for text, _, _ in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [t for t, _, _ in tokens],
+        "token_logprobs": [lp for _, lp, _ in tokens],
+        "top_logprobs": [dict(alts) for _, _, alts in tokens] if top else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokens: TokenLogprobs) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``content``: one entry per token, with its bytes)."""
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            entry(t, lp) | {"top_logprobs": [entry(a, v) for a, v in alts]}
+            for t, lp, alts in tokens
+        ]
+    }
+
+
 def completion_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None, *, chunk: bool
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict[str, int] | None,
+    *,
+    chunk: bool,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ``text_completion`` object, whole or as one streamed chunk."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     body: dict[str, Any] = {
         "id": rid,
         "object": "text_completion",
@@ -277,16 +330,22 @@ def completion_body(
 
 
 def chat_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict[str, int] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole ``chat.completion``."""
     message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "choices": [choice],
         "usage": use,
     }
 
@@ -297,6 +356,7 @@ def chat_chunk(
     delta: dict[str, str] | None,
     finish: str | None = None,
     use: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
     body: dict[str, Any] = {
@@ -306,7 +366,7 @@ def chat_chunk(
         "model": model,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
     if use is not None:
         body["usage"] = use

@@ -177,6 +177,7 @@ class TritonPythonModel:
         inflight.tenant = parsed.metadata.tenant
         inflight.priority_class = parsed.metadata.priority_class
         inflight.return_log_probs = parsed.return_log_probs
+        inflight.top_log_probs = parsed.top_log_probs
         sink = self._responder.track(inflight)
         try:
             r = self._engine.make_request(

@@ -70,6 +70,8 @@ def request_inputs(
             inputs[name] = getattr(params, name)
     if params.logprobs is not None:
         inputs["return_log_probs"] = True
+        if params.logprobs:
+            inputs["top_log_probs"] = params.logprobs
     if params.bad_words_ids:
         raise ValueError("the Triton frontend takes bad words as text (the bad_words input)")
     if metadata is not None:

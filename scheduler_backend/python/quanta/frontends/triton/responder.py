@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from quanta.core.errors import QuantaError
+from quanta.core.output import TokenLogprob
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.tensors import output_arrays
 
@@ -57,7 +58,8 @@ class InflightRequest:
     echo_text: str = ""
     echo_ids: tuple[int, ...] = ()
     return_log_probs: bool = False
-    logprobs: list[float] = field(default_factory=list)  # accumulated when not streaming
+    top_log_probs: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # accumulated when not streaming
     cumulative_logprob: float = 0.0
     cancelled: bool = False
     last_cancel_check: float = 0.0
@@ -145,9 +147,9 @@ class Responder:
             self._sweep()
 
     def _handle(self, inflight: InflightRequest, out: RequestOutput) -> None:
-        new_logprobs = [lp.logprob for lp in out.logprobs]
-        inflight.cumulative_logprob += sum(new_logprobs)
-        want = inflight.return_log_probs
+        new_logprobs = list(out.logprobs)
+        inflight.cumulative_logprob += sum(lp.logprob for lp in new_logprobs)
+        want, top = inflight.return_log_probs, inflight.top_log_probs
         if not out.finished:
             # NOTE: asked at every batch of a stream's deltas (one per responder round, as
             # they are merged), so a disconnect is seen within a step or two at any load.
@@ -155,7 +157,10 @@ class Responder:
                 return
             if inflight.stream:
                 arrays = output_arrays(
-                    out.new_text, out.new_token_ids, logprobs=new_logprobs if want else None
+                    out.new_text,
+                    out.new_token_ids,
+                    logprobs=new_logprobs if want else None,
+                    top=top,
                 )
                 self._send(inflight, self._factory.response(arrays))
             else:
@@ -179,6 +184,7 @@ class Responder:
                 finish_reason=out.finish_reason,
                 metrics=out.metrics,
                 logprobs=logprobs if want else None,
+                top=top,
                 cumulative_logprob=inflight.cumulative_logprob if want else None,
             )
             response = self._factory.response(arrays)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from quanta.core.errors import InvalidRequestError
+from quanta.core.output import TokenLogprob
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.stream import RequestMetrics
 
@@ -54,6 +55,7 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("min_length", "TYPE_INT32", [1]),  # TensorRT-LLM's older name of min_tokens
     ("bad_words", "TYPE_STRING", [-1]),
     ("return_log_probs", "TYPE_BOOL", [1]),
+    ("top_log_probs", "TYPE_INT32", [1]),  # Quanta: also the N most likely tokens' (0-20)
     ("exclude_input_in_output", "TYPE_BOOL", [1]),
     ("beam_width", "TYPE_INT32", [1]),  # 1 only
     ("num_return_sequences", "TYPE_INT32", [1]),  # 1 only
@@ -74,6 +76,8 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("sequence_length", "TYPE_INT32", [1]),  # tokens in this response's output_ids
     ("cum_log_probs", "TYPE_FP32", [1]),  # with return_log_probs, on the final response
     ("output_log_probs", "TYPE_FP32", [-1]),  # with return_log_probs: one per output id
+    ("top_log_prob_ids", "TYPE_INT32", [-1]),  # with top_log_probs N: N per output id
+    ("top_log_probs", "TYPE_FP32", [-1]),  # their log-probabilities, in the same order
 )
 
 # numpy kinds accepted per Triton type: Triton already enforces the configured type, this is the
@@ -119,6 +123,7 @@ class ParsedRequest:
     stream: bool
     echo: bool = False  # exclude_input_in_output: false: a non-streamed answer repeats the prompt
     return_log_probs: bool = False
+    top_log_probs: int = 0
     bad_words: tuple[str, ...] = ()  # tokenized by the engine into SamplingParams.bad_words_ids
 
 
@@ -157,9 +162,10 @@ def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
     if min_length is not None and values.setdefault("min_tokens", min_length) != min_length:
         raise InvalidRequestError("min_tokens and min_length (its older name) differ")
     sampling = {key: values[name] for name, key in _SAMPLING_INPUTS.items() if name in values}
-    return_log_probs = bool(values.get("return_log_probs", False))
+    top_log_probs = values.get("top_log_probs", 0)
+    return_log_probs = bool(values.get("return_log_probs", False)) or top_log_probs > 0
     if return_log_probs:
-        sampling["logprobs"] = 0
+        sampling["logprobs"] = top_log_probs
     if "stop_words" in values:
         sampling["stop"] = tuple(values["stop_words"])
     if "end_id" in values:
@@ -172,6 +178,7 @@ def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
         stream=bool(values.get("stream", False)),
         echo=values.get("exclude_input_in_output") is False,
         return_log_probs=return_log_probs,
+        top_log_probs=top_log_probs,
         bad_words=tuple(values.get("bad_words", ())),
     )
 
@@ -228,7 +235,7 @@ def _validated(model: type[Any], fields: dict[str, Any]) -> Any:
         raise InvalidRequestError(validation_message(exc, rename=_PARAM_TO_INPUT)) from None
 
 
-_PARAM_TO_INPUT = {"stop": "stop_words", "stop_token_ids": "end_id"}
+_PARAM_TO_INPUT = {"stop": "stop_words", "stop_token_ids": "end_id", "logprobs": "top_log_probs"}
 
 
 def validation_message(exc: ValidationError, rename: dict[str, str] | None = None) -> str:
@@ -248,7 +255,8 @@ def output_arrays(
     *,
     finish_reason: str | None = None,
     metrics: RequestMetrics | None = None,
-    logprobs: list[float] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    top: int = 0,
     cumulative_logprob: float | None = None,
 ) -> dict[str, np.ndarray]:
     """Output tensors of one response; the final one also carries timing and accounting."""
@@ -258,7 +266,12 @@ def output_arrays(
         "sequence_length": np.array([len(token_ids)], dtype=np.int32),
     }
     if logprobs is not None:
-        arrays["output_log_probs"] = np.array(logprobs, dtype=np.float32)
+        arrays["output_log_probs"] = np.array([lp.logprob for lp in logprobs], dtype=np.float32)
+        if top:
+            rows = [lp.top[:top] for lp in logprobs]
+            ids = [t for row in rows for t, _ in row]
+            arrays["top_log_prob_ids"] = np.array(ids, dtype=np.int32)
+            arrays["top_log_probs"] = np.array([v for row in rows for _, v in row], np.float32)
     if cumulative_logprob is not None:
         arrays["cum_log_probs"] = np.array([cumulative_logprob], dtype=np.float32)
     if finish_reason is not None:
