@@ -241,7 +241,8 @@ def test_user_and_metadata_reach_the_scheduler(client, live):
 BAD = {
     "temperature < 0": ({"temperature": -1}, "temperature", "greater than or equal to 0"),
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
-    "n=2": ({"n": 2}, "n", "n=2 is not supported"),
+    "n=0": ({"n": 0}, "n", "greater than or equal to 1"),
+    "n=17": ({"n": 17}, "n", "less than or equal to 16"),
     "echo": ({"echo": True}, "echo", "echo is not supported"),
     "logprobs 21": ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     "repetition penalty 0": (
@@ -384,10 +385,51 @@ def test_chat_logprobs_with_top_logprobs(client, llm):
 
 
 def test_invalid_chat_request_is_400(client):
-    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
+    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], n=3
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
         )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_are_seeded_samples_each_equal_to_the_offline_api(client, llm, stream):
+    n, seed = 3, 11
+    expected = [
+        llm.generate(
+            ["Hello there"],
+            SamplingParams(max_tokens=8, temperature=1.0, seed=seed + i, ignore_eos=True),
+        )[0].text
+        for i in range(n)
+    ]
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=8, temperature=1.0, seed=seed, n=n,
+        stream=stream, extra_body={"ignore_eos": True},
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )  # fmt: skip
+    texts = [""] * n
+    if stream:
+        chunks = list(out)
+        for chunk in chunks:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        usage_ = chunks[-1].usage
+    else:
+        assert [c.index for c in out.choices] == list(range(n))
+        texts = [c.text for c in out.choices]
+        usage_ = out.usage
+    assert texts == expected
+    assert len(set(texts)) > 1  # the seeds differ
+    assert usage_.completion_tokens == 8 * n
+
+
+def test_n_chat_choices(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, seed=5
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.message.role == "assistant" for c in out.choices)
 
 
 def test_unknown_model_is_404(client):

@@ -145,35 +145,83 @@ class Gateway:
         params: SamplingParams,
         system_tokens: int | None = None,
     ) -> Response:
+        """One Triton request per choice (``n``): choice i samples with seed ``seed + i``."""
         metadata = body.metadata(system_tokens)
-        inputs = request_inputs(prompt, params, stream=body.stream, metadata=metadata)
-        stream = self.upstream.stream(self.triton_model, inputs)
+        streams = [
+            self.upstream.stream(
+                self.triton_model,
+                request_inputs(
+                    prompt, _choice_params(params, i), stream=body.stream, metadata=metadata
+                ),
+            )
+            for i in range(body.n)
+        ]
         chat = isinstance(body, ChatCompletionRequest)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"
-        watcher = DisconnectWatcher(request, stream.cancel)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{streams[0].request_id}"
+
+        def cancel() -> None:
+            for stream in streams:
+                stream.cancel()
+
+        watcher = DisconnectWatcher(request, cancel)
         try:
-            first = await _next(stream)
+            firsts = [await _next(stream) for stream in streams]  # errors before any header
             if body.stream:
-                sse = _sse(self._chunks(rid, body, first, stream), stream, watcher)
+                chunks = self._all_chunks(rid, body, firsts, streams)
+                sse = _sse(chunks, cancel, watcher)
                 watcher = None  # NOTE: the SSE generator owns it from here
                 return StreamingResponse(sse, media_type="text/event-stream", headers=_SSE_HEADERS)
-            events = [first, *[e async for e in _mapped(stream)]]
+            runs = [
+                [first, *[e async for e in _mapped(stream)]]
+                for first, stream in zip(firsts, streams, strict=True)
+            ]
         finally:
             if watcher is not None:
                 watcher.stop()
-                stream.cancel()
-        text = "".join(e.get("text_output", "") for e in events)
-        final = events[-1]
-        finish = _finish(final)
-        use = usage(final.get("num_prompt_tokens", 0), final.get("num_output_tokens", 0))
+                cancel()
         top = body.top_logprobs_wanted
-        tokens = None if top is None else [t for e in events for t in self._logprobs(e, top)]
-        if chat:
-            logprobs = None if tokens is None else chat_logprobs(tokens)
-            return JSONResponse(chat_body(rid, body.model, text, finish, use, logprobs))
-        logprobs = None if tokens is None else completion_logprobs(tokens, top or 0)
-        body_ = completion_body(rid, body.model, text, finish, use, chunk=False, logprobs=logprobs)
-        return JSONResponse(body_)
+        choices = []
+        for index, events in enumerate(runs):
+            text = "".join(e.get("text_output", "") for e in events)
+            finish = _finish(events[-1])
+            tokens = None if top is None else [t for e in events for t in self._logprobs(e, top)]
+            if chat:
+                logprobs = None if tokens is None else chat_logprobs(tokens)
+                choice = chat_body(rid, body.model, text, finish, None, logprobs)["choices"][0]
+            else:
+                logprobs = None if tokens is None else completion_logprobs(tokens, top or 0)
+                choice = completion_body(
+                    rid, body.model, text, finish, None, chunk=False, logprobs=logprobs
+                )["choices"][0]
+            choices.append(choice | {"index": index})
+        whole = (chat_body if chat else _completion_whole)(rid, body.model, "", None, _usage(runs))
+        return JSONResponse(whole | {"choices": choices})
+
+    async def _all_chunks(
+        self,
+        rid: str,
+        body: Body,
+        firsts: list[dict[str, Any]],
+        streams: list[GenerationStream],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every choice's chunks as they come, then the usage chunk if asked."""
+        finals: list[dict[str, Any]] = list(firsts)
+
+        def note(index: int, event: dict[str, Any]) -> None:
+            finals[index] = event
+
+        per_choice = [
+            self._chunks(rid, body, first, stream, index, note)
+            for index, (first, stream) in enumerate(zip(firsts, streams, strict=True))
+        ]
+        async for chunk in _interleave(per_choice):
+            yield chunk
+        if body.include_usage:
+            use = _usage([[event] for event in finals])
+            if isinstance(body, ChatCompletionRequest):
+                yield chat_chunk(rid, body.model, None, use=use)
+            else:
+                yield completion_body(rid, body.model, "", None, use, chunk=True)
 
     def _logprobs(self, event: dict[str, Any], top: int) -> TokenLogprobs:
         """The tokens of one Triton response with their logprobs, as text."""
@@ -191,17 +239,24 @@ class Gateway:
         return out
 
     async def _chunks(
-        self, rid: str, body: Body, first: dict[str, Any], stream: GenerationStream
+        self,
+        rid: str,
+        body: Body,
+        first: dict[str, Any],
+        stream: GenerationStream,
+        index: int,
+        note: Callable[[int, dict[str, Any]], None],
     ) -> AsyncIterator[dict[str, Any]]:
-        """The chunk objects of a streamed response, ending with the usage chunk if asked."""
+        """The chunks of one choice; ``note`` learns each event (the last has the usage)."""
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
-            yield chat_chunk(rid, body.model, {"role": "assistant", "content": ""})
+            yield _indexed(chat_chunk(rid, body.model, {"role": "assistant", "content": ""}), index)
         event = first
         top = body.top_logprobs_wanted
         offset = 0
         pending: TokenLogprobs = []  # tokens whose text the detokenizer still holds back
         while True:
+            note(index, event)
             text, finish = event.get("text_output", ""), _finish(event)
             if top is not None:
                 pending += self._logprobs(event, top)
@@ -210,24 +265,82 @@ class Gateway:
                 if chat:
                     delta = {"content": text} if text else {}
                     logprobs = None if tokens is None else chat_logprobs(tokens)
-                    yield chat_chunk(rid, body.model, delta, finish, logprobs=logprobs)
+                    chunk = chat_chunk(rid, body.model, delta, finish, logprobs=logprobs)
                 else:
                     logprobs = None if tokens is None else completion_logprobs(tokens, top, offset)
-                    yield completion_body(
+                    chunk = completion_body(
                         rid, body.model, text, finish, None, chunk=True, logprobs=logprobs
                     )
+                yield _indexed(chunk, index)
                 # NOTE: offsets count token texts, as a whole response's do (a token that is
                 # part of a multi-byte character has a text of its own)
                 offset += sum(len(t) for t, _, _ in tokens or ())
             if stream.done:
                 break
             event = await _next(stream)
-        if body.include_usage:
-            use = usage(event.get("num_prompt_tokens", 0), event.get("num_output_tokens", 0))
-            if chat:
-                yield chat_chunk(rid, body.model, None, use=use)
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of ``n``: its own random stream when a seed was given."""
+    if index == 0 or params.seed is None:
+        return params
+    return params.model_copy(update={"seed": (params.seed + index) % 2**63})
+
+
+def _usage(runs: list[list[dict[str, Any]]]) -> dict[str, int]:
+    """One prompt, every choice's completion tokens."""
+    prompt = runs[0][-1].get("num_prompt_tokens", 0)
+    return usage(prompt, sum(events[-1].get("num_output_tokens", 0) for events in runs))
+
+
+def _completion_whole(
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None
+) -> dict[str, Any]:
+    return completion_body(rid, model, text, finish, use, chunk=False)
+
+
+def _indexed(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+    for choice in chunk["choices"]:
+        choice["index"] = index
+    return chunk
+
+
+_END = object()
+
+
+async def _interleave(
+    sources: list[AsyncIterator[dict[str, Any]]],
+) -> AsyncIterator[dict[str, Any]]:
+    """Items of all ``sources`` in the order they come; the first error ends it."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(source: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for item in source:
+                await queue.put(item)
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put(exc)
+        finally:
+            await queue.put(_END)
+
+    tasks = [asyncio.create_task(pump(source)) for source in sources]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
             else:
-                yield completion_body(rid, body.model, "", None, use, chunk=True)
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class DisconnectWatcher:
@@ -251,7 +364,7 @@ class DisconnectWatcher:
 
 
 async def _sse(
-    chunks: AsyncIterator[dict[str, Any]], stream: GenerationStream, watcher: DisconnectWatcher
+    chunks: AsyncIterator[dict[str, Any]], cancel: Callable[[], None], watcher: DisconnectWatcher
 ) -> AsyncIterator[str]:
     """Server-sent events of ``chunks``; an error mid-stream is one ``{"error": ...}`` event."""
     try:
@@ -263,7 +376,7 @@ async def _sse(
         yield "data: [DONE]\n\n"
     finally:
         watcher.stop()
-        stream.cancel()
+        cancel()
 
 
 async def _next(stream: GenerationStream) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """OpenAI request models, their translation to Quanta's sampling settings, and response bodies.
 
 Requests are pydantic models that forbid unknown fields, so a typo is a 400 naming the field
-rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``n > 1``,
-``echo``, ``logit_bias``, tools, ...) are rejected with a message that says so. Scheduling
+rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``echo``,
+``best_of``, ``logit_bias``, tools, ...) are rejected with a message that says so. Scheduling
 metadata are extra top-level fields (``tenant``, ``app``, ``interaction_id``,
 ``interaction_stage``, ``interaction_last``, ``system_tokens``, ``priority_class``,
 ``ttft_slo_ms``, ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless
@@ -76,7 +76,7 @@ class _GenerationRequest(_Checked):
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=16)  # choices: one Triton request each
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -110,8 +110,6 @@ class _GenerationRequest(_Checked):
 
     def unsupported(self) -> OpenAIError | None:
         """The first requested feature Quanta does not offer, as a 400."""
-        if self.n != 1:
-            return invalid(f"n={self.n} is not supported: Quanta returns one choice (n=1)", "n")
         if self.logit_bias:
             return invalid("logit_bias is not supported", "logit_bias")
         return None
