@@ -182,6 +182,7 @@ def test_exclude_input_in_output_false_echoes_the_prompt(server, llm):
     prompt = "Hello there"
     expected = llm.generate(prompt, GREEDY)[0]
     inputs = request_inputs(prompt, GREEDY, stream=False) | {"exclude_input_in_output": False}
+    assert request_inputs(prompt, GREEDY, stream=False)["exclude_input_in_output"]
     for events in (
         list(http_events(server.http_url, MODEL, inputs, stream=False)),
         list(grpc_events(server.grpc_url, MODEL, inputs)),

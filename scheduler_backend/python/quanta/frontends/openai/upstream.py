@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from quanta.frontends.triton.client import grpc_inputs, grpc_outputs
+from quanta.frontends.triton.client import grpc_inputs, grpc_outputs, has_batch_dim
 
 
 class UpstreamError(RuntimeError):
@@ -36,6 +36,7 @@ class TritonGrpc:
         self.url = url.split("://", 1)[1] if "://" in url else url
         self.timeout_s = timeout_s
         self._client: Any = None
+        self._batch_dims: dict[str, bool] = {}
 
     @property
     def client(self) -> Any:
@@ -51,6 +52,17 @@ class TritonGrpc:
     ) -> GenerationStream:
         """The responses of one request; nothing is sent until it is first iterated."""
         return GenerationStream(self, model, inputs, request_id or uuid.uuid4().hex)
+
+    async def batch_dim(self, model: str) -> bool:
+        """Whether ``model`` takes a batch dimension (asked once; False when it cannot be
+        asked, so the request itself reports what is wrong)."""
+        if model not in self._batch_dims:
+            try:
+                config = await self.client.get_model_config(model, as_json=True)
+            except Exception:
+                return False
+            self._batch_dims[model] = has_batch_dim(config)
+        return self._batch_dims[model]
 
     async def is_model_ready(self, model: str) -> bool:
         try:
@@ -88,8 +100,9 @@ class GenerationStream:
         if self.done:
             raise StopAsyncIteration
         if self._responses is None:
+            batched = await self._upstream.batch_dim(self._model)
             self._responses = self._upstream.client.stream_infer(
-                self._requests(), stream_timeout=self._upstream.timeout_s
+                self._requests(batched), stream_timeout=self._upstream.timeout_s
             )
         try:
             result, error = await self._responses.__anext__()
@@ -132,9 +145,9 @@ class GenerationStream:
     async def aclose(self) -> None:
         self.cancel()
 
-    async def _requests(self) -> AsyncIterator[dict[str, Any]]:
+    async def _requests(self, batch_dim: bool) -> AsyncIterator[dict[str, Any]]:
         yield {
             "model_name": self._model,
-            "inputs": grpc_inputs(self._inputs),
+            "inputs": grpc_inputs(self._inputs, batch_dim=batch_dim),
             "request_id": self.request_id,
         }

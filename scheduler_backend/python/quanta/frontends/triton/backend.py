@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from quanta.core.errors import EngineStepError, QuantaError, ShuttingDownError
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.drain import DrainWatch, drain_dir_from_env
@@ -25,7 +27,13 @@ from quanta.frontends.triton.settings import (
     parameters_from_model_config,
     parse_parameters,
 )
-from quanta.frontends.triton.tensors import INPUTS, OUTPUTS, parse_request
+from quanta.frontends.triton.tensors import (
+    INPUTS,
+    OUTPUTS,
+    TRTLLM_MAX_BATCH,
+    TRTLLM_OUTPUTS,
+    parse_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +56,23 @@ _FINISH_LABELS = {
 }
 
 
+def _layout(model_config: dict[str, Any]) -> str:
+    raw = (model_config.get("parameters") or {}).get("io_layout") or {}
+    return str(raw.get("string_value") or "quanta")
+
+
 class TritonResponses:
     """``ResponseFactory`` over ``pb_utils``: output tensors or a typed ``TritonError``."""
 
-    def __init__(self, pb_utils: Any) -> None:
+    def __init__(self, pb_utils: Any, *, batch_dim: bool = False) -> None:
         self._pb = pb_utils
+        self._batch_dim = batch_dim  # the TensorRT-LLM layout: every output is [1, ...]
         self.final_flag: int = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
     def response(self, arrays: dict[str, Any]) -> Any:
+        if self._batch_dim:
+            arrays = {"batch_index": np.zeros(1, dtype=np.int32), **arrays}
+            arrays = {name: value[None, ...] for name, value in arrays.items()}
         tensors = [self._pb.Tensor(name, value) for name, value in arrays.items()]
         return self._pb.InferenceResponse(output_tensors=tensors)
 
@@ -75,15 +92,19 @@ class TritonPythonModel:
     def auto_complete_config(auto_complete_model_config: Any) -> Any:
         """Models carry only parameters: the tensors and decoupled mode come from here."""
         cfg = auto_complete_model_config
-        cfg.set_max_batch_size(0)  # NOTE: the engine batches per iteration, Triton must not
-        cfg.set_model_transaction_policy({"decoupled": True})
         current = cfg.as_dict()
+        # NOTE: the engine batches per iteration, Triton must not (no dynamic batcher); the
+        # TensorRT-LLM layout only declares a batch dimension, as its configs do, so
+        # clients built for them send [1, 1] for a scalar.
+        cfg.set_max_batch_size(TRTLLM_MAX_BATCH if _layout(current) == "tensorrt_llm" else 0)
+        cfg.set_model_transaction_policy({"decoupled": True})
         have_in = {t["name"] for t in current.get("input", [])}
         have_out = {t["name"] for t in current.get("output", [])}
         for name, dtype, dims in INPUTS:
             if name not in have_in:
                 cfg.add_input({"name": name, "data_type": dtype, "dims": dims, "optional": True})
-        for name, dtype, dims in OUTPUTS:
+        extra = TRTLLM_OUTPUTS if _layout(current) == "tensorrt_llm" else ()
+        for name, dtype, dims in (*OUTPUTS, *extra):
             if name not in have_out:
                 cfg.add_output({"name": name, "data_type": dtype, "dims": dims})
         return cfg
@@ -100,6 +121,7 @@ class TritonPythonModel:
                 "the quanta backend streams: set model_transaction_policy { decoupled: true }"
             )
         engine_config, settings = parse_parameters(parameters_from_model_config(model_config))
+        self._trtllm = settings.io_layout == "tensorrt_llm"
         if settings.torch_threads is not None:
             import torch
 
@@ -126,7 +148,7 @@ class TritonPythonModel:
             restarts=int(os.environ.get("QUANTA_SERVER_RESTARTS", "0") or 0),
         )
         self._responder = Responder(
-            TritonResponses(pb_utils),
+            TritonResponses(pb_utils, batch_dim=settings.io_layout == "tensorrt_llm"),
             self._loop.cancel,
             on_finished=self._finished,
             cancel_check_interval=settings.cancel_check_interval_ms / 1000,
@@ -169,7 +191,11 @@ class TritonPythonModel:
             self._responder.reject(inflight, ShuttingDownError(_DRAINING))
             return
         try:
-            parsed = parse_request(lambda name: self._input(request, name), request.parameters())
+            parsed = parse_request(
+                lambda name: self._input(request, name),
+                request.parameters(),
+                echo_by_default=self._trtllm,
+            )
         except QuantaError as exc:
             self._responder.reject(inflight, exc)
             return

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
-from quanta.frontends.triton.tensors import INPUTS, OUTPUTS
+from quanta.frontends.triton.tensors import INPUTS, OUTPUTS, TRTLLM_MAX_BATCH, TRTLLM_OUTPUTS
 
 Severity = Literal["error", "warning"]
 BACKEND = "quanta"
@@ -82,11 +82,14 @@ def check_model(
         )
     if not any(p.is_dir() and p.name.isdigit() for p in model.iterdir()):
         error(f"no version folder: create {model.name}/1/ (empty), else Triton loads nothing")
-    if config.max_batch_size != 0:
+    layout = config.parameters["io_layout"].string_value if "io_layout" in config.parameters else ""
+    allowed = (0, TRTLLM_MAX_BATCH) if layout == "tensorrt_llm" else (0,)
+    if config.max_batch_size not in allowed:
         error(
-            f"max_batch_size {config.max_batch_size}: must be 0, the engine batches every "
-            "iteration itself and takes one request per Triton request"
+            f"max_batch_size {config.max_batch_size}: leave it out (or 0), the engine batches "
+            "every iteration itself and takes one request per Triton request"
         )
+
     if config.HasField("dynamic_batching") or config.HasField("sequence_batching"):
         error("remove dynamic_batching/sequence_batching: the engine does its own batching")
     if config.HasField("model_transaction_policy") and not (
@@ -107,7 +110,8 @@ def check_model(
 
 def _check_tensors(config: Any, pb: Any, error: Any) -> None:
     """Hand-declared tensors must be the backend's (auto-complete adds the rest)."""
-    pairs = ((config.input, INPUTS, "input"), (config.output, OUTPUTS, "output"))
+    outputs = (*OUTPUTS, *TRTLLM_OUTPUTS)
+    pairs = ((config.input, INPUTS, "input"), (config.output, outputs, "output"))
     for declared, spec, kind in pairs:
         known = {name: dtype for name, dtype, _ in spec}
         for tensor in declared:

@@ -105,6 +105,13 @@ def serve(
     torch_threads: Annotated[
         int | None, typer.Option(min=1, help="CPU threads of the engine (default: torch's)")
     ] = None,
+    io_layout: Annotated[
+        str | None,
+        typer.Option(
+            help="quanta (scalars are [1]) or tensorrt_llm (TensorRT-LLM's tensors: a batch "
+            "dimension, prompt echo by default; with --served-model-name ensemble, a drop-in)"
+        ),
+    ] = None,
     drain_timeout: Annotated[
         float,
         typer.Option(
@@ -141,6 +148,7 @@ def serve(
             kv_cache_memory=kv_cache_memory,
             host_cache_memory=host_cache_memory,
             torch_threads=torch_threads,
+            io_layout=io_layout,
         )
     except EntryError as exc:
         raise typer.BadParameter(str(exc)) from None

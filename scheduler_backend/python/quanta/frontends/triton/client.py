@@ -53,6 +53,8 @@ def request_inputs(
         top_p=params.top_p,
         top_k=params.top_k,
         stream=stream,
+        # the answer only, also from a model in the tensorrt_llm layout (which echoes)
+        exclude_input_in_output=True,
     )
     if params.seed is not None:
         inputs["seed"] = params.seed
@@ -123,10 +125,11 @@ def grpc_events(
     client = grpcclient.InferenceServerClient(_grpc_target(url))
     finished = False
     try:
+        batched = has_batch_dim(client.get_model_config(model, as_json=True))
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(
             model,
-            grpc_inputs(inputs),
+            grpc_inputs(inputs, batch_dim=batched),
             request_id=uuid.uuid4().hex,
             enable_empty_final_response=True,
         )
@@ -150,8 +153,16 @@ def grpc_events(
         client.close()
 
 
-def grpc_inputs(inputs: dict[str, Any]) -> list[Any]:
-    """``InferInput`` tensors for ``inputs``, typed from the model's input spec."""
+def has_batch_dim(model_config: dict[str, Any]) -> bool:
+    """Whether a model takes a batch dimension (the TensorRT-LLM layout): its config, as
+    ``get_model_config(..., as_json=True)`` returns it, has a max_batch_size."""
+    config = model_config.get("config", model_config)
+    return int(config.get("max_batch_size", 0) or 0) > 0
+
+
+def grpc_inputs(inputs: dict[str, Any], *, batch_dim: bool = False) -> list[Any]:
+    """``InferInput`` tensors for ``inputs``, typed from the model's input spec; with
+    ``batch_dim`` shaped ``[1, ...]`` for a model in the TensorRT-LLM layout."""
     import tritonclient.grpc as grpcclient
 
     tensors = []
@@ -163,6 +174,8 @@ def grpc_inputs(inputs: dict[str, Any]) -> list[Any]:
             array = np.array([str(v).encode() for v in values], dtype=np.object_)
         else:
             array = np.array(values, dtype=np_type)
+        if batch_dim:
+            array = array[None, ...]
         tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Json, ValidationError
 
@@ -33,6 +33,9 @@ class BackendSettings(BaseModel):
     metrics_interval_ms: float = Field(500.0, gt=0)
     max_tenant_labels: int = Field(32, ge=0)
     cancel_check_interval_ms: float = Field(20.0, gt=0)
+    # quanta: scalars are [1]; tensorrt_llm: TensorRT-LLM's configs, with a batch dimension
+    # (clients send [1, 1] for a scalar) and responses shaped [1, ...]
+    io_layout: Literal["quanta", "tensorrt_llm"] = "quanta"
 
 
 class _Parameters(BaseModel):
@@ -61,6 +64,7 @@ class _Parameters(BaseModel):
     metrics_interval_ms: float = 500.0
     max_tenant_labels: int = 32
     cancel_check_interval_ms: float = 20.0
+    io_layout: Literal["quanta", "tensorrt_llm"] = "quanta"
 
 
 _CACHE_KEYS = ("block_size", "num_device_blocks", "device_bytes", "num_host_blocks", "host_bytes")
@@ -117,6 +121,7 @@ def parse_parameters(
             metrics_interval_ms=p.metrics_interval_ms,
             max_tenant_labels=p.max_tenant_labels,
             cancel_check_interval_ms=p.cancel_check_interval_ms,
+            io_layout=p.io_layout,
         )
     except ValidationError as exc:
         raise _parameter_error(exc) from None

@@ -79,6 +79,13 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("top_log_prob_ids", "TYPE_INT32", [-1]),  # with top_log_probs N: N per output id
     ("top_log_probs", "TYPE_FP32", [-1]),  # their log-probabilities, in the same order
 )
+# The tensorrt_llm layout declares a batch dimension (as TensorRT-LLM's configs do) of one
+# request per Triton request; the engine batches across requests itself.
+TRTLLM_MAX_BATCH = 1
+# Outputs only the tensorrt_llm layout has: its clients ask for them.
+TRTLLM_OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
+    ("batch_index", "TYPE_INT32", [1]),  # always 0: one request per Triton request
+)
 
 # numpy kinds accepted per Triton type: Triton already enforces the configured type, this is the
 # second line of defence for hand-made configs and the unit tests.
@@ -127,9 +134,13 @@ class ParsedRequest:
     bad_words: tuple[str, ...] = ()  # tokenized by the engine into SamplingParams.bad_words_ids
 
 
-def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
+def parse_request(
+    get: Getter, parameters: str | None = None, *, echo_by_default: bool = False
+) -> ParsedRequest:
     """Read and validate every input; raises ``InvalidRequestError`` naming the bad input.
 
+    ``echo_by_default``: TensorRT-LLM's default, a non-streamed answer repeats the prompt
+    unless ``exclude_input_in_output`` is true (the ``tensorrt_llm`` layout).
     ``parameters`` is the request's parameters as Triton hands them over (a JSON object):
     Triton's HTTP generate endpoint turns every field that names no input into one, so a
     misspelt ``max_token`` arrives there and is refused, as gRPC refuses an unknown input.
@@ -176,7 +187,7 @@ def parse_request(get: Getter, parameters: str | None = None) -> ParsedRequest:
         params=_validated(SamplingParams, sampling),
         metadata=_validated(RequestMetadata, metadata),
         stream=bool(values.get("stream", False)),
-        echo=values.get("exclude_input_in_output") is False,
+        echo=not values.get("exclude_input_in_output", not echo_by_default),
         return_log_probs=return_log_probs,
         top_log_probs=top_log_probs,
         bad_words=tuple(values.get("bad_words", ())),
