@@ -38,6 +38,8 @@ NOT_RUN = {
     "source .venv/bin/activate": "a shell built-in; these tests already run inside the venv",
     "bench/peer/setup_vllm.sh": "installs vLLM's CPU build (GBs from the network), by hand",
     "quanta bench peer": "needs the vLLM venv above; tests/test_bench_peer.py covers the harness",
+    "docker ": "no container engine on the test machines; tests/test_packaging.py runs the "
+    "image's steps",
 }
 # Inline mentions that name a flag rather than show a whole command.
 FRAGMENTS = {
