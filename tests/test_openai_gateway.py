@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import quanta
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from quanta import SamplingParams
 from quanta.frontends.triton.launcher import free_port
 from quanta.frontends.triton.repository import write_model_repository
@@ -554,3 +556,73 @@ def test_unreachable_triton_is_503():
         assert info.value.response.json()["error"]["code"] == "backend_unavailable"
     finally:
         gateway.stop()
+
+
+# -- random JSON at both HTTP endpoints ------------------------------------------------------
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=8,
+)
+_FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "logprobs",
+    "text_input",
+    "input_ids",
+    "tenant",
+    "priority_class",
+    "presence_penalty",
+    "min_tokens",
+    "bad_words",
+    "beam_width",
+]
+_BODIES = st.one_of(
+    _JSON,
+    st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=6),
+    st.fixed_dictionaries(
+        {"model": st.just(MODEL), "prompt": st.text(max_size=8)},
+        optional={name: _JSON for name in _FIELDS[3:]},
+    ),
+)
+
+
+def _post_raw(url: str, body: object) -> tuple[int, bytes]:
+    try:
+        data = json.dumps(body).encode()
+    except ValueError:  # e.g. a lone surrogate json cannot encode: send it as text
+        data = repr(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=_BODIES)
+def test_random_json_never_breaks_either_endpoint(live, body):
+    """The gateway answers 2xx or 4xx, always in OpenAI's error shape; Triton's generate
+    endpoint answers (its own parser's 400/500 included) and keeps serving."""
+    status, raw = _post_raw(f"{live.openai_url}/completions", body)
+    assert status < 500 or status == 503, raw  # 503: a valid request the pool cannot hold
+    if status >= 400:
+        error = json.loads(raw)["error"]
+        assert error["type"] and error["message"], raw
+    if isinstance(body, dict) and isinstance(body.get("stream"), bool):
+        body = {**body, "stream": False}  # keep the SSE endpoint out: one answer per call
+    status, raw = _post_raw(f"{live.http_url}/v2/models/{MODEL}/generate", body)
+    assert status in (200, 400, 404, 500), raw
+    assert json.loads(raw), raw  # an answer, whatever it is
