@@ -40,6 +40,8 @@ NOT_RUN = {
     "quanta bench peer": "needs the vLLM venv above; tests/test_bench_peer.py covers the harness",
     "docker ": "no container engine on the test machines; tests/test_packaging.py runs the "
     "image's steps",
+    "bash loadtests/genai_perf.sh": "installs genai-perf and perf_analyzer's libraries (network); "
+    "tests/test_trtllm_layout.py sends TensorRT-LLM-shaped requests",
 }
 # Inline mentions that name a flag rather than show a whole command.
 FRAGMENTS = {
