@@ -178,6 +178,24 @@ def test_top_log_probs_come_as_n_ids_and_values_per_token(server, llm):
         assert values == pytest.approx(want_values, abs=1e-4), mode
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_num_return_sequences_are_seeded_sequences_in_one_request(server, llm, stream):
+    n, seed = 3, 21
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True)
+    want = [
+        llm.generate("Hello", params.model_copy(update={"seed": seed + i}))[0].token_ids
+        for i in range(n)
+    ]
+    inputs = request_inputs("Hello", params, stream=stream) | {"num_return_sequences": n}
+    events = list(grpc_events(server.grpc_url, MODEL, inputs))
+    got: dict[int, list[int]] = {i: [] for i in range(n)}
+    for event in events:
+        got[event["sequence_index"]] += output_ids(event)
+    assert [got[i] for i in range(n)] == want
+    assert len({tuple(w) for w in want}) > 1
+    assert sum("finish_reason" in e for e in events) == n  # each sequence ends once
+
+
 def test_exclude_input_in_output_false_echoes_the_prompt(server, llm):
     prompt = "Hello there"
     expected = llm.generate(prompt, GREEDY)[0]
@@ -203,7 +221,7 @@ def test_bad_words_are_banned_and_beam_search_is_refused(server, llm):
     assert output_ids(events[-1]) == expected.token_ids != plain.token_ids
     for extra, message in (
         ({"beam_width": 2}, "beam search is not supported"),
-        ({"num_return_sequences": 2}, "'num_return_sequences' must be 1"),
+        ({"num_return_sequences": 17}, "'num_return_sequences' must be 1 to 16"),
     ):
         with pytest.raises(GenerateError, match=message):
             list(http_events(server.http_url, MODEL, inputs | extra, stream=False))

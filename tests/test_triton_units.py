@@ -20,7 +20,7 @@ from quanta.core.errors import (
 from quanta.core.output import TokenLogprob
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
-from quanta.frontends.triton.responder import InflightRequest, Responder
+from quanta.frontends.triton.responder import InflightRequest, Responder, SequenceGroupSender
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
 from quanta.frontends.triton.tensors import output_arrays, parse_request
 
@@ -164,9 +164,9 @@ def test_parse_request_takes_trtllm_sampling_inputs():
         (
             {
                 "text_input": np.array([b"x"], dtype=np.object_),
-                "num_return_sequences": np.array([3]),
+                "num_return_sequences": np.array([17]),
             },
-            "'num_return_sequences' must be 1",
+            "'num_return_sequences' must be 1 to 16",
         ),
         (
             {
@@ -341,6 +341,17 @@ def test_responder_merges_what_queued_up_into_one_response_per_request():
     assert first["text_output"] == [b"a"]
     assert rest["text_output"] == [b"bcde"] and rest["output_ids"] == [2, 3, 4, 5]
     assert flags == 1 and rest["finish_reason"] == [b"length"]
+
+
+def test_a_sequence_group_sends_the_final_flag_once_after_its_last_sequence():
+    sender = FakeSender()
+    group = SequenceGroupSender(sender, 3, final_flag=1)
+    group.send("a0")
+    group.send("a-end", flags=1)
+    group.send("b-end", flags=1)
+    assert [f for _, f in sender.sent] == [0, 0, 0]
+    group.send("c-end", flags=1)
+    assert sender.sent[-1] == ("c-end", 1)
 
 
 def test_responder_cancels_and_still_sends_the_final_flag():

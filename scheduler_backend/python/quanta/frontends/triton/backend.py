@@ -21,7 +21,7 @@ from quanta.core.errors import EngineStepError, QuantaError, ShuttingDownError
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.drain import DrainWatch, drain_dir_from_env
 from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
-from quanta.frontends.triton.responder import InflightRequest, Responder
+from quanta.frontends.triton.responder import InflightRequest, Responder, SequenceGroupSender
 from quanta.frontends.triton.settings import (
     load_model_config,
     parameters_from_model_config,
@@ -59,6 +59,14 @@ _FINISH_LABELS = {
 def _layout(model_config: dict[str, Any]) -> str:
     raw = (model_config.get("parameters") or {}).get("io_layout") or {}
     return str(raw.get("string_value") or "quanta")
+
+
+def _sequence_params(params: Any, index: int) -> Any:
+    """Sequence ``index`` of ``num_return_sequences``: its own random stream when seeded
+    (unseeded sequences each get a random seed anyway)."""
+    if index == 0 or params.seed is None:
+        return params
+    return params.model_copy(update={"seed": (params.seed + index) % 2**63})
 
 
 class TritonResponses:
@@ -147,8 +155,10 @@ class TritonPythonModel:
             info=self._engine.describe(),
             restarts=int(os.environ.get("QUANTA_SERVER_RESTARTS", "0") or 0),
         )
+        responses = TritonResponses(pb_utils, batch_dim=settings.io_layout == "tensorrt_llm")
+        self._responder_final_flag = responses.final_flag
         self._responder = Responder(
-            TritonResponses(pb_utils, batch_dim=settings.io_layout == "tensorrt_llm"),
+            responses,
             self._loop.cancel,
             on_finished=self._finished,
             cancel_check_interval=settings.cancel_check_interval_ms / 1000,
@@ -186,7 +196,8 @@ class TritonPythonModel:
     # -- helpers -----------------------------------------------------------------------------
     def _submit(self, request: Any) -> None:
         rid = f"{self._name}-{next(self._ids)}"
-        inflight = InflightRequest(rid, request.get_response_sender(), stream=False)
+        sender = request.get_response_sender()
+        inflight = InflightRequest(rid, sender, stream=False)
         if self._drain is not None and self._drain.is_draining():
             self._responder.reject(inflight, ShuttingDownError(_DRAINING))
             return
@@ -196,32 +207,47 @@ class TritonPythonModel:
                 request.parameters(),
                 echo_by_default=self._trtllm,
             )
+            n = parsed.num_return_sequences
+            requests = [
+                self._engine.make_request(
+                    parsed.prompt,
+                    _sequence_params(parsed.params, i),
+                    metadata=parsed.metadata,
+                    request_id=f"{rid}.{i}" if n > 1 else rid,
+                    bad_words=parsed.bad_words,
+                )
+                for i in range(n)
+            ]
+            for r in requests:
+                self._loop.validate(r)
         except QuantaError as exc:
             self._responder.reject(inflight, exc)
             return
-        inflight.stream = parsed.stream
-        inflight.tenant = parsed.metadata.tenant
-        inflight.priority_class = parsed.metadata.priority_class
-        inflight.return_log_probs = parsed.return_log_probs
-        inflight.top_log_probs = parsed.top_log_probs
-        sink = self._responder.track(inflight)
-        try:
-            r = self._engine.make_request(
-                parsed.prompt,
-                parsed.params,
-                metadata=parsed.metadata,
-                request_id=rid,
-                bad_words=parsed.bad_words,
-            )
-            if parsed.echo:
-                inflight.echo_ids = tuple(r.prompt_token_ids)
-                inflight.echo_text = r.prompt or self._engine.tokenizer.decode(r.prompt_token_ids)
-            self._loop.submit(r, sink)
-        except QuantaError as exc:
-            self._responder.reject(inflight, exc)
         except Exception as exc:  # a bug in conversion fails this request, not the model
             log.exception("submitting %s failed", rid)
             self._responder.reject(inflight, EngineStepError(f"internal error: {exc}"))
+            return
+        if n > 1:  # one Triton request, n sequences: the last to end sends the final flag
+            sender = SequenceGroupSender(sender, n, self._responder_final_flag)
+        for i, r in enumerate(requests):
+            member = InflightRequest(
+                r.request_id,
+                sender,
+                stream=parsed.stream,
+                tenant=parsed.metadata.tenant,
+                priority_class=parsed.metadata.priority_class,
+                return_log_probs=parsed.return_log_probs,
+                top_log_probs=parsed.top_log_probs,
+                sequence_index=i if n > 1 else None,
+            )
+            if parsed.echo:
+                member.echo_ids = tuple(r.prompt_token_ids)
+                member.echo_text = r.prompt or self._engine.tokenizer.decode(r.prompt_token_ids)
+            sink = self._responder.track(member)
+            try:
+                self._loop.submit(r, sink)
+            except QuantaError as exc:
+                self._responder.reject(member, exc)
 
     def _input(self, request: Any, name: str) -> Any:
         tensor = self._pb.get_input_tensor_by_name(request, name)

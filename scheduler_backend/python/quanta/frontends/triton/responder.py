@@ -61,8 +61,30 @@ class InflightRequest:
     top_log_probs: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # accumulated when not streaming
     cumulative_logprob: float = 0.0
+    sequence_index: int | None = None  # one of num_return_sequences: said in every response
     cancelled: bool = False
     last_cancel_check: float = 0.0
+
+
+class SequenceGroupSender:
+    """The sender of one Triton request that runs as ``n`` sequences: each sequence's final
+    response goes out as a plain one, and only the last sequence to end sends the final flag.
+    Used from the responder thread only, so the count needs no lock."""
+
+    def __init__(self, sender: Sender, n: int, final_flag: int) -> None:
+        self._sender = sender
+        self._open = n
+        self._final = final_flag
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        if flags & self._final:
+            self._open -= 1
+            if self._open > 0:
+                flags &= ~self._final
+        self._sender.send(response, flags=flags)
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
 
 
 Finished = Callable[[InflightRequest, RequestOutput], None]
@@ -161,6 +183,7 @@ class Responder:
                     out.new_token_ids,
                     logprobs=new_logprobs if want else None,
                     top=top,
+                    sequence_index=inflight.sequence_index,
                 )
                 self._send(inflight, self._factory.response(arrays))
             else:
@@ -186,6 +209,7 @@ class Responder:
                 logprobs=logprobs if want else None,
                 top=top,
                 cumulative_logprob=inflight.cumulative_logprob if want else None,
+                sequence_index=inflight.sequence_index,
             )
             response = self._factory.response(arrays)
         self._send_final(inflight, response)

@@ -58,7 +58,7 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("top_log_probs", "TYPE_INT32", [1]),  # Quanta: also the N most likely tokens' (0-20)
     ("exclude_input_in_output", "TYPE_BOOL", [1]),
     ("beam_width", "TYPE_INT32", [1]),  # 1 only
-    ("num_return_sequences", "TYPE_INT32", [1]),  # 1 only
+    ("num_return_sequences", "TYPE_INT32", [1]),  # 1-16 sequences, seeded seed + i
     ("pad_id", "TYPE_INT32", [1]),  # accepted: nothing is padded
     ("return_context_logits", "TYPE_BOOL", [1]),  # false only
     ("return_generation_logits", "TYPE_BOOL", [1]),  # false only
@@ -78,6 +78,7 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("output_log_probs", "TYPE_FP32", [-1]),  # with return_log_probs: one per output id
     ("top_log_prob_ids", "TYPE_INT32", [-1]),  # with top_log_probs N: N per output id
     ("top_log_probs", "TYPE_FP32", [-1]),  # their log-probabilities, in the same order
+    ("sequence_index", "TYPE_INT32", [1]),  # with num_return_sequences > 1: which one
 )
 # The tensorrt_llm layout declares a batch dimension (as TensorRT-LLM's configs do) of one
 # request per Triton request; the engine batches across requests itself.
@@ -108,10 +109,10 @@ _SAMPLING_INPUTS = {
     "frequency_penalty": "frequency_penalty",
     "min_tokens": "min_tokens",
 }
+MAX_SEQUENCES = 16  # num_return_sequences: each is a request of its own in the engine
 # Inputs TensorRT-LLM clients send whose only meaningful value here is the default.
 _ONLY = {
     "beam_width": (1, "beam search is not supported"),
-    "num_return_sequences": (1, "one sequence per request: send n requests with their own seeds"),
     "return_context_logits": (False, "logits are not returned; ask for return_log_probs"),
     "return_generation_logits": (False, "logits are not returned; ask for return_log_probs"),
 }
@@ -131,6 +132,7 @@ class ParsedRequest:
     echo: bool = False  # exclude_input_in_output: false: a non-streamed answer repeats the prompt
     return_log_probs: bool = False
     top_log_probs: int = 0
+    num_return_sequences: int = 1
     bad_words: tuple[str, ...] = ()  # tokenized by the engine into SamplingParams.bad_words_ids
 
 
@@ -169,6 +171,9 @@ def parse_request(
     for name, (allowed, why) in _ONLY.items():
         if name in values and values[name] != allowed:
             raise InvalidRequestError(f"input '{name}' must be {allowed}: {why}")
+    n = values.get("num_return_sequences", 1)
+    if not 1 <= n <= MAX_SEQUENCES:
+        raise InvalidRequestError(f"input 'num_return_sequences' must be 1 to {MAX_SEQUENCES}")
     min_length = values.get("min_length")
     if min_length is not None and values.setdefault("min_tokens", min_length) != min_length:
         raise InvalidRequestError("min_tokens and min_length (its older name) differ")
@@ -190,6 +195,7 @@ def parse_request(
         echo=not values.get("exclude_input_in_output", not echo_by_default),
         return_log_probs=return_log_probs,
         top_log_probs=top_log_probs,
+        num_return_sequences=n,
         bad_words=tuple(values.get("bad_words", ())),
     )
 
@@ -269,6 +275,7 @@ def output_arrays(
     logprobs: Sequence[TokenLogprob] | None = None,
     top: int = 0,
     cumulative_logprob: float | None = None,
+    sequence_index: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Output tensors of one response; the final one also carries timing and accounting."""
     arrays = {
@@ -276,6 +283,8 @@ def output_arrays(
         "output_ids": np.array(token_ids, dtype=np.int32),
         "sequence_length": np.array([len(token_ids)], dtype=np.int32),
     }
+    if sequence_index is not None:
+        arrays["sequence_index"] = np.array([sequence_index], dtype=np.int32)
     if logprobs is not None:
         arrays["output_log_probs"] = np.array([lp.logprob for lp in logprobs], dtype=np.float32)
         if top:
