@@ -37,16 +37,9 @@ def server(tmp_path_factory):
             "metrics_interval_ms": "50",
         },
     )
-    srv = TritonServer(
-        ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0),
-        log_file=root / "triton.log",
-    )
-    try:
-        srv.start()
-        srv.wait_ready(timeout=180)
+    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0)
+    with TritonServer(options, log_file=root / "triton.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def generated(server) -> float:

