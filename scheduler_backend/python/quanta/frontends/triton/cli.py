@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import tempfile
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -134,6 +133,7 @@ def serve(
     from quanta.frontends.triton.launcher import LaunchError, ServerOptions, TritonServer
     from quanta.frontends.triton.model_entry import EntryError, served_parameters, write_entry
     from quanta.frontends.triton.repository import DEFAULT_MODEL_NAME, write_model_repository
+    from quanta.frontends.triton.supervise import drain, supervise
 
     try:
         flags = served_parameters(
@@ -213,14 +213,14 @@ def serve(
                 _demo(server.http_url, model_name, demo)
                 return
             typer.echo("ready; Ctrl-C stops the server")
-            code = _supervise(server, max_restarts, ready_timeout)
+            code = supervise(server, max_restarts, ready_timeout)
             if code != 0:
                 raise typer.Exit(code)
         except LaunchError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
-            _drain(server, drain_timeout)
+            drain(server, drain_timeout)
             typer.echo("shutting down tritonserver ...")
         finally:
             # NOTE: a further Ctrl-C must not interrupt the stop half way and orphan Triton;
@@ -230,74 +230,6 @@ def serve(
             if gateway is not None:
                 gateway.stop()
             server.stop()
-
-
-def _drain(server: Any, timeout: float) -> None:
-    """Refuse new requests, give in-flight ones ``timeout`` seconds, end the rest clearly;
-    a second Ctrl-C stops at once."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        drained = server.drain(
-            timeout,
-            announce=lambda: typer.echo(
-                f"\ndraining: new requests are refused, in-flight ones get {timeout:g} s "
-                "(Ctrl-C again to stop now) ..."
-            ),
-        )
-        if drained:
-            typer.echo("drained")
-        else:
-            typer.echo("drain did not finish in time; stopping anyway", err=True)
-    except KeyboardInterrupt:
-        typer.echo("stopping now")
-
-
-HEALTHY_S = 300.0  # a server up this long has recovered: its restarts no longer count
-BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-
-
-def _supervise(server: Any, max_restarts: int, ready_timeout: float) -> int:
-    """Wait for the server; restart it when it dies, with backoff, until it has died
-    ``max_restarts`` times in a row. Returns its exit code when it stops for good.
-
-    Why: tritonserver 2.51 aborts on some streams of gRPC errors from clients (see the
-    README's "When tritonserver dies"); the clients, the OpenAI gateway and the ports
-    outlive it, so a restart on the same ports is all they need.
-    """
-    from quanta.frontends.triton.launcher import LaunchError
-
-    in_a_row = 0
-    while True:
-        started = time.monotonic()
-        code = server.wait()
-        if code == 0:  # it was shut down, not killed: nothing to recover from
-            return 0
-        if time.monotonic() - started >= HEALTHY_S:
-            in_a_row = 0
-        status = server.exit_status()
-        tail = "\n".join(f"  | {line}" for line in server.log_tail(25))
-        if in_a_row >= max_restarts:
-            typer.echo(
-                f"tritonserver died ({status}) and was restarted {in_a_row} time(s) in a row "
-                f"(--max-restarts {max_restarts}); giving up. Its last lines:\n{tail}",
-                err=True,
-            )
-            return code or 1
-        delay = BACKOFF_S[min(in_a_row, len(BACKOFF_S) - 1)]
-        in_a_row += 1
-        typer.echo(
-            f"tritonserver died ({status}); restart {in_a_row}/{max_restarts} in {delay:.0f}s. "
-            f"Its last lines:\n{tail}",
-            err=True,
-        )
-        time.sleep(delay)
-        try:
-            server.restart()
-            server.wait_ready(ready_timeout)
-        except LaunchError as exc:
-            typer.echo(f"restart failed: {exc}", err=True)
-            continue
-        typer.echo(f"ready again after restart {server.restarts}")
 
 
 def check_config(
