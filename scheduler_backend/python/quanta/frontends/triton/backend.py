@@ -79,8 +79,13 @@ class TritonResponses:
 
     def response(self, arrays: dict[str, Any]) -> Any:
         if self._batch_dim:
+            # NOTE: as TensorRT-LLM's models answer: text_output is [1] (its clients read
+            # text_output[0] as bytes), every other output gets the batch dimension.
             arrays = {"batch_index": np.zeros(1, dtype=np.int32), **arrays}
-            arrays = {name: value[None, ...] for name, value in arrays.items()}
+            arrays = {
+                name: value if name == "text_output" else value[None, ...]
+                for name, value in arrays.items()
+            }
         tensors = [self._pb.Tensor(name, value) for name, value in arrays.items()]
         return self._pb.InferenceResponse(output_tensors=tensors)
 
