@@ -245,7 +245,12 @@ BAD = {
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
     "n=0": ({"n": 0}, "n", "greater than or equal to 1"),
     "n=17": ({"n": 17}, "n", "less than or equal to 16"),
-    "echo": ({"echo": True}, "echo", "echo is not supported"),
+    "echo with logprobs": (
+        {"echo": True, "logprobs": 1},
+        "echo",
+        "echo with logprobs (prompt logprobs) is not supported",
+    ),
+    "echo of token ids": ({"echo": True, "prompt": [1, 2]}, "echo", "echo needs a text prompt"),
     "logprobs 21": ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     "repetition penalty 0": (
         {"extra_body": {"repetition_penalty": 0}},
@@ -363,6 +368,16 @@ def test_completion_logprobs_are_the_engines(client, llm, stream):
     # NOTE: the legacy format keys alternatives by text: two ids with one text merge
     assert len(tops) == len(tokens) and all(1 <= len(d) <= 2 for d in tops)
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_repeats_the_prompt_before_the_completion(client, llm, stream):
+    expected = llm.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=6, temperature=0, echo=True, stream=stream
+    )
+    text = "".join(c.text for chunk in (out if stream else [out]) for c in chunk.choices)
+    assert text == "Hello there" + expected.text
 
 
 def test_chat_logprobs_with_top_logprobs(client, llm):

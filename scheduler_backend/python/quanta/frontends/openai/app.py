@@ -167,7 +167,7 @@ class Gateway:
         try:
             firsts = [await _next(stream) for stream in streams]  # errors before any header
             if body.stream:
-                chunks = self._all_chunks(rid, body, firsts, streams)
+                chunks = self._all_chunks(rid, body, firsts, streams, _echo(body, prompt))
                 sse = _sse(chunks, cancel, watcher)
                 watcher = None  # NOTE: the SSE generator owns it from here
                 return StreamingResponse(sse, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -180,9 +180,10 @@ class Gateway:
                 watcher.stop()
                 cancel()
         top = body.top_logprobs_wanted
+        echo = _echo(body, prompt)
         choices = []
         for index, events in enumerate(runs):
-            text = "".join(e.get("text_output", "") for e in events)
+            text = echo + "".join(e.get("text_output", "") for e in events)
             finish = _finish(events[-1])
             tokens = None if top is None else [t for e in events for t in self._logprobs(e, top)]
             if chat:
@@ -203,6 +204,7 @@ class Gateway:
         body: Body,
         firsts: list[dict[str, Any]],
         streams: list[GenerationStream],
+        echo: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         """Every choice's chunks as they come, then the usage chunk if asked."""
         finals: list[dict[str, Any]] = list(firsts)
@@ -211,7 +213,7 @@ class Gateway:
             finals[index] = event
 
         per_choice = [
-            self._chunks(rid, body, first, stream, index, note)
+            self._chunks(rid, body, first, stream, index, note, echo)
             for index, (first, stream) in enumerate(zip(firsts, streams, strict=True))
         ]
         async for chunk in _interleave(per_choice):
@@ -246,11 +248,14 @@ class Gateway:
         stream: GenerationStream,
         index: int,
         note: Callable[[int, dict[str, Any]], None],
+        echo: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         """The chunks of one choice; ``note`` learns each event (the last has the usage)."""
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
             yield _indexed(chat_chunk(rid, body.model, {"role": "assistant", "content": ""}), index)
+        elif echo:
+            yield _indexed(completion_body(rid, body.model, echo, None, None, chunk=True), index)
         event = first
         top = body.top_logprobs_wanted
         offset = 0
@@ -278,6 +283,15 @@ class Gateway:
             if stream.done:
                 break
             event = await _next(stream)
+
+
+def _echo(body: Body, prompt: str | list[int]) -> str:
+    """The prompt a completion with ``echo`` repeats before its text (checked to be text)."""
+    return (
+        prompt
+        if isinstance(body, CompletionRequest) and body.echo and isinstance(prompt, str)
+        else ""
+    )
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
