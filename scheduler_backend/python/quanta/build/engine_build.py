@@ -41,6 +41,7 @@ from quanta.build.manifest import (
     Limits,
     Source,
     WeightFile,
+    sha256_file,
 )
 from quanta.build.shape import model_shape
 from quanta.core.output import RunnerCapabilities
@@ -53,7 +54,6 @@ from quanta.runner.models.loader import checkpoint_files
 GiB = 1 << 30
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _NOT_COPIED = {"config.json", MANIFEST_FILE, PRESET_FILE, "model.safetensors.index.json"}
-_HASH_CHUNK = 1 << 22
 
 Progress = Callable[[str, int], Callable[[int], None]]
 """``progress(description, total)`` starts a task and returns ``advance(amount)``."""
@@ -294,21 +294,11 @@ def _check_tokenizer(checkpoint: Path, config: ModelConfig) -> bool:
 def _hash_source(checkpoint: Path, progress: Progress) -> Source:
     files = sorted(p for p in checkpoint.iterdir() if p.is_file())
     advance = progress("hashing the checkpoint", sum(p.stat().st_size for p in files))
-    digests = {p.name: _sha256(p, advance) for p in files}
+    digests = {p.name: sha256_file(p, advance) for p in files}
     overall = hashlib.sha256()
     for name, digest in digests.items():
         overall.update(f"{name}\0{digest}\n".encode())
     return Source(path=str(checkpoint.resolve()), sha256=overall.hexdigest(), files=digests)
-
-
-def _sha256(path: Path, advance: Callable[[int], None] | None = None) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-            if advance is not None:
-                advance(len(chunk))
-    return digest.hexdigest()
 
 
 def _convert(
@@ -331,7 +321,7 @@ def _convert(
                     add(name, builder.convert(name, reader.get_tensor(key), dtype))
                     advance(1)
     files = _name_shards(out, shards)
-    return [WeightFile(name=p.name, bytes=p.stat().st_size, sha256=_sha256(p)) for p in files]
+    return [WeightFile(name=p.name, bytes=p.stat().st_size, sha256=sha256_file(p)) for p in files]
 
 
 @contextmanager

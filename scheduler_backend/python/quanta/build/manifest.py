@@ -10,7 +10,9 @@ backend run the same check before anything is loaded.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -138,6 +140,17 @@ def read_manifest(model_dir: str | Path) -> EngineManifest | None:
             f"{path}: {where}: {first['msg']} ({exc.error_count()} problem(s)); rebuild the "
             "engine with `quanta build`"
         ) from None
+
+
+def sha256_file(path: Path, advance: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file read in chunks (``advance`` learns each chunk's size)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            if advance is not None:
+                advance(len(chunk))
+    return digest.hexdigest()
 
 
 def check_files(manifest: EngineManifest, engine_dir: Path, shape: ModelShape) -> None:

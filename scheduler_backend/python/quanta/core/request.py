@@ -90,6 +90,14 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_sequence(self, index: int) -> SamplingParams:
+        """Sequence ``index`` of several sampled for one prompt (``n``, TensorRT-LLM's
+        ``num_return_sequences``): its own random stream, seed + index, when seeded (an
+        unseeded request gets a random seed of its own anyway)."""
+        if index == 0 or self.seed is None:
+            return self
+        return self.model_copy(update={"seed": (self.seed + index) % 2**63})
+
     @property
     def penalized(self) -> bool:
         """Whether the sampler needs the request's token history."""

@@ -151,7 +151,7 @@ class Gateway:
             self.upstream.stream(
                 self.triton_model,
                 request_inputs(
-                    prompt, _choice_params(params, i), stream=body.stream, metadata=metadata
+                    prompt, params.for_sequence(i), stream=body.stream, metadata=metadata
                 ),
             )
             for i in range(body.n)
@@ -292,13 +292,6 @@ def _echo(body: Body, prompt: str | list[int]) -> str:
         if isinstance(body, CompletionRequest) and body.echo and isinstance(prompt, str)
         else ""
     )
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of ``n``: its own random stream when a seed was given."""
-    if index == 0 or params.seed is None:
-        return params
-    return params.model_copy(update={"seed": (params.seed + index) % 2**63})
 
 
 def _usage(runs: list[list[dict[str, Any]]]) -> dict[str, int]:

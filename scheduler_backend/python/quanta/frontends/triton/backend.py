@@ -61,14 +61,6 @@ def _layout(model_config: dict[str, Any]) -> str:
     return str(raw.get("string_value") or "quanta")
 
 
-def _sequence_params(params: Any, index: int) -> Any:
-    """Sequence ``index`` of ``num_return_sequences``: its own random stream when seeded
-    (unseeded sequences each get a random seed anyway)."""
-    if index == 0 or params.seed is None:
-        return params
-    return params.model_copy(update={"seed": (params.seed + index) % 2**63})
-
-
 class TritonResponses:
     """``ResponseFactory`` over ``pb_utils``: output tensors or a typed ``TritonError``."""
 
@@ -216,7 +208,7 @@ class TritonPythonModel:
             requests = [
                 self._engine.make_request(
                     parsed.prompt,
-                    _sequence_params(parsed.params, i),
+                    parsed.params.for_sequence(i),
                     metadata=parsed.metadata,
                     request_id=f"{rid}.{i}" if n > 1 else rid,
                     bad_words=parsed.bad_words,

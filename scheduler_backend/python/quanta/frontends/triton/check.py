@@ -11,7 +11,6 @@ say the same thing in the same words.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -169,7 +168,7 @@ def _check_instances(config: Any, pb: Any, engine: Any, error: Any) -> None:
 
 def _check_engine(engine: Any, params: dict[str, str], verify: bool, error: Any) -> None:
     """What the engine will run with, by the check the load itself makes."""
-    from quanta.build.manifest import EngineManifestError, read_manifest
+    from quanta.build.manifest import EngineManifestError, read_manifest, sha256_file
     from quanta.frontends.engine import engine_config_for
     from quanta.runner.models.config import load_model_config
 
@@ -183,11 +182,7 @@ def _check_engine(engine: Any, params: dict[str, str], verify: bool, error: Any)
         return
     manifest = read_manifest(model_dir)
     for weight in manifest.weights if manifest is not None else ():
-        digest = hashlib.sha256()
-        with (model_dir / weight.name).open("rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-        if digest.hexdigest() != weight.sha256:
+        if sha256_file(model_dir / weight.name) != weight.sha256:
             error(
                 f"parameter 'model_dir': {weight.name} does not match the engine's manifest "
                 "(sha256 differs): the weights were changed; rebuild the engine"
