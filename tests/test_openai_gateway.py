@@ -245,11 +245,6 @@ BAD = {
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
     "n=0": ({"n": 0}, "n", "greater than or equal to 1"),
     "n=17": ({"n": 17}, "n", "less than or equal to 16"),
-    "echo with logprobs": (
-        {"echo": True, "logprobs": 1},
-        "echo",
-        "echo with logprobs (prompt logprobs) is not supported",
-    ),
     "echo of token ids": ({"echo": True, "prompt": [1, 2]}, "echo", "echo needs a text prompt"),
     "logprobs 21": ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     "repetition penalty 0": (
@@ -378,6 +373,30 @@ def test_echo_repeats_the_prompt_before_the_completion(client, llm, stream):
     )
     text = "".join(c.text for chunk in (out if stream else [out]) for c in chunk.choices)
     assert text == "Hello there" + expected.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_logprobs_reports_the_prompts_tokens_first(client, llm, stream):
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    expected = llm.generate(["Hello there"], params)[0]
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=5, temperature=0, logprobs=1, echo=True,
+        stream=stream,
+    )  # fmt: skip
+    choices = [c for chunk in out for c in chunk.choices] if stream else out.choices
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+    values = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+    tops = [d for c in choices if c.logprobs for d in c.logprobs.top_logprobs]
+    offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset]
+    prompt_ids = llm.tokenizer.encode("Hello there")
+    text = llm.tokenizer.decode
+    assert tokens == [text([t]) for t in [*prompt_ids, *expected.token_ids]]
+    assert values[0] is None and tops[0] is None  # nothing predicts the first token
+    engine = [lp.logprob for lp in (*expected.prompt_logprobs, *expected.logprobs)]
+    assert values[1:] == pytest.approx(engine, abs=1e-4)
+    assert all(len(d) == 1 for d in tops[1:])
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert "".join(c.text for c in choices).startswith("Hello there")
 
 
 def test_chat_logprobs_with_top_logprobs(client, llm):

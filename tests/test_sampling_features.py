@@ -118,6 +118,24 @@ def test_logprobs_are_hfs_log_softmax_of_the_raw_scores(hf, llm):
     assert plain.logprobs == ()
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_prompt_logprobs_are_hfs_and_come_once_whatever_the_chunking(hf, model_dir, chunk):
+    scheduler = {"max_num_batched_tokens": chunk} if chunk else None
+    llm = quanta.LLM(str(model_dir), cache={"num_device_blocks": 64}, scheduler=scheduler)
+    prompt = "The capital of France is Paris, and"
+    got = llm.generate(prompt, greedy(prompt_logprobs=2))[0]
+    ids = llm.tokenizer.encode(prompt)
+    assert len(got.prompt_logprobs) == len(ids) - 1  # none for the first prompt token
+    with torch.no_grad():
+        raw = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i, lp in enumerate(got.prompt_logprobs):
+        assert lp.logprob == pytest.approx(float(raw[i, ids[i + 1]]), abs=1e-4)
+        top = torch.topk(raw[i], 2)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert got.logprobs == ()  # asked for the prompt's only
+    assert llm.generate(prompt, greedy())[0].prompt_logprobs == ()
+
+
 @pytest.mark.parametrize(("host_blocks", "kind"), [(64, "swap"), (0, "recompute")])
 def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
     params = [
@@ -125,7 +143,7 @@ def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
         SamplingParams(
             max_tokens=N, temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.4
         ),
-        greedy(min_tokens=10, bad_words_ids=((5,), (7, 9)), logprobs=0),
+        greedy(min_tokens=10, bad_words_ids=((5,), (7, 9)), logprobs=0, prompt_logprobs=1),
     ] * 2
     expected, got = roomy_and_cramped(
         model_dir, PROMPTS * 2, params, host_blocks=host_blocks, device_blocks=14
@@ -134,6 +152,11 @@ def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
         assert g.token_ids == e.token_ids
         assert [lp.logprob for lp in g.logprobs] == pytest.approx(
             [lp.logprob for lp in e.logprobs], abs=1e-5
+        )
+        # reported once, even where the prompt was recomputed after a preemption
+        assert len(g.prompt_logprobs) == len(e.prompt_logprobs)
+        assert [lp.logprob for lp in g.prompt_logprobs] == pytest.approx(
+            [lp.logprob for lp in e.prompt_logprobs], abs=1e-5
         )
 
 
@@ -145,6 +168,7 @@ def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
         ({"frequency_penalty": -3}, "greater than or equal to -2"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must not exceed max_tokens"),
         ({"logprobs": 21}, "less than or equal to 20"),
+        ({"prompt_logprobs": -1}, "greater than or equal to 0"),
         ({"bad_words_ids": ((),)}, "bad_words_ids must be non-empty"),
     ],
 )

@@ -178,6 +178,21 @@ def test_top_log_probs_come_as_n_ids_and_values_per_token(server, llm):
         assert values == pytest.approx(want_values, abs=1e-4), mode
 
 
+def test_prompt_log_probs_come_once_with_the_prompts_ids(server, llm):
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    expected = llm.generate("Hello there", params)[0]
+    want = [lp.logprob for lp in expected.prompt_logprobs]
+    want_top = [t for lp in expected.prompt_logprobs for t, _ in lp.top]
+    for mode in MODES:
+        _, events = run(server, mode, "Hello there", params)
+        carrying = [e for e in events if "prompt_ids" in e]
+        assert len(carrying) == 1, mode
+        assert output_list(carrying[0], "prompt_ids") == llm.tokenizer.encode("Hello there")
+        got = output_list(carrying[0], "prompt_log_probs")
+        assert got == pytest.approx(want, abs=1e-4), mode
+        assert output_list(carrying[0], "prompt_top_log_prob_ids") == want_top, mode
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 def test_num_return_sequences_are_seeded_sequences_in_one_request(server, llm, stream):
     n, seed = 3, 21

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from quanta.core.blocks import BlockManager
 from quanta.core.decision import Decision, PreemptMode
 from quanta.core.errors import PolicyError
-from quanta.core.output import LogitsProcessing, ScheduledSeq, SchedulerOutput
+from quanta.core.output import LogitsProcessing, PromptLogprobsAsk, ScheduledSeq, SchedulerOutput
 from quanta.core.plan import PoolView, StepPlan
 from quanta.core.request import Request, RequestStatus
 
@@ -87,6 +87,7 @@ class DecisionApplier:
             seed=r.seed,
             output_index=r.num_output_tokens,
             processing=_processing(r) if sample else None,
+            prompt_logprobs=_prompt_logprobs(r, start, n),
         )
 
 
@@ -110,6 +111,19 @@ def _processing(r: Request) -> LogitsProcessing | None:
         bad_words_ids=p.bad_words_ids,
         logprobs=p.logprobs,
     )
+
+
+def _prompt_logprobs(r: Request, start: int, n: int) -> PromptLogprobsAsk | None:
+    """The rows of positions ``[start, start + n)`` that predict a prompt token not yet
+    reported (row q predicts token q + 1), or None."""
+    top = r.params.prompt_logprobs
+    if top is None:
+        return None
+    first = max(start, len(r.prompt_logprobs))
+    end = min(start + n, r.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    return PromptLogprobsAsk(first, tuple(r.prompt_token_ids[first + 1 : end + 1]), top)
 
 
 def _get(live: Mapping[str, Request], rid: str) -> Request:

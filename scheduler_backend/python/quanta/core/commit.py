@@ -45,10 +45,15 @@ class Committer:
         now = self.clock.now()
         done: list[Request] = []
         logprobs = out.logprobs or (None,) * len(sched.seqs)
-        for seq, token, lp in zip(sched.seqs, out.sampled_token_ids, logprobs, strict=True):
+        prompt_logprobs = out.prompt_logprobs or ((),) * len(sched.seqs)
+        for seq, token, lp, plp in zip(
+            sched.seqs, out.sampled_token_ids, logprobs, prompt_logprobs, strict=True
+        ):
             r = live[seq.request_id]
             r.num_computed_tokens += seq.num_new_tokens
             r.attained_service += step_time
+            if seq.prompt_logprobs is not None:
+                _record_prompt_logprobs(r, seq.prompt_logprobs.first, plp)
             if token is None:
                 continue
             r.append_token(token, now)
@@ -60,10 +65,14 @@ class Committer:
             text, hit_stop = self._text(r, final=status is not None)
             if hit_stop:
                 status = RequestStatus.FINISHED_STOPPED
+            prompt = _prompt_extras(r)
             if status is None:
-                self._emit(r, RequestOutput(r.request_id, (token,), text, logprobs=new_logprobs))
+                self._emit(
+                    r,
+                    RequestOutput(r.request_id, (token,), text, logprobs=new_logprobs, **prompt),
+                )
             else:
-                self._finish(r, status, (token,), text, logprobs=new_logprobs)
+                self._finish(r, status, (token,), text, logprobs=new_logprobs, **prompt)
                 done.append(r)
         return done
 
@@ -99,6 +108,8 @@ class Committer:
         text: str,
         error: QuantaError | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_token_ids: tuple[int, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         r.set_status(status)
         r.finish_time = self.clock.now()
@@ -113,6 +124,8 @@ class Committer:
             error,
             RequestMetrics.of(r),
             logprobs,
+            prompt_token_ids,
+            prompt_logprobs,
         )
         self._emit(r, out)
         self._sinks.pop(r.request_id, None)
@@ -125,3 +138,23 @@ class Committer:
             sink(out)
         except Exception:  # a broken client must not take the loop down
             log.exception("sink of %s failed", r.request_id)
+
+
+def _record_prompt_logprobs(r: Request, first: int, values: tuple[TokenLogprob, ...]) -> None:
+    """Append a step's prompt logprobs; the applier asked from the first unreported row.
+    A runner that computes no logprobs (the simulator's) returns none."""
+    if not values:
+        return
+    if first != len(r.prompt_logprobs):
+        raise RuntimeError(f"{r.request_id}: prompt logprobs from row {first} out of order")
+    r.prompt_logprobs.extend(values)
+
+
+def _prompt_extras(r: Request) -> dict[str, tuple]:
+    """The prompt's ids and logprobs, sent once with the first output token when asked."""
+    if r.params.prompt_logprobs is None or r.num_output_tokens != 1:
+        return {}
+    return {
+        "prompt_token_ids": tuple(r.prompt_token_ids),
+        "prompt_logprobs": tuple(r.prompt_logprobs),
+    }

@@ -35,6 +35,17 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobsAsk:
+    """Rows of a prefill chunk whose next prompt token's log-probability is wanted (prompt
+    logprobs). Only rows not reported before are asked, so a recomputed prompt is not
+    reported twice."""
+
+    first: int  # position of the first row asked; it predicts the token at ``first + 1``
+    targets: tuple[int, ...]  # the prompt tokens the asked rows predict, in order
+    top: int = 0  # most likely tokens to return per row
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One request's share of a step: a prefill chunk or a single decode token."""
 
@@ -49,6 +60,7 @@ class ScheduledSeq:
     seed: int
     output_index: int  # index of the token to sample; seeds its random stream
     processing: LogitsProcessing | None = None
+    prompt_logprobs: PromptLogprobsAsk | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -84,6 +96,8 @@ class RunnerOutput:
     sampled_token_ids: tuple[int | None, ...]
     step_time: float | None = None  # seconds the step took, when the runner knows better
     logprobs: tuple[TokenLogprob | None, ...] = ()  # per seq, where asked for (else empty)
+    # per seq, one per row its ``prompt_logprobs`` asked for (else empty)
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quanta.core.errors import EmptyPromptError, PromptTooLongError
+from quanta.core.output import TokenLogprob
 
 
 class SamplingParams(BaseModel):
@@ -47,6 +48,9 @@ class SamplingParams(BaseModel):
     # Log-probabilities of each sampled token and of the ``logprobs`` most likely ones (None:
     # none returned; 0: the sampled token's only), from the model's raw distribution.
     logprobs: int | None = Field(None, ge=0, le=20)
+    # The same for every prompt token after the first (what the model made of the prompt),
+    # returned with the first output token.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -194,6 +198,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs were asked for
+    # of prompt tokens 1.. in order, when asked for; kept across preemption so a recomputed
+    # prompt is neither asked nor reported twice
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
 
     # Timestamps in the loop clock's seconds; None until the event happens.

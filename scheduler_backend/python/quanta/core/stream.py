@@ -54,6 +54,10 @@ class RequestOutput:
     error: QuantaError | None = None
     metrics: RequestMetrics | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asked
+    # with the first token, when prompt logprobs were asked: the prompt, and the logprobs of
+    # its tokens after the first (one fewer than the prompt's ids)
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 Sink = Callable[[RequestOutput], None]
@@ -70,6 +74,7 @@ class CompletedRequest:
     error: QuantaError | None
     metrics: RequestMetrics | None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., when asked
 
     @property
     def cumulative_logprob(self) -> float:
@@ -98,11 +103,13 @@ class RequestStream:
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[TokenLogprob] = []
         while True:
             out = self._queue.get(timeout=timeout)
             text.append(out.new_text)
             ids.extend(out.new_token_ids)
             logprobs.extend(out.logprobs)
+            prompt_logprobs.extend(out.prompt_logprobs)
             if out.finished:
                 return CompletedRequest(
                     self.request_id,
@@ -112,4 +119,5 @@ class RequestStream:
                     out.error,
                     out.metrics,
                     tuple(logprobs),
+                    tuple(prompt_logprobs),
                 )

@@ -29,6 +29,8 @@ class GenerationResult:
     metrics: RequestMetrics | None
     error: QuantaError | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # per output token, with SamplingParams(logprobs=)
+    # per prompt token after the first, with SamplingParams(prompt_logprobs=)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class LLM:
@@ -92,6 +94,7 @@ class LLM:
                     done.metrics,
                     done.error,
                     done.logprobs,
+                    done.prompt_logprobs,
                 )
             )
         return results

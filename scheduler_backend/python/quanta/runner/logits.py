@@ -43,6 +43,20 @@ def token_logprob(raw: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(float(raw[token]), best)
 
 
+def token_logprobs(raw: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """``token_logprob`` for every row of ``raw`` ``[N, vocab]`` at once (prompt logprobs:
+    hundreds of rows, where per-row calls would cost more than the LM head)."""
+    index = torch.tensor(tokens, dtype=torch.long, device=raw.device).unsqueeze(1)
+    chosen = raw.gather(1, index).squeeze(1).tolist()
+    if top <= 0:
+        return [TokenLogprob(v) for v in chosen]
+    values, ids = torch.topk(raw, min(top, raw.shape[-1]), dim=-1)
+    return [
+        TokenLogprob(v, tuple(zip(row_ids, row_values, strict=True)))
+        for v, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist(), strict=True)
+    ]
+
+
 def _apply(row: torch.Tensor, proc: LogitsProcessing) -> None:
     vocab = row.shape[-1]
     if proc.history and proc.repetition_penalty != 1.0:

@@ -15,9 +15,15 @@ from pathlib import Path
 
 import torch
 
-from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput, TokenLogprob
+from quanta.core.output import (
+    RunnerCapabilities,
+    RunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
-from quanta.runner.logits import process_logits, token_logprob
+from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import load_weights
@@ -44,6 +50,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+# Rows of prompt logprobs per LM-head call: bounds the [rows, vocab] fp32 logits it holds.
+_PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
@@ -105,10 +115,15 @@ class ModelRunner:
             self._copy_blocks(scheduler_output.swap_in, self.host_kv_cache, self.device_kv_cache)
             sampled: list[int | None] = [None] * len(seqs)
             logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+            prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
             if batch is not None:
                 hidden = self.model(
                     batch.input_ids, batch.positions, self.device_kv_cache, batch.meta
                 )
+                for i, seq in enumerate(seqs):
+                    if seq.prompt_logprobs is not None:
+                        first_row = batch.last_rows[i] - seq.num_new_tokens + 1
+                        prompt_logprobs[i] = self._prompt_logprobs(hidden, first_row, seq)
                 chosen = [i for i, seq in enumerate(seqs) if seq.sample]
                 if chosen:
                     rows = [batch.last_rows[i] for i in chosen]
@@ -127,7 +142,25 @@ class ModelRunner:
             sampled_token_ids=tuple(sampled),
             step_time=time.perf_counter() - started,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
+            prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else (),
         )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, first_row: int, seq: ScheduledSeq
+    ) -> tuple[TokenLogprob, ...]:
+        """Log-probabilities of the prompt tokens ``seq`` asks about, from its rows of
+        ``hidden``; the LM head runs on a few hundred rows at a time, so a long prompt never
+        holds a ``[prompt, vocab]`` tensor."""
+        ask = seq.prompt_logprobs
+        assert ask is not None
+        start = first_row + ask.first - seq.start_pos
+        out: list[TokenLogprob] = []
+        for lo in range(0, len(ask.targets), _PROMPT_LOGPROB_ROWS):
+            targets = ask.targets[lo : lo + _PROMPT_LOGPROB_ROWS]
+            rows = hidden[start + lo : start + lo + len(targets)]
+            raw = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            out.extend(token_logprobs(raw, targets, ask.top))
+        return tuple(out)
 
     def forward_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Logits ``[len(token_ids), vocab]`` (fp32) of one sequence, computed through the same

@@ -185,7 +185,12 @@ class Gateway:
         for index, events in enumerate(runs):
             text = echo + "".join(e.get("text_output", "") for e in events)
             finish = _finish(events[-1])
-            tokens = None if top is None else [t for e in events for t in self._logprobs(e, top)]
+            tokens = (
+                None
+                if top is None
+                else [t for e in events for t in self._prompt_logprobs(e, top)]
+                + [t for e in events for t in self._logprobs(e, top)]
+            )
             if chat:
                 logprobs = None if tokens is None else chat_logprobs(tokens)
                 choice = chat_body(rid, body.model, text, finish, None, logprobs)["choices"][0]
@@ -227,12 +232,39 @@ class Gateway:
 
     def _logprobs(self, event: dict[str, Any], top: int) -> TokenLogprobs:
         """The tokens of one Triton response with their logprobs, as text."""
-        text = self.template.token_text
-        assert text is not None  # checked in _check
         ids = output_ids(event)
         values = output_list(event, "output_log_probs")
         alt_ids = output_list(event, "top_log_prob_ids")
         alt_values = output_list(event, "top_log_probs")
+        return self._with_text(ids, values, alt_ids, alt_values, top)
+
+    def _prompt_logprobs(self, event: dict[str, Any], top: int) -> TokenLogprobs:
+        """The prompt's tokens with their logprobs (echo), from the response that has them;
+        the first token has none: nothing predicts it."""
+        ids = output_list(event, "prompt_ids")
+        if not ids:
+            return []
+        text = self.template.token_text
+        assert text is not None  # checked in _check
+        rest = self._with_text(
+            ids[1:],
+            output_list(event, "prompt_log_probs"),
+            output_list(event, "prompt_top_log_prob_ids"),
+            output_list(event, "prompt_top_log_probs"),
+            top,
+        )
+        return [(text(ids[0]), None, None), *rest]
+
+    def _with_text(
+        self,
+        ids: list[int],
+        values: list[float],
+        alt_ids: list[int],
+        alt_values: list[float],
+        top: int,
+    ) -> TokenLogprobs:
+        text = self.template.token_text
+        assert text is not None  # checked in _check
         out: TokenLogprobs = []
         for i, (token, logprob) in enumerate(zip(ids, values, strict=True)):
             window = slice(i * top, (i + 1) * top)
@@ -254,11 +286,17 @@ class Gateway:
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
             yield _indexed(chat_chunk(rid, body.model, {"role": "assistant", "content": ""}), index)
-        elif echo:
-            yield _indexed(completion_body(rid, body.model, echo, None, None, chunk=True), index)
-        event = first
         top = body.top_logprobs_wanted
         offset = 0
+        if echo and not chat:
+            prompt = None if top is None else self._prompt_logprobs(first, top)
+            logprobs = None if prompt is None else completion_logprobs(prompt, top or 0)
+            chunk = completion_body(
+                rid, body.model, echo, None, None, chunk=True, logprobs=logprobs
+            )
+            yield _indexed(chunk, index)
+            offset = sum(len(t) for t, _, _ in prompt or ())
+        event = first
         pending: TokenLogprobs = []  # tokens whose text the detokenizer still holds back
         while True:
             note(index, event)

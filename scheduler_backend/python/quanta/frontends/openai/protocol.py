@@ -128,11 +128,18 @@ class _GenerationRequest(_Checked):
         wanted = self.top_logprobs_wanted
         if wanted is not None:
             fields["logprobs"] = wanted
+            if self.prompt_logprobs_wanted:
+                fields["prompt_logprobs"] = wanted
         return _validated(SamplingParams, fields)
 
     @property
     def top_logprobs_wanted(self) -> int | None:
         return None
+
+    @property
+    def prompt_logprobs_wanted(self) -> bool:
+        """Whether the prompt's tokens are reported with logprobs too (completions' echo)."""
+        return False
 
     def metadata(self, system_tokens: int | None = None) -> RequestMetadata:
         """Scheduling metadata; ``tenant`` wins over OpenAI's ``user``, and an explicit
@@ -182,9 +189,11 @@ class CompletionRequest(_GenerationRequest):
         """Logprobs asked for: None (none), else how many alternatives per token."""
         return self.logprobs
 
+    @property
+    def prompt_logprobs_wanted(self) -> bool:
+        return self.echo and self.logprobs is not None
+
     def unsupported(self) -> OpenAIError | None:
-        if self.echo and self.logprobs is not None:
-            return invalid("echo with logprobs (prompt logprobs) is not supported", "echo")
         if self.echo and not isinstance(self.single_prompt(), str):
             return invalid("echo needs a text prompt (not token ids)", "echo")
         if self.suffix:
@@ -273,8 +282,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-TokenLogprobs = list[tuple[str, float, list[tuple[str, float]]]]
-"""Per token: its text, its log-probability, and the alternatives asked for."""
+TokenLogprobs = list[tuple[str, float | None, list[tuple[str, float]] | None]]
+"""Per token: its text, its log-probability, and the alternatives asked for (None for both:
+the prompt's first token, which nothing predicts)."""
 
 
 def completion_logprobs(tokens: TokenLogprobs, top: int, offset: int = 0) -> dict[str, Any]:
@@ -286,7 +296,9 @@ def completion_logprobs(tokens: TokenLogprobs, top: int, offset: int = 0) -> dic
     return {
         "tokens": [t for t, _, _ in tokens],
         "token_logprobs": [lp for _, lp, _ in tokens],
-        "top_logprobs": [dict(alts) for _, _, alts in tokens] if top else None,
+        "top_logprobs": [None if alts is None else dict(alts) for _, _, alts in tokens]
+        if top
+        else None,
         "text_offset": offsets,
     }
 

@@ -235,6 +235,7 @@ class TritonPythonModel:
                 priority_class=parsed.metadata.priority_class,
                 return_log_probs=parsed.return_log_probs,
                 top_log_probs=parsed.top_log_probs,
+                return_prompt_log_probs=parsed.return_prompt_log_probs,
                 sequence_index=i if n > 1 else None,
             )
             if parsed.echo:

@@ -72,8 +72,13 @@ def request_inputs(
             inputs[name] = getattr(params, name)
     if params.logprobs is not None:
         inputs["return_log_probs"] = True
-        if params.logprobs:
-            inputs["top_log_probs"] = params.logprobs
+    if params.prompt_logprobs is not None:
+        inputs["return_prompt_log_probs"] = True
+    top = {params.logprobs or 0, params.prompt_logprobs or 0} - {0}
+    if len(top) > 1:
+        raise ValueError("the Triton frontend takes one top_log_probs for output and prompt")
+    if top:
+        inputs["top_log_probs"] = top.pop()
     if params.bad_words_ids:
         raise ValueError("the Triton frontend takes bad words as text (the bad_words input)")
     if metadata is not None:

@@ -59,6 +59,10 @@ class InflightRequest:
     echo_ids: tuple[int, ...] = ()
     return_log_probs: bool = False
     top_log_probs: int = 0
+    return_prompt_log_probs: bool = False
+    # when asked, sent with the first response that carries tokens (held until then)
+    prompt_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # accumulated when not streaming
     cumulative_logprob: float = 0.0
     sequence_index: int | None = None  # one of num_return_sequences: said in every response
@@ -172,6 +176,9 @@ class Responder:
         new_logprobs = list(out.logprobs)
         inflight.cumulative_logprob += sum(lp.logprob for lp in new_logprobs)
         want, top = inflight.return_log_probs, inflight.top_log_probs
+        if inflight.return_prompt_log_probs and out.prompt_token_ids:
+            inflight.prompt_ids = out.prompt_token_ids
+            inflight.prompt_logprobs = out.prompt_logprobs
         if not out.finished:
             # NOTE: asked at every batch of a stream's deltas (one per responder round, as
             # they are merged), so a disconnect is seen within a step or two at any load.
@@ -184,6 +191,7 @@ class Responder:
                     logprobs=new_logprobs if want else None,
                     top=top,
                     sequence_index=inflight.sequence_index,
+                    **_take_prompt(inflight),
                 )
                 self._send(inflight, self._factory.response(arrays))
             else:
@@ -210,6 +218,7 @@ class Responder:
                 top=top,
                 cumulative_logprob=inflight.cumulative_logprob if want else None,
                 sequence_index=inflight.sequence_index,
+                **_take_prompt(inflight),
             )
             response = self._factory.response(arrays)
         self._send_final(inflight, response)
@@ -262,6 +271,15 @@ class Responder:
             self._poll_cancelled(inflight)
 
 
+def _take_prompt(inflight: InflightRequest) -> dict[str, Any]:
+    """The prompt's ids and logprobs for the response being built, once."""
+    if inflight.prompt_logprobs is None:
+        return {}
+    extras = {"prompt_ids": inflight.prompt_ids, "prompt_logprobs": inflight.prompt_logprobs}
+    inflight.prompt_logprobs = None
+    return extras
+
+
 def _coalesce(
     items: list[tuple[InflightRequest, RequestOutput | QuantaError]],
 ) -> list[tuple[InflightRequest, RequestOutput | QuantaError]]:
@@ -298,4 +316,6 @@ def _merge(deltas: list[RequestOutput]) -> RequestOutput:
         last.error,
         last.metrics,
         tuple(lp for d in deltas for lp in d.logprobs),
+        tuple(t for d in deltas for t in d.prompt_token_ids),
+        tuple(lp for d in deltas for lp in d.prompt_logprobs),
     )

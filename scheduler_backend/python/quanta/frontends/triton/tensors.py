@@ -56,6 +56,7 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("bad_words", "TYPE_STRING", [-1]),
     ("return_log_probs", "TYPE_BOOL", [1]),
     ("top_log_probs", "TYPE_INT32", [1]),  # Quanta: also the N most likely tokens' (0-20)
+    ("return_prompt_log_probs", "TYPE_BOOL", [1]),  # Quanta: the prompt tokens' too (echo)
     ("exclude_input_in_output", "TYPE_BOOL", [1]),
     ("beam_width", "TYPE_INT32", [1]),  # 1 only
     ("num_return_sequences", "TYPE_INT32", [1]),  # 1-16 sequences, seeded seed + i
@@ -79,6 +80,12 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("top_log_prob_ids", "TYPE_INT32", [-1]),  # with top_log_probs N: N per output id
     ("top_log_probs", "TYPE_FP32", [-1]),  # their log-probabilities, in the same order
     ("sequence_index", "TYPE_INT32", [1]),  # with num_return_sequences > 1: which one
+    # with return_prompt_log_probs, once (first response): the prompt's token ids, and the
+    # log-probabilities of all but the first (top_log_probs N: N alternatives each)
+    ("prompt_ids", "TYPE_INT32", [-1]),
+    ("prompt_log_probs", "TYPE_FP32", [-1]),
+    ("prompt_top_log_prob_ids", "TYPE_INT32", [-1]),
+    ("prompt_top_log_probs", "TYPE_FP32", [-1]),
 )
 # The tensorrt_llm layout declares a batch dimension (as TensorRT-LLM's configs do) of one
 # request per Triton request; the engine batches across requests itself.
@@ -132,6 +139,7 @@ class ParsedRequest:
     echo: bool = False  # exclude_input_in_output: false: a non-streamed answer repeats the prompt
     return_log_probs: bool = False
     top_log_probs: int = 0
+    return_prompt_log_probs: bool = False
     num_return_sequences: int = 1
     bad_words: tuple[str, ...] = ()  # tokenized by the engine into SamplingParams.bad_words_ids
 
@@ -182,6 +190,9 @@ def parse_request(
     return_log_probs = bool(values.get("return_log_probs", False)) or top_log_probs > 0
     if return_log_probs:
         sampling["logprobs"] = top_log_probs
+    return_prompt_log_probs = bool(values.get("return_prompt_log_probs", False))
+    if return_prompt_log_probs:
+        sampling["prompt_logprobs"] = top_log_probs
     if "stop_words" in values:
         sampling["stop"] = tuple(values["stop_words"])
     if "end_id" in values:
@@ -195,6 +206,7 @@ def parse_request(
         echo=not values.get("exclude_input_in_output", not echo_by_default),
         return_log_probs=return_log_probs,
         top_log_probs=top_log_probs,
+        return_prompt_log_probs=return_prompt_log_probs,
         num_return_sequences=n,
         bad_words=tuple(values.get("bad_words", ())),
     )
@@ -276,6 +288,8 @@ def output_arrays(
     top: int = 0,
     cumulative_logprob: float | None = None,
     sequence_index: int | None = None,
+    prompt_ids: Sequence[int] = (),
+    prompt_logprobs: Sequence[TokenLogprob] | None = None,
 ) -> dict[str, np.ndarray]:
     """Output tensors of one response; the final one also carries timing and accounting."""
     arrays = {
@@ -286,12 +300,10 @@ def output_arrays(
     if sequence_index is not None:
         arrays["sequence_index"] = np.array([sequence_index], dtype=np.int32)
     if logprobs is not None:
-        arrays["output_log_probs"] = np.array([lp.logprob for lp in logprobs], dtype=np.float32)
-        if top:
-            rows = [lp.top[:top] for lp in logprobs]
-            ids = [t for row in rows for t, _ in row]
-            arrays["top_log_prob_ids"] = np.array(ids, dtype=np.int32)
-            arrays["top_log_probs"] = np.array([v for row in rows for _, v in row], np.float32)
+        arrays.update(_logprob_arrays("", logprobs, top))
+    if prompt_logprobs is not None:
+        arrays["prompt_ids"] = np.array(prompt_ids, dtype=np.int32)
+        arrays.update(_logprob_arrays("prompt_", prompt_logprobs, top))
     if cumulative_logprob is not None:
         arrays["cum_log_probs"] = np.array([cumulative_logprob], dtype=np.float32)
     if finish_reason is not None:
@@ -305,6 +317,19 @@ def output_arrays(
             num_output_tokens=np.array([metrics.num_output_tokens], dtype=np.int32),
             num_preemptions=np.array([metrics.num_preemptions], dtype=np.int32),
         )
+    return arrays
+
+
+def _logprob_arrays(prefix: str, logprobs: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
+    """``{prefix}output_log_probs`` (``prompt_log_probs`` for the prompt) and, with ``top``,
+    the alternatives, ``top`` per token, flattened."""
+    name = "prompt_log_probs" if prefix else "output_log_probs"
+    arrays = {name: np.array([lp.logprob for lp in logprobs], dtype=np.float32)}
+    if top:
+        rows = [lp.top[:top] for lp in logprobs]
+        ids = [t for row in rows for t, _ in row]
+        arrays[f"{prefix}top_log_prob_ids"] = np.array(ids, dtype=np.int32)
+        arrays[f"{prefix}top_log_probs"] = np.array([v for row in rows for _, v in row], np.float32)
     return arrays
 
 
