@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--repeat", type=int, default=3, help="runs per timing; the best counts")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -37,7 +38,7 @@ def main() -> None:
     max_batch = max(batches)
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=True,
         kv_cache_memory_bytes=args.kv_cache_bytes,

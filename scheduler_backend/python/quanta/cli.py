@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from quanta.cli_options import LinearKernelOpt
+
 app = typer.Typer(
     help="Quanta: preemptive, fair, SLO-aware LLM serving for Triton.",
     no_args_is_help=True,
@@ -100,6 +102,12 @@ def bench_engine(
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
     output: Annotated[Path | None, typer.Option(help="also write the rows as JSON")] = None,
     repeat: Annotated[int, typer.Option(min=1, help="runs per measurement; the best counts")] = 3,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32 or bfloat16 (default: the engine's default)")
+    ] = None,
+    linear_kernel: Annotated[
+        LinearKernelOpt, typer.Option(help="projections: auto, onednn (prepacked) or torch")
+    ] = LinearKernelOpt.auto,
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer."""
     from quanta.bench.engine import run_engine_bench
@@ -114,6 +122,8 @@ def bench_engine(
         threads=threads,
         output=output,
         repeat=repeat,
+        dtype=dtype,
+        linear_kernel=linear_kernel.value,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
@@ -25,3 +26,11 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
+
+
+class LinearKernelOpt(StrEnum):
+    """How the engine runs its projections (``EngineConfig.linear_kernel``)."""
+
+    auto = "auto"
+    onednn = "onednn"
+    torch = "torch"

@@ -1,6 +1,7 @@
 """``quanta bench engine``: prefill and decode tokens/s against HF transformers.
 
-Both engines get the same checkpoint, dtype, thread count and token ids. Quanta runs through
+Both engines get the same checkpoint, dtype, thread count and token ids; the table and the
+JSON say which dtype, linear kernel and CPU instruction set ran. Quanta runs through
 its full loop (scheduling, block tables, paged attention), so the number is what a server
 gets, not a bare forward pass. Decode throughput is measured as the extra time a run with
 ``gen_len`` tokens takes over a prefill-only run.
@@ -13,6 +14,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from rich.console import Console
@@ -30,6 +32,9 @@ class BenchRow:
     quanta_decode_tps: float
     hf_prefill_tps: float | None
     hf_decode_tps: float | None
+    dtype: str = "float32"
+    linear_kernel: str = "torch"
+    cpu_isa: str = ""
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -82,6 +87,8 @@ def run_engine_bench(
     threads: int | None = None,
     output: Path | None = None,
     repeat: int = 3,
+    dtype: str | None = None,
+    linear_kernel: Literal["auto", "torch", "onednn"] = "auto",
 ) -> list[BenchRow]:
     """Measure every batch size, print a table, optionally write JSON."""
     if threads:
@@ -93,10 +100,13 @@ def run_engine_bench(
             model=str(model_dir),
             cache=CacheConfig(num_device_blocks=tokens // 16 + 2 * max_batch, num_host_blocks=0),
             scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max_batch),
+            dtype=dtype,
+            linear_kernel=linear_kernel,
         )
     )
+    info = engine.describe()
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
-    hf = _load_hf(model_dir) if compare_hf else None
+    hf = _load_hf(model_dir, engine.runner.dtype) if compare_hf else None
     rows = []
     for b in batches:
         prompts = _prompts(b, prompt_len, vocab)
@@ -112,24 +122,27 @@ def run_engine_bench(
             hp = min(_time_hf(hf, prompts, 1) for _ in range(repeat))
             ht = min(_time_hf(hf, prompts, gen_len) for _ in range(repeat))
             h_pre, h_dec = _rates(hp, ht, b, prompt_len, gen_len)
-        rows.append(BenchRow(b, q_pre, q_dec, h_pre, h_dec))
+        kernel = (info["dtype"], info["linear_kernel"], info["cpu_isa"])
+        rows.append(BenchRow(b, q_pre, q_dec, h_pre, h_dec, *kernel))
     _print(rows, model_dir, prompt_len, gen_len)
     if output is not None:
         output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
 
 
-def _load_hf(model_dir: Path) -> torch.nn.Module:
+def _load_hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.eval()
 
 
 def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int) -> None:
+    first = rows[0]
     table = Table(
         title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
-        f"{torch.get_num_threads()} threads, fp32 CPU (tokens/s)"
+        f"{torch.get_num_threads()} threads, {first.dtype}, linears {first.linear_kernel}, "
+        f"CPU {first.cpu_isa} (tokens/s)"
     )
     for col in (
         "batch",

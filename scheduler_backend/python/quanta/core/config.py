@@ -5,7 +5,7 @@ Only frontends parse files into these; nothing here does I/O.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -58,6 +58,9 @@ class EngineConfig(BaseModel):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     dtype: str | None = None
     device: str = "cpu"
+    # How projections run: prepacked oneDNN weights (CPU) or torch's F.linear; auto: oneDNN
+    # wherever it runs the dtype (see quanta.runner.linear for the measurements behind it).
+    linear_kernel: Literal["auto", "torch", "onednn"] = "auto"
     # Longest prompt + output a request may have; None: the model's own context length.
     max_seq_len: int | None = Field(None, ge=1)
     cache: CacheConfig = Field(default_factory=CacheConfig)

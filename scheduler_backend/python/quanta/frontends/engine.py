@@ -28,6 +28,7 @@ from quanta.frontends.devices import device_memory_bytes
 from quanta.frontends.tokenizer import Tokenizer, load_tokenizer
 from quanta.policies import make_policy
 from quanta.runner import ModelRunner, load_model_config
+from quanta.runner.cpu import cpu_isa
 from quanta.runner.model_runner import resolve_dtype
 from quanta.runner.models.config import ModelConfig
 
@@ -54,6 +55,8 @@ class Engine:
             "policy_options": json.dumps(c.policy_options, sort_keys=True),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
+            "linear_kernel": self.runner.linear_kernel,
+            "cpu_isa": cpu_isa(),
             "max_num_seqs": str(c.scheduler.max_num_seqs),
             "max_num_batched_tokens": str(c.scheduler.max_num_batched_tokens),
             "max_seq_len": str(self.loop.max_model_len),
@@ -166,6 +169,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         block_size=cache.block_size,
         dtype=dtype,
         device=config.device,
+        linear_kernel=config.linear_kernel,
     )
     tokenizer = load_tokenizer(model_dir)
     clock = clock or WallClock()

@@ -7,7 +7,13 @@ slot ``block_table[pos // block_size] * block_size + pos % block_size``.
 
 Every step first writes its new K/V through the slot mapping, then attends over the context
 gathered from the cache: one SDPA call per prefill chunk (the causal mask is offset by the
-chunk's start) and one batched, key-padded SDPA call for all single-token rows.
+chunk's start), and for all single-token (decode) rows together a packed, unpadded
+attention: only the slots each row owns are gathered, one flat ``[N, kv_heads, head_dim]``
+buffer for the whole batch, with a segmented softmax over each row's slots. A padded layout
+gathered every row up to the longest context and then had to zero the stale slots (a slot
+past a row's context may hold inf/NaN from an earlier owner, and a masked score still
+multiplies its value); that copy and fill were 60% of a batch-32 decode step. Here a stale
+slot is never read, so NaN-safety holds by construction.
 """
 
 from __future__ import annotations
@@ -44,11 +50,11 @@ class PrefillChunk:
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """All single-token rows of the step, attended in one batched call."""
+    """All single-token rows of the step, attended together over their packed contexts."""
 
     token_index: torch.Tensor  # [B] rows of the packed batch
-    block_table: torch.Tensor  # [B, max_blocks], padded with block 0
-    key_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    slots: torch.Tensor  # [N] flat cache slots of every row's context, row after row
+    owner: torch.Tensor  # [N] which of the B rows each slot belongs to
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +69,16 @@ class AttentionMetadata:
 def build_metadata(
     seqs: Sequence[PagedSeq], block_size: int, num_blocks: int, device: torch.device
 ) -> AttentionMetadata:
-    """Index tensors for one packed step; raises ValueError on a too-short or bad block table."""
-    slots: list[int] = []
+    """Index tensors for one packed step; raises ValueError on a too-short or bad block table.
+
+    Per-token indices (slots of new tokens, decode contexts) are computed with tensor ops
+    from the per-block tables, so a step's Python work grows with its blocks, not its tokens.
+    """
+    tables: list[list[int]] = []
+    starts: list[int] = []
+    counts: list[int] = []
     prefills: list[PrefillChunk] = []
     decode_rows: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
     offset = 0
     for seq in seqs:
         n = len(seq.token_ids)
@@ -82,20 +92,44 @@ def build_metadata(
             )
         if min(table) < 0 or max(table) >= num_blocks:
             raise ValueError(f"block id out of range [0, {num_blocks}) in {table}")
-        for pos in range(seq.start_pos, context_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        tables.append(table)
+        starts.append(seq.start_pos)
+        counts.append(n)
         if n == 1:
             decode_rows.append(offset)
-            decode_tables.append(table)
-            decode_lens.append(context_len)
         else:
             prefills.append(_prefill_chunk(offset, seq.start_pos, n, table, device))
         offset += n
+    slot_table = _slot_table(tables, block_size)  # [S, max_blocks * block_size]
+    lens = torch.tensor([s + n for s, n in zip(starts, counts, strict=True)], dtype=torch.long)
+    start_t = torch.tensor(starts, dtype=torch.long)
+    positions = torch.arange(slot_table.shape[1])
+    new = (positions[None, :] >= start_t[:, None]) & (positions[None, :] < lens[:, None])
+    decode = None
+    if decode_rows:
+        one = torch.tensor(counts, dtype=torch.long) == 1
+        ctx = slot_table[one]
+        ctx_lens = lens[one]
+        owned = positions[None, :] < ctx_lens[:, None]
+        decode = DecodeBatch(
+            token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            slots=ctx[owned].to(device),
+            owner=torch.repeat_interleave(torch.arange(len(decode_rows)), ctx_lens).to(device),
+        )
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=slot_table[new].to(device),  # row-major: the packed batch's token order
         prefills=tuple(prefills),
-        decode=_decode_batch(decode_rows, decode_tables, decode_lens, block_size, device),
+        decode=decode,
     )
+
+
+def _slot_table(tables: list[list[int]], block_size: int) -> torch.Tensor:
+    """``[S, max_blocks * block_size]``: the flat slot of every position of every sequence
+    (positions past a table's end point at slot 0 and are never selected)."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    offsets = torch.arange(block_size, dtype=torch.long)
+    return (padded[:, :, None] * block_size + offsets).view(len(tables), -1)
 
 
 def _prefill_chunk(
@@ -114,26 +148,6 @@ def _prefill_chunk(
         context_len=context_len,
         block_ids=torch.tensor(table, dtype=torch.long, device=device),
         mask=mask,
-    )
-
-
-def _decode_batch(
-    rows: list[int],
-    tables: list[list[int]],
-    lens: list[int],
-    block_size: int,
-    device: torch.device,
-) -> DecodeBatch | None:
-    if not rows:
-        return None
-    max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    return DecodeBatch(
-        token_index=torch.tensor(rows, dtype=torch.long, device=device),
-        block_table=torch.tensor(padded, dtype=torch.long, device=device),
-        key_mask=(key_pos[None, :] < lens_t[:, None])[:, None, None, :],
     )
 
 
@@ -174,22 +188,24 @@ def paged_attention(
 def _decode(
     q: torch.Tensor, layer_cache: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """One SDPA call for all decode rows: [B, H, 1, D] against padded [B, KVH, Lmax, D]."""
-    num_seqs, max_blocks = batch.block_table.shape
-    _, _, block_size, kv_heads, head_dim = layer_cache.shape
-    shape = (num_seqs, max_blocks * block_size, kv_heads, head_dim)
-    # NOTE: slots past a row's context hold whatever an earlier owner of the block left there,
-    # possibly inf/NaN; a masked score still multiplies its value (0 * NaN = NaN), so zero them
-    # rather than trust the mask alone.
-    stale = ~batch.key_mask.view(num_seqs, -1, 1, 1)
-    keys = layer_cache[0][batch.block_table].view(shape).masked_fill_(stale, 0)
-    vals = layer_cache[1][batch.block_table].view(shape).masked_fill_(stale, 0)
-    attn = F.scaled_dot_product_attention(
-        q.index_select(0, batch.token_index).unsqueeze(2),
-        keys.transpose(1, 2).to(q.dtype),
-        vals.transpose(1, 2).to(q.dtype),
-        attn_mask=batch.key_mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != kv_heads,
-    )
-    return attn.squeeze(2)
+    """Single-token rows against their own slots only: scores per (slot, head), a softmax per
+    row segment, then the weighted sum of values. Scores and weights are fp32 whatever the
+    cache dtype. q: [T, H, D] -> [B, H, D]."""
+    _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
+    flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    keys = flat[0].index_select(0, batch.slots).float()  # [N, KVH, D]
+    vals = flat[1].index_select(0, batch.slots).float()
+    rows = q.index_select(0, batch.token_index).float()  # [B, H, D]
+    num_rows, heads = rows.shape[0], rows.shape[1]
+    if heads != kv_heads:  # grouped-query: each KV head serves heads // kv_heads query heads
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        vals = vals.repeat_interleave(heads // kv_heads, dim=1)
+    scores = (rows.index_select(0, batch.owner) * keys).sum(-1) * scale  # [N, H]
+    owner = batch.owner[:, None].expand(-1, heads)
+    peak = torch.full((num_rows, heads), float("-inf"), device=q.device)
+    peak = peak.scatter_reduce(0, owner, scores, "amax")
+    weights = torch.exp(scores - peak.index_select(0, batch.owner))
+    total = torch.zeros((num_rows, heads), device=q.device).index_add_(0, batch.owner, weights)
+    out = torch.zeros((num_rows, heads, head_dim), device=q.device)
+    out.index_add_(0, batch.owner, weights[:, :, None] * vals)
+    return (out / total[:, :, None]).to(q.dtype)

@@ -23,6 +23,7 @@ from quanta.core.output import (
     TokenLogprob,
 )
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
+from quanta.runner.linear import LinearKernel, pack_linears, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
@@ -68,6 +69,7 @@ class ModelRunner:
         block_size: int = 16,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
+        linear_kernel: LinearKernel = "auto",
     ) -> None:
         if num_device_blocks <= 0 or num_host_blocks < 0 or block_size <= 0:
             raise ValueError("need num_device_blocks > 0, num_host_blocks >= 0, block_size > 0")
@@ -79,6 +81,9 @@ class ModelRunner:
         self.model_config: ModelConfig = load_model_config(model_dir)
         self.model = build_model_skeleton(self.model_config)
         load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
+        self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
+        if self.linear_kernel == "onednn":
+            pack_linears(self.model)
         self.model.eval()
         self.device_kv_cache = self._allocate_kv(num_device_blocks, self.device)
         self.host_kv_cache = self._allocate_kv(

@@ -34,6 +34,7 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
         str(setup.vllm_python), str(script), "--model", str(setup.model_dir.resolve()),
         "--prompts", str(prompt_file), "--gen-len", str(setup.engine_gen_len),
         "--kv-cache-bytes", str(setup.kv_cache_bytes), "--repeat", str(setup.engine_repeat),
+        "--dtype", setup.dtype,
     ]  # fmt: skip
     log = setup.out_dir / "logs" / "vllm_engine.log"
     load_before = os.getloadavg()
@@ -48,6 +49,7 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
     quanta_rows = run_engine_bench(
         setup.model_dir, list(setup.engine_batches), setup.engine_prompt_len,
         setup.engine_gen_len, compare_hf=False, threads=setup.threads, repeat=setup.engine_repeat,
+        dtype=setup.dtype,
     )  # fmt: skip
     rows = []
     for q, v in zip(quanta_rows, vllm_rows["rows"], strict=True):
@@ -60,6 +62,9 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
                 "quanta_prefill_tps": q.quanta_prefill_tps,
                 "vllm_prefill_tps": v["prefill_tps"],
                 "prefill_ratio": q.quanta_prefill_tps / v["prefill_tps"],
+                "dtype": q.dtype,
+                "quanta_linear_kernel": q.linear_kernel,
+                "cpu_isa": q.cpu_isa,
             }
         )
         echo(f"engine batch {q.batch}: decode Quanta/vLLM = {rows[-1]['decode_ratio']:.2f}")

@@ -34,6 +34,9 @@ def bench_peer(
     output_tokens: Annotated[str, typer.Option(help="uniform output length lo:hi")] = "32:64",
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1, help="torch threads, both engines")] = 1,
+    dtype: Annotated[
+        str, typer.Option(help="float32 or bfloat16, both engines (servers and engine-only)")
+    ] = "float32",
     systems: Annotated[
         str, typer.Option(help="vllm-fcfs, vllm-priority, quanta-fcfs, quanta-<policy>")
     ] = "vllm-fcfs,vllm-priority,quanta-fcfs,quanta-sj-mlfq",  # '' with engine batches: engine only
@@ -63,6 +66,8 @@ def bench_peer(
     from quanta.bench.workload_spec import parse_range
     from quanta.metrics import SLO
 
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter("float32 or bfloat16", param_hint="--dtype")
     if vllm_priority not in VLLM_PRIORITIES:
         choices = ", ".join(VLLM_PRIORITIES)
         raise typer.BadParameter(f"one of {choices}", param_hint="--vllm-priority")
@@ -87,6 +92,7 @@ def bench_peer(
         output_tokens=parse_range(output_tokens, "--output-tokens"),
         seed=seed,
         threads=threads,
+        dtype=dtype,
         systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
         slo=SLO(ttft_s=ttft_slo, tpot_s=tpot_slo, tbt_s=tbt_slo),
         slo_goal=slo_goal,

@@ -38,6 +38,7 @@ class PeerSetup:
     output_tokens: tuple[int, int] = (32, 64)
     seed: int = 0
     threads: int = 1
+    dtype: str = "float32"  # both engines, servers and engine-only runs: float32 or bfloat16
     systems: tuple[str, ...] = SYSTEMS
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=2.0, tpot_s=0.3, tbt_s=1.0))
     slo_goal: float = 0.9

@@ -106,7 +106,7 @@ class VllmServer(Server):
             str(s.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(s.model_dir.resolve()), "--served-model-name", self.model,
             "--tokenizer", str(s.model_dir.resolve()),
-            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", s.dtype, "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(s.max_model_len), "--enforce-eager",
             "--kv-cache-memory-bytes", str(s.kv_cache_bytes),
             "--max-num-seqs", str(s.max_num_seqs),
@@ -132,13 +132,15 @@ class QuantaServer(Server):
 
     def parameters(self) -> dict[str, str]:
         s = self.setup
+        per_block = kv_bytes_per_block(s.model_dir, dtype_bytes=DTYPE_BYTES[s.dtype])
         params = {
             "model_dir": str(s.model_dir.resolve()),
             "preset": "",
             "policy": self.policy,
             "torch_threads": str(s.threads),
-            "num_device_blocks": str(s.kv_cache_bytes // kv_bytes_per_block(s.model_dir)),
-            "num_host_blocks": str(s.kv_cache_bytes // kv_bytes_per_block(s.model_dir)),
+            "dtype": s.dtype,
+            "num_device_blocks": str(s.kv_cache_bytes // per_block),
+            "num_host_blocks": str(s.kv_cache_bytes // per_block),
             "max_num_seqs": str(s.max_num_seqs),
             "max_num_batched_tokens": str(s.max_num_batched_tokens),
             "enable_chunked_prefill": "true",
@@ -171,8 +173,11 @@ def vllm_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
 def kv_bytes_per_block(model_dir: Path, block_size: int = 16, dtype_bytes: int = 4) -> int:
-    """K and V of every layer for ``block_size`` tokens (fp32 multi-head attention)."""
+    """K and V of every layer for ``block_size`` tokens (multi-head attention)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     return 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * dtype_bytes * block_size
 

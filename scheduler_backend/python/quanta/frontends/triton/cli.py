@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from quanta.cli_options import PolicyOpt, parse_options
+from quanta.cli_options import LinearKernelOpt, PolicyOpt, parse_options
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -87,6 +87,10 @@ def serve(
     policy_option: PolicyOpt = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N")] = None,
+    linear_kernel: Annotated[
+        LinearKernelOpt | None,
+        typer.Option(help="projections: auto, onednn (prepacked, CPU) or torch"),
+    ] = None,
     max_num_seqs: Annotated[int | None, typer.Option(min=1, help="sequences per step")] = None,
     max_num_batched_tokens: Annotated[
         int | None, typer.Option(min=1, help="tokens per step")
@@ -141,6 +145,7 @@ def serve(
             policy_options=parse_options(policy_option) if policy_option else None,
             dtype=dtype,
             device=device,
+            linear_kernel=None if linear_kernel is None else linear_kernel.value,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_seq_len=max_seq_len,

@@ -50,6 +50,7 @@ class _Parameters(BaseModel):
     policy_options: Json[dict[str, Any]] = Field(default_factory=dict)
     dtype: str | None = None
     device: str = "cpu"
+    linear_kernel: Literal["auto", "torch", "onednn"] = "auto"
     max_seq_len: int | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
@@ -110,6 +111,7 @@ def parse_parameters(
             policy_options=p.policy_options,
             dtype=p.dtype,
             device=p.device,
+            linear_kernel=p.linear_kernel,
             max_seq_len=p.max_seq_len,
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**sched),
