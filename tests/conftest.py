@@ -1,11 +1,22 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Engines that configure no dtype take the machine's fastest (bf16 where the CPU has AMX or
+# AVX512_BF16). The suite pins fp32 instead, for every engine it starts (servers inherit the
+# environment), so its results do not depend on the CI machine's CPU: fp32 is what the parity
+# and invariance tests check bit for bit. Tests of the default and of bf16 say so explicitly.
+os.environ["QUANTA_DEFAULT_DTYPE"] = "float32"
+# Likewise decode attention runs eagerly unless a test asks for the compiled kernel (the
+# default where a C++ compiler exists): compiling costs seconds in every process that loads
+# a model, servers included, and test_runner_parity runs both kernels against HF.
+os.environ["QUANTA_ATTENTION_KERNEL"] = "eager"
 
 from fakes import HashRunner, decode_chars
 from quanta.core.blocks import BlockManager

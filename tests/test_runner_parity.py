@@ -9,6 +9,7 @@ block tables; seeded sampling; config parsing and loader errors.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,17 @@ from quanta.runner.models.config import RopeScaling, parse_model_config
 from quanta.runner.sampler import sample
 from runner_helpers import FakeRequest, ToyScheduler, build_hf_checkpoint, hf_greedy
 from safetensors.torch import load_file, save_file
+
+# The compiled decode-attention kernel needs a C++ compiler (Inductor), else it is eager.
+KERNELS = [
+    "eager",
+    pytest.param(
+        "compiled",
+        marks=pytest.mark.skipif(
+            not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler"
+        ),
+    ),
+]
 
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "opt": {"family": "opt"},
@@ -65,9 +77,9 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 300, (length,), generator=gen).tolist()
 
 
-def _runner(path: Path, block_size: int = 16, blocks: int = 64) -> ModelRunner:
+def _runner(path: Path, block_size: int = 16, blocks: int = 64, **kwargs: Any) -> ModelRunner:
     return ModelRunner(
-        path, num_device_blocks=blocks, num_host_blocks=blocks, block_size=block_size
+        path, num_device_blocks=blocks, num_host_blocks=blocks, block_size=block_size, **kwargs
     )
 
 
@@ -101,10 +113,16 @@ def _mixed_requests(max_new: int = 10) -> list[FakeRequest]:
     ]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name", ["opt", "opt350", "llama", "llama3"])
-def test_greedy_generation_matches_hf(checkpoints: dict[str, tuple[Path, Any]], name: str) -> None:
+def test_greedy_generation_matches_hf(
+    checkpoints: dict[str, tuple[Path, Any]], name: str, kernel: str
+) -> None:
+    """Both decode-attention kernels (the compiled one is the default where a C++ compiler
+    exists; the suite runs eager otherwise)."""
     path, hf_model = checkpoints[name]
-    runner = _runner(path, block_size=4)
+    runner = _runner(path, block_size=4, attention_kernel=kernel)
+    assert runner.attention_kernel == kernel
     requests = _mixed_requests()
     toy = ToyScheduler(runner, requests, shuffle_seed=1)
     outputs = toy.run()
@@ -121,13 +139,14 @@ def _poison_freed_blocks(toy: ToyScheduler, output: SchedulerOutput) -> None:
         toy.runner.device_kv_cache[:, :, freed] = float("nan")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_swap_and_shuffled_blocks_give_identical_tokens(
-    checkpoints: dict[str, tuple[Path, Any]],
+    checkpoints: dict[str, tuple[Path, Any]], kernel: str
 ) -> None:
     path, hf_model = checkpoints["llama"]
     baseline = ToyScheduler(_runner(path, block_size=4), _mixed_requests()).run()
 
-    runner = _runner(path, block_size=4)
+    runner = _runner(path, block_size=4, attention_kernel=kernel)
     runner.device_kv_cache.fill_(float("nan"))  # no read of a never-written slot may matter
     runner.host_kv_cache.fill_(float("nan"))
     swaps = {6: ("out", "r1"), 7: ("out", "r0"), 9: ("in", "r1"), 12: ("in", "r0")}

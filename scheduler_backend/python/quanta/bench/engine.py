@@ -35,6 +35,8 @@ class BenchRow:
     dtype: str = "float32"
     linear_kernel: str = "torch"
     cpu_isa: str = ""
+    # below fp32: share of greedy tokens equal to an fp32 engine's at the same position
+    greedy_agreement_fp32: float | None = None
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -43,18 +45,35 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[lis
 
 
 def _time_quanta(engine: Engine, prompts: list[list[int]], gen_len: int) -> float:
+    return _run_quanta(engine, prompts, gen_len)[0]
+
+
+def _run_quanta(
+    engine: Engine, prompts: list[list[int]], gen_len: int
+) -> tuple[float, list[tuple[int, ...]]]:
+    """(seconds, greedy tokens per prompt) of one run through the full loop."""
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     loop = engine.loop
     start = time.perf_counter()
     streams = [loop.submit(engine.make_request(p, params)) for p in prompts]
     loop.run_until_idle()
     elapsed = time.perf_counter() - start
+    tokens = []
     for s in streams:
         assert s is not None
         res = s.result(timeout=0)
         if res.error is not None:
             raise res.error
-    return elapsed
+        tokens.append(res.token_ids)
+    return elapsed, tokens
+
+
+def _agreement(ours: list[tuple[int, ...]], reference: list[tuple[int, ...]]) -> float:
+    """Share of positions where two greedy runs chose the same token."""
+    pairs = [
+        (a, b) for x, y in zip(ours, reference, strict=True) for a, b in zip(x, y, strict=True)
+    ]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
 def _time_hf(model: torch.nn.Module, prompts: list[list[int]], gen_len: int) -> float:
@@ -107,6 +126,9 @@ def run_engine_bench(
     info = engine.describe()
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
     hf = _load_hf(model_dir, engine.runner.dtype) if compare_hf else None
+    reference = None
+    if engine.runner.dtype != torch.float32:  # report what the faster dtype changes
+        reference = build_engine(engine.config.model_copy(update={"dtype": "float32"}))
     rows = []
     for b in batches:
         prompts = _prompts(b, prompt_len, vocab)
@@ -122,8 +144,14 @@ def run_engine_bench(
             hp = min(_time_hf(hf, prompts, 1) for _ in range(repeat))
             ht = min(_time_hf(hf, prompts, gen_len) for _ in range(repeat))
             h_pre, h_dec = _rates(hp, ht, b, prompt_len, gen_len)
+        agreement = None
+        if reference is not None:
+            agreement = _agreement(
+                _run_quanta(engine, prompts, gen_len)[1],
+                _run_quanta(reference, prompts, gen_len)[1],
+            )
         kernel = (info["dtype"], info["linear_kernel"], info["cpu_isa"])
-        rows.append(BenchRow(b, q_pre, q_dec, h_pre, h_dec, *kernel))
+        rows.append(BenchRow(b, q_pre, q_dec, h_pre, h_dec, *kernel, agreement))
     _print(rows, model_dir, prompt_len, gen_len)
     if output is not None:
         output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
@@ -165,6 +193,9 @@ def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int)
             _ratio(r.quanta_decode_tps, r.hf_decode_tps),
         )
     Console().print(table)
+    if first.greedy_agreement_fp32 is not None:
+        shares = ", ".join(f"batch {r.batch}: {r.greedy_agreement_fp32:.1%}" for r in rows)
+        Console().print(f"greedy tokens equal to fp32's at the same position: {shares}")
 
 
 def _fmt(v: float | None) -> str:

@@ -35,7 +35,7 @@ def build(
     name: Annotated[str | None, typer.Option(help="engine name (default: --out's name)")] = None,
     dtype: Annotated[
         str | None,
-        typer.Option(help="float32, bfloat16 or float16 (default: float32 on CPU, float16 CUDA)"),
+        typer.Option(help="float32, bfloat16 or float16 (default: the machine's fastest)"),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     max_batch_size: Annotated[

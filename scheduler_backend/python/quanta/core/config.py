@@ -61,6 +61,9 @@ class EngineConfig(BaseModel):
     # How projections run: prepacked oneDNN weights (CPU) or torch's F.linear; auto: oneDNN
     # wherever it runs the dtype (see quanta.runner.linear for the measurements behind it).
     linear_kernel: Literal["auto", "torch", "onednn"] = "auto"
+    # Decode attention: fused by torch.compile, or eager; auto: compiled on CPU where a C++
+    # compiler is found (see quanta.runner.decode_kernel).
+    attention_kernel: Literal["auto", "eager", "compiled"] = "auto"
     # Longest prompt + output a request may have; None: the model's own context length.
     max_seq_len: int | None = Field(None, ge=1)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -56,6 +56,7 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "linear_kernel": self.runner.linear_kernel,
+            "attention_kernel": self.runner.attention_kernel,
             "cpu_isa": cpu_isa(),
             "max_num_seqs": str(c.scheduler.max_num_seqs),
             "max_num_batched_tokens": str(c.scheduler.max_num_batched_tokens),
@@ -170,6 +171,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         dtype=dtype,
         device=config.device,
         linear_kernel=config.linear_kernel,
+        attention_kernel=config.attention_kernel,
     )
     tokenizer = load_tokenizer(model_dir)
     clock = clock or WallClock()

@@ -18,7 +18,7 @@ slot is never read, so NaN-safety holds by construction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +35,11 @@ class PagedSeq(Protocol):
     def start_pos(self) -> int: ...
     @property
     def block_table(self) -> tuple[int, ...]: ...
+
+
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,7 @@ class DecodeBatch:
     token_index: torch.Tensor  # [B] rows of the packed batch
     slots: torch.Tensor  # [N] flat cache slots of every row's context, row after row
     owner: torch.Tensor  # [N] which of the B rows each slot belongs to
+    kernel: DecodeKernel  # ``varlen_decode``, eager or compiled (the runner's choice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +73,11 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    seqs: Sequence[PagedSeq], block_size: int, num_blocks: int, device: torch.device
+    seqs: Sequence[PagedSeq],
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+    decode_kernel: DecodeKernel | None = None,
 ) -> AttentionMetadata:
     """Index tensors for one packed step; raises ValueError on a too-short or bad block table.
 
@@ -115,6 +125,7 @@ def build_metadata(
             token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
             slots=ctx[owned].to(device),
             owner=torch.repeat_interleave(torch.arange(len(decode_rows)), ctx_lens).to(device),
+            kernel=decode_kernel or varlen_decode,
         )
     return AttentionMetadata(
         slot_mapping=slot_table[new].to(device),  # row-major: the packed batch's token order
@@ -188,24 +199,40 @@ def paged_attention(
 def _decode(
     q: torch.Tensor, layer_cache: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """Single-token rows against their own slots only: scores per (slot, head), a softmax per
-    row segment, then the weighted sum of values. Scores and weights are fp32 whatever the
-    cache dtype. q: [T, H, D] -> [B, H, D]."""
+    """Single-token rows against their own slots only. q: [T, H, D] -> [B, H, D]."""
     _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
     flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    keys = flat[0].index_select(0, batch.slots).float()  # [N, KVH, D]
-    vals = flat[1].index_select(0, batch.slots).float()
-    rows = q.index_select(0, batch.token_index).float()  # [B, H, D]
-    num_rows, heads = rows.shape[0], rows.shape[1]
+    rows = q.index_select(0, batch.token_index)
+    return batch.kernel(rows, flat[0], flat[1], batch.slots, batch.owner, scale)
+
+
+def varlen_decode(
+    rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    owner: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of B query rows ``[B, H, D]`` over their packed contexts: scores per (slot,
+    head), a softmax per row's segment, then the weighted sum of its values. Scores and
+    weights are fp32 whatever the cache dtype. Caches are flat ``[slots, KVH, D]``.
+
+    Written as whole-tensor ops so ``torch.compile`` can fuse it into one loop
+    (``quanta.runner.decode_kernel``); run eagerly it makes one pass per op."""
+    heads, kv_heads = rows.shape[1], key_cache.shape[1]
+    keys = key_cache.index_select(0, slots).float()  # [N, KVH, D]
+    vals = value_cache.index_select(0, slots).float()
     if heads != kv_heads:  # grouped-query: each KV head serves heads // kv_heads query heads
         keys = keys.repeat_interleave(heads // kv_heads, dim=1)
         vals = vals.repeat_interleave(heads // kv_heads, dim=1)
-    scores = (rows.index_select(0, batch.owner) * keys).sum(-1) * scale  # [N, H]
-    owner = batch.owner[:, None].expand(-1, heads)
-    peak = torch.full((num_rows, heads), float("-inf"), device=q.device)
-    peak = peak.scatter_reduce(0, owner, scores, "amax")
-    weights = torch.exp(scores - peak.index_select(0, batch.owner))
-    total = torch.zeros((num_rows, heads), device=q.device).index_add_(0, batch.owner, weights)
-    out = torch.zeros((num_rows, heads, head_dim), device=q.device)
-    out.index_add_(0, batch.owner, weights[:, :, None] * vals)
-    return (out / total[:, :, None]).to(q.dtype)
+    queries = rows.float()
+    scores = (queries.index_select(0, owner) * keys).sum(-1) * scale  # [N, H]
+    num_rows = queries.shape[0]
+    peak = torch.full((num_rows, heads), float("-inf"), device=rows.device)
+    peak = peak.scatter_reduce(0, owner[:, None].expand(-1, heads), scores, "amax")
+    weights = torch.exp(scores - peak.index_select(0, owner))
+    total = torch.zeros((num_rows, heads), device=rows.device).index_add(0, owner, weights)
+    out = torch.zeros((num_rows, heads, queries.shape[2]), device=rows.device)
+    out = out.index_add(0, owner, weights[:, :, None] * vals)
+    return (out / total[:, :, None]).to(rows.dtype)

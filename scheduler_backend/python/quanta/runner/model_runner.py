@@ -8,6 +8,7 @@ one forward pass over all scheduled tokens packed together, and samples only whe
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from quanta.core.output import (
     TokenLogprob,
 )
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
-from quanta.runner.linear import LinearKernel, pack_linears, resolve_kernel
+from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
+from quanta.runner.decode_kernel import AttentionKernel, decode_kernel, resolve_attention_kernel
+from quanta.runner.linear import LinearKernel, onednn_supports, pack_linears, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
@@ -42,15 +45,39 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Overrides the machine's default dtype (float32, bfloat16, float16) where none is configured:
+# for fleets of mixed CPUs that must round alike, and for test suites.
+DEFAULT_DTYPE_ENV = "QUANTA_DEFAULT_DTYPE"
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """The caller's dtype, or the default: fp32 on CPU, fp16 on CUDA."""
+    """The caller's dtype, or the default (``default_dtype``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        return default_dtype(device)
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The fastest dtype that is correct here: fp16 on CUDA; on CPU bf16 where the CPU runs
+    bf16 GEMMs natively (AMX or AVX512_BF16: 2-3x fp32's linears, measured in
+    docs/benchmarks.md), else fp32 (emulated bf16 is slower than fp32). ``QUANTA_DEFAULT_DTYPE``
+    overrides it."""
+    override = os.environ.get(DEFAULT_DTYPE_ENV, "").strip()
+    if override:
+        if override not in _DTYPES:
+            raise ValueError(
+                f"{DEFAULT_DTYPE_ENV}={override!r} is not a dtype; use one of {sorted(_DTYPES)}"
+            )
+        return _DTYPES[override]
+    if device.type == "cuda":
+        return torch.float16
+    if has_fast_bf16() and onednn_supports(torch.bfloat16, device):
+        return torch.bfloat16
+    return torch.float32
 
 
 # Rows of prompt logprobs per LM-head call: bounds the [rows, vocab] fp32 logits it holds.
@@ -70,10 +97,13 @@ class ModelRunner:
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         linear_kernel: LinearKernel = "auto",
+        attention_kernel: AttentionKernel = "auto",
     ) -> None:
         if num_device_blocks <= 0 or num_host_blocks < 0 or block_size <= 0:
             raise ValueError("need num_device_blocks > 0, num_host_blocks >= 0, block_size > 0")
         self.device = torch.device(device if device is not None else "cpu")
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
@@ -85,6 +115,14 @@ class ModelRunner:
         if self.linear_kernel == "onednn":
             pack_linears(self.model)
         self.model.eval()
+        cfg = self.model_config
+        self._decode_kernel, self.attention_kernel = decode_kernel(
+            resolve_attention_kernel(attention_kernel, self.device),
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+        )
         self.device_kv_cache = self._allocate_kv(num_device_blocks, self.device)
         self.host_kv_cache = self._allocate_kv(
             num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
@@ -193,7 +231,7 @@ class ModelRunner:
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.start_pos + len(seq.token_ids)))
             last_rows.append(len(token_ids) - 1)
-        meta = build_metadata(seqs, self.block_size, num_blocks, self.device)
+        meta = build_metadata(seqs, self.block_size, num_blocks, self.device, self._decode_kernel)
         max_pos = max(positions)
         if max_pos >= self.model_config.max_model_len:
             raise ValueError(

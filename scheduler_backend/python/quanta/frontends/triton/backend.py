@@ -56,6 +56,21 @@ _FINISH_LABELS = {
 }
 
 
+def _use_environment_locale() -> None:
+    """Apply the environment's character locale, which Triton's embedded interpreter never
+    does: without it files open as ASCII, and torch.compile (the compiled decode attention)
+    fails on its UTF-8 templates. Falls back to C.UTF-8, which every glibc has."""
+    import locale
+
+    for name in ("", "C.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+        except locale.Error:
+            continue
+        if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+            return
+
+
 def _layout(model_config: dict[str, Any]) -> str:
     raw = (model_config.get("parameters") or {}).get("io_layout") or {}
     return str(raw.get("string_value") or "quanta")
@@ -126,6 +141,7 @@ class TritonPythonModel:
                 "the quanta backend streams: set model_transaction_policy { decoupled: true }"
             )
         engine_config, settings = parse_parameters(parameters_from_model_config(model_config))
+        _use_environment_locale()
         self._trtllm = settings.io_layout == "tensorrt_llm"
         if settings.torch_threads is not None:
             import torch

@@ -51,6 +51,7 @@ class _Parameters(BaseModel):
     dtype: str | None = None
     device: str = "cpu"
     linear_kernel: Literal["auto", "torch", "onednn"] = "auto"
+    attention_kernel: Literal["auto", "eager", "compiled"] = "auto"
     max_seq_len: int | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
@@ -112,6 +113,7 @@ def parse_parameters(
             dtype=p.dtype,
             device=p.device,
             linear_kernel=p.linear_kernel,
+            attention_kernel=p.attention_kernel,
             max_seq_len=p.max_seq_len,
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**sched),
