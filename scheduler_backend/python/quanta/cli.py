@@ -127,6 +127,25 @@ def bench_engine(
     )
 
 
+@bench_app.command("loop")
+def bench_loop(
+    model: Annotated[Path, typer.Option(help="checkpoint dir (its tokenizer detokenizes)")],
+    batch: Annotated[int, typer.Option(min=1, help="requests decoding together")] = 32,
+    prompt_len: Annotated[int, typer.Option(min=1, help="prompt tokens per request")] = 128,
+    gen_len: Annotated[int, typer.Option(min=4, help="generated tokens per request")] = 256,
+    policy: Annotated[str, typer.Option(help="scheduling policy")] = "fcfs",
+) -> None:
+    """The loop's own time per decode step, with a runner that does no math."""
+    from quanta.bench.loop_overhead import measure_loop_overhead
+
+    r = measure_loop_overhead(model, batch, prompt_len, gen_len, policy)
+    typer.echo(
+        f"loop overhead, batch {r.batch}, policy {r.policy}, {r.decode_steps} decode steps: "
+        f"median {r.step_us_median:.0f} us/step (p90 {r.step_us_p90:.0f}), "
+        f"{r.per_request_us:.1f} us per request per step"
+    )
+
+
 def _register_subcommands() -> None:
     """Each sub-system adds its own commands; their heavy imports happen inside them."""
     from quanta.bench import load_cli, serve_cli

@@ -34,3 +34,11 @@ class LinearKernelOpt(StrEnum):
     auto = "auto"
     onednn = "onednn"
     torch = "torch"
+
+
+class AttentionKernelOpt(StrEnum):
+    """How the engine runs decode attention (``EngineConfig.attention_kernel``)."""
+
+    auto = "auto"
+    compiled = "compiled"
+    eager = "eager"

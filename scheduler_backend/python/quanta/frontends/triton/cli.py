@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from quanta.cli_options import LinearKernelOpt, PolicyOpt, parse_options
+from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt, PolicyOpt, parse_options
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -91,6 +91,10 @@ def serve(
         LinearKernelOpt | None,
         typer.Option(help="projections: auto, onednn (prepacked, CPU) or torch"),
     ] = None,
+    attention_kernel: Annotated[
+        AttentionKernelOpt | None,
+        typer.Option(help="decode attention: auto, compiled (torch.compile, at load) or eager"),
+    ] = None,
     max_num_seqs: Annotated[int | None, typer.Option(min=1, help="sequences per step")] = None,
     max_num_batched_tokens: Annotated[
         int | None, typer.Option(min=1, help="tokens per step")
@@ -146,6 +150,7 @@ def serve(
             dtype=dtype,
             device=device,
             linear_kernel=None if linear_kernel is None else linear_kernel.value,
+            attention_kernel=None if attention_kernel is None else attention_kernel.value,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_seq_len=max_seq_len,
