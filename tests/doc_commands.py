@@ -119,16 +119,20 @@ TINY_VALUES = {
     "--gen-len": "8",
     "--time-scale": "0.05",
     "--repeat": "1",
+    "--repeats": "1",
+    "--streams": "3",
+    "--tokens": "12",
 }
 
 
 def shrink(text: str, ports: dict[int, int] | None = None) -> str:
-    """``text`` at a tiny size: counts and durations down, the opt-125m preset built as
-    opt-tiny (in the same directory), the documented ports (8000/8001/8002/9000) mapped to
-    the test's free ones."""
+    """``text`` at a tiny size: counts and durations down, the opt-125m preset built (or
+    served) as opt-tiny (in the same directory), the documented ports (8000/8001/8002/9000)
+    mapped to the test's free ones."""
     for flag, value in TINY_VALUES.items():
         text = re.sub(rf"(?<=\s){re.escape(flag)}\s+\S+", f"{flag} {value}", text)
     text = text.replace("make-model opt-125m", "make-model opt-tiny")
+    text = text.replace("--preset opt-125m", "--preset opt-tiny")
     for documented, actual in (ports or {}).items():
         text = re.sub(rf"(?<![0-9]){documented}(?![0-9])", str(actual), text)
     return text

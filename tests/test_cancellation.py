@@ -3,15 +3,9 @@ keep the response path busy (it used to run on for about 100 tokens at 50 stream
 
 from __future__ import annotations
 
-import re
-import threading
-import time
-import urllib.request
-
 import pytest
-from quanta import SamplingParams
+from quanta.bench.cancel import tokens_after_disconnect
 from quanta.build.checkpoint import ensure_checkpoint
-from quanta.frontends.triton.client import grpc_events, http_events, output_ids, request_inputs
 from quanta.frontends.triton.launcher import ServerOptions, TritonServer
 from quanta.frontends.triton.repository import write_model_repository
 
@@ -42,37 +36,7 @@ def server(tmp_path_factory):
         yield srv
 
 
-def generated(server) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    pattern = r"^quanta_generation_tokens_total\{[^}]*\} (\S+)"
-    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
-
-
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 def test_a_disconnected_stream_stops_within_a_few_steps_under_load(server, transport):
-    before = generated(server)
-    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    inputs = request_inputs("x", params, stream=True)
-
-    def full() -> None:
-        list(http_events(server.http_url, "quanta", inputs, stream=True, timeout=300))
-
-    others = [threading.Thread(target=full, daemon=True) for _ in range(OTHERS)]
-    for t in others:
-        t.start()
-    time.sleep(0.5)  # the others are streaming
-    if transport == "http":
-        events = http_events(server.http_url, "quanta", inputs, stream=True, timeout=300)
-    else:
-        events = grpc_events(server.grpc_url, "quanta", inputs, timeout=300)
-    read = 0
-    for event in events:
-        read += len(output_ids(event))
-        if read >= 5:
-            break
-    events.close()  # disconnect
-    for t in others:
-        t.join(timeout=300)
-    time.sleep(0.5)  # the last metrics push
-    after = generated(server) - before - OTHERS * TOKENS - read
-    assert 0 <= after <= MAX_AFTER, f"{after:.0f} tokens generated after the disconnect"
+    after, _ = tokens_after_disconnect(server, OTHERS + 1, TOKENS, transport)
+    assert 0 <= after <= MAX_AFTER, f"{after} tokens generated after the disconnect"

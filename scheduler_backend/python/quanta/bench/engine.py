@@ -37,6 +37,7 @@ class BenchRow:
     cpu_isa: str = ""
     # below fp32: share of greedy tokens equal to an fp32 engine's at the same position
     greedy_agreement_fp32: float | None = None
+    attention_kernel: str = "eager"
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -151,7 +152,9 @@ def run_engine_bench(
                 _run_quanta(reference, prompts, gen_len)[1],
             )
         kernel = (info["dtype"], info["linear_kernel"], info["cpu_isa"])
-        rows.append(BenchRow(b, q_pre, q_dec, h_pre, h_dec, *kernel, agreement))
+        rows.append(
+            BenchRow(b, q_pre, q_dec, h_pre, h_dec, *kernel, agreement, info["attention_kernel"])
+        )
     _print(rows, model_dir, prompt_len, gen_len)
     if output is not None:
         output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
@@ -170,7 +173,7 @@ def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int)
     table = Table(
         title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
         f"{torch.get_num_threads()} threads, {first.dtype}, linears {first.linear_kernel}, "
-        f"CPU {first.cpu_isa} (tokens/s)"
+        f"decode attention {first.attention_kernel}, CPU {first.cpu_isa} (tokens/s)"
     )
     for col in (
         "batch",
