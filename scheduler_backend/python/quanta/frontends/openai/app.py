@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from quanta.core.request import SamplingParams
 from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.errors import OpenAIError, classify, invalid
+from quanta.frontends.openai.logprobs import output_logprobs, prompt_logprobs
 from quanta.frontends.openai.protocol import (
     FINISH_REASONS,
     ChatCompletionRequest,
@@ -38,7 +39,7 @@ from quanta.frontends.openai.protocol import (
     usage,
 )
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
-from quanta.frontends.triton.client import output_ids, output_list, request_inputs
+from quanta.frontends.triton.client import request_inputs
 
 Body = CompletionRequest | ChatCompletionRequest
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
@@ -188,8 +189,8 @@ class Gateway:
             tokens = (
                 None
                 if top is None
-                else [t for e in events for t in self._prompt_logprobs(e, top)]
-                + [t for e in events for t in self._logprobs(e, top)]
+                else [t for e in events for t in prompt_logprobs(e, top, self._token_text())]
+                + [t for e in events for t in output_logprobs(e, top, self._token_text())]
             )
             if chat:
                 logprobs = None if tokens is None else chat_logprobs(tokens)
@@ -230,47 +231,10 @@ class Gateway:
             else:
                 yield completion_body(rid, body.model, "", None, use, chunk=True)
 
-    def _logprobs(self, event: dict[str, Any], top: int) -> TokenLogprobs:
-        """The tokens of one Triton response with their logprobs, as text."""
-        ids = output_ids(event)
-        values = output_list(event, "output_log_probs")
-        alt_ids = output_list(event, "top_log_prob_ids")
-        alt_values = output_list(event, "top_log_probs")
-        return self._with_text(ids, values, alt_ids, alt_values, top)
-
-    def _prompt_logprobs(self, event: dict[str, Any], top: int) -> TokenLogprobs:
-        """The prompt's tokens with their logprobs (echo), from the response that has them;
-        the first token has none: nothing predicts it."""
-        ids = output_list(event, "prompt_ids")
-        if not ids:
-            return []
+    def _token_text(self) -> Callable[[int], str]:
         text = self.template.token_text
         assert text is not None  # checked in _check
-        rest = self._with_text(
-            ids[1:],
-            output_list(event, "prompt_log_probs"),
-            output_list(event, "prompt_top_log_prob_ids"),
-            output_list(event, "prompt_top_log_probs"),
-            top,
-        )
-        return [(text(ids[0]), None, None), *rest]
-
-    def _with_text(
-        self,
-        ids: list[int],
-        values: list[float],
-        alt_ids: list[int],
-        alt_values: list[float],
-        top: int,
-    ) -> TokenLogprobs:
-        text = self.template.token_text
-        assert text is not None  # checked in _check
-        out: TokenLogprobs = []
-        for i, (token, logprob) in enumerate(zip(ids, values, strict=True)):
-            window = slice(i * top, (i + 1) * top)
-            alts = zip(alt_ids[window], alt_values[window], strict=True)
-            out.append((text(token), logprob, [(text(a), v) for a, v in alts]))
-        return out
+        return text
 
     async def _chunks(
         self,
@@ -289,7 +253,7 @@ class Gateway:
         top = body.top_logprobs_wanted
         offset = 0
         if echo and not chat:
-            prompt = None if top is None else self._prompt_logprobs(first, top)
+            prompt = None if top is None else prompt_logprobs(first, top, self._token_text())
             logprobs = None if prompt is None else completion_logprobs(prompt, top or 0)
             chunk = completion_body(
                 rid, body.model, echo, None, None, chunk=True, logprobs=logprobs
@@ -302,7 +266,7 @@ class Gateway:
             note(index, event)
             text, finish = event.get("text_output", ""), _finish(event)
             if top is not None:
-                pending += self._logprobs(event, top)
+                pending += output_logprobs(event, top, self._token_text())
             if text or finish:
                 tokens, pending = (None if top is None else pending), []
                 if chat:
