@@ -36,6 +36,7 @@ def main() -> None:
         model_dir = args.model_dir or ensure_checkpoint(args.preset, root / args.preset)
         overrides = {
             "model_dir": str(model_dir),
+            "preset": "",  # built above (or given); not the default tiny preset
             "num_host_blocks": "0",
             "max_num_seqs": "64",
             "metrics_interval_ms": "50",
