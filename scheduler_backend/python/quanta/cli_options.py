@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import typer
+
+from quanta.core.config import AttentionKernel, LinearKernel
 
 PolicyOpt = Annotated[
     list[str] | None,
@@ -28,17 +30,11 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
-class LinearKernelOpt(StrEnum):
-    """How the engine runs its projections (``EngineConfig.linear_kernel``)."""
-
-    auto = "auto"
-    onednn = "onednn"
-    torch = "torch"
+def _choices(name: str, literal: Any) -> type[StrEnum]:
+    """A Typer choice type with exactly the values of a config ``Literal``."""
+    return StrEnum(name, {value: value for value in get_args(literal)})  # type: ignore[return-value]
 
 
-class AttentionKernelOpt(StrEnum):
-    """How the engine runs decode attention (``EngineConfig.attention_kernel``)."""
-
-    auto = "auto"
-    compiled = "compiled"
-    eager = "eager"
+# How the engine runs its projections and decode attention (``EngineConfig``'s fields).
+LinearKernelOpt = _choices("LinearKernelOpt", LinearKernel)
+AttentionKernelOpt = _choices("AttentionKernelOpt", AttentionKernel)

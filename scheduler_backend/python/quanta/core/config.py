@@ -11,6 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GiB = 1 << 30
 
+# How the engine runs its projections and its decode attention (see quanta.runner.linear and
+# quanta.runner.decode_kernel); one definition for the config, the CLI and the runner.
+LinearKernel = Literal["auto", "torch", "onednn"]
+AttentionKernel = Literal["auto", "eager", "compiled"]
+
 
 class CacheConfig(BaseModel):
     """Sizes of the two KV tiers, in blocks or in bytes (blocks win when both are given)."""
@@ -60,10 +65,10 @@ class EngineConfig(BaseModel):
     device: str = "cpu"
     # How projections run: prepacked oneDNN weights (CPU) or torch's F.linear; auto: oneDNN
     # wherever it runs the dtype (see quanta.runner.linear for the measurements behind it).
-    linear_kernel: Literal["auto", "torch", "onednn"] = "auto"
+    linear_kernel: LinearKernel = "auto"
     # Decode attention: fused by torch.compile, or eager; auto: compiled on CPU where a C++
     # compiler is found (see quanta.runner.decode_kernel).
-    attention_kernel: Literal["auto", "eager", "compiled"] = "auto"
+    attention_kernel: AttentionKernel = "auto"
     # Longest prompt + output a request may have; None: the model's own context length.
     max_seq_len: int | None = Field(None, ge=1)
     cache: CacheConfig = Field(default_factory=CacheConfig)

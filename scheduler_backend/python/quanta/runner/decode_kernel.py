@@ -19,15 +19,14 @@ import logging
 import os
 import shutil
 import time
-from typing import Literal
 
 import torch
 
+from quanta.core.config import AttentionKernel
 from quanta.runner.attention import DecodeKernel, varlen_decode
 
 log = logging.getLogger(__name__)
 
-AttentionKernel = Literal["auto", "eager", "compiled"]
 ATTENTION_KERNEL_ENV = "QUANTA_ATTENTION_KERNEL"
 _compiled: DecodeKernel | None = None
 

@@ -16,12 +16,10 @@ must stay for the lookup, so the packed head is a second copy (``vocab x hidden`
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 
-LinearKernel = Literal["auto", "torch", "onednn"]
+from quanta.core.config import LinearKernel
 
 
 def onednn_supports(dtype: torch.dtype, device: torch.device) -> bool:

@@ -36,11 +36,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> dict[i
 
 def token_logprob(raw: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The sampled token's raw log-probability and the ``top`` most likely tokens'."""
-    best: tuple[tuple[int, float], ...] = ()
-    if top > 0:
-        values, ids = torch.topk(raw, min(top, raw.shape[-1]))
-        best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(float(raw[token]), best)
+    return token_logprobs(raw[None], [token], top)[0]
 
 
 def token_logprobs(raw: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from quanta.core.config import AttentionKernel, LinearKernel
 from quanta.core.output import (
     RunnerCapabilities,
     RunnerOutput,
@@ -25,8 +26,8 @@ from quanta.core.output import (
 )
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
-from quanta.runner.decode_kernel import AttentionKernel, decode_kernel, resolve_attention_kernel
-from quanta.runner.linear import LinearKernel, onednn_supports, pack_linears, resolve_kernel
+from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
+from quanta.runner.linear import onednn_supports, pack_linears, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config

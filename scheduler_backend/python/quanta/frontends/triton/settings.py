@@ -14,7 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Json, ValidationError
 
-from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.core.config import (
+    AttentionKernel,
+    CacheConfig,
+    EngineConfig,
+    LinearKernel,
+    SchedulerConfig,
+)
 from quanta.frontends.devices import device_memory_bytes
 
 
@@ -50,8 +56,8 @@ class _Parameters(BaseModel):
     policy_options: Json[dict[str, Any]] = Field(default_factory=dict)
     dtype: str | None = None
     device: str = "cpu"
-    linear_kernel: Literal["auto", "torch", "onednn"] = "auto"
-    attention_kernel: Literal["auto", "eager", "compiled"] = "auto"
+    linear_kernel: LinearKernel = "auto"
+    attention_kernel: AttentionKernel = "auto"
     max_seq_len: int | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
