@@ -50,6 +50,13 @@ class CostModel(BaseModel):
     decode_pad_per_token_s: float = Field(
         0.0, ge=0, description="per key slot of a decode batch padded to its longest context"
     )
+    hidden_projection_per_token_s: float | None = Field(
+        None,
+        ge=0,
+        description="recomputing K and V of one context token of a hidden-cache request, all "
+        "layers; None: compute_per_token_s / 6 (the K and V projections are 2 of the 12 H^2 "
+        "weights of a multi-head layer)",
+    )
     swap_overlaps_compute: bool = Field(
         True, description="block copies run beside the forward pass (else inside the step)"
     )
@@ -115,6 +122,22 @@ class CostModel(BaseModel):
             )
             for new, start in chunks
         ]
+
+    @property
+    def hidden_per_token_s(self) -> float:
+        """Extra time per step for each cached context token of a hidden-cache request."""
+        if self.hidden_projection_per_token_s is not None:
+            return self.hidden_projection_per_token_s
+        return self.compute_per_token_s / 6
+
+    def hidden_time(self, context_tokens: int) -> float:
+        """A step's extra K/V projection over ``context_tokens`` hidden-cached tokens."""
+        return self.hidden_per_token_s * max(0, context_tokens)
+
+    def rho(self, block_size: int) -> float:
+        """Apt-Serve's rho: the extra step time one KV block's worth of context costs a
+        request that keeps it as hidden states instead (seconds per block per step)."""
+        return self.hidden_per_token_s * block_size
 
     def _attention(self, new: int, start: int) -> float:
         """One chunk's attention: reading its context's KV, or its causal query x key pairs

@@ -13,7 +13,7 @@ from quanta.core.decision import Decision, PreemptMode
 from quanta.core.errors import PolicyError
 from quanta.core.output import LogitsProcessing, PromptLogprobsAsk, ScheduledSeq, SchedulerOutput
 from quanta.core.plan import PoolView, StepPlan
-from quanta.core.request import Request, RequestStatus
+from quanta.core.request import CacheKind, Request, RequestStatus
 
 
 class DecisionApplier:
@@ -34,7 +34,10 @@ class DecisionApplier:
         for rid in d.swap_in:
             plan.swap_in_req(_get(live, rid))
         for rid, n in d.run:
-            plan.run_req(_get(live, rid), n)
+            plan.run_req(_get(live, rid), n, _kind(d, rid))
+        if not d.hidden <= plan.chosen:
+            stray = sorted(d.hidden - plan.chosen)
+            raise PolicyError(f"hidden cache for requests that do not run: {stray}")
 
     def apply(self, d: Decision, live: Mapping[str, Request], now: float) -> SchedulerOutput:
         """Validate, then update blocks and statuses and describe the step for the runner."""
@@ -62,12 +65,12 @@ class DecisionApplier:
             assert pairs is not None
             swap_in.extend(pairs)
             live[rid].set_status(RequestStatus.RUNNING)
-        seqs = [self._schedule(live[rid], n, now) for rid, n in d.run]
+        seqs = [self._schedule(live[rid], n, now, _kind(d, rid)) for rid, n in d.run]
         return SchedulerOutput(tuple(seqs), tuple(swap_out), tuple(swap_in))
 
-    def _schedule(self, r: Request, n: int, now: float) -> ScheduledSeq:
+    def _schedule(self, r: Request, n: int, now: float, kind: CacheKind) -> ScheduledSeq:
         start = r.num_computed_tokens
-        new = self.blocks.allocate_slots(r.request_id, start + n)
+        new = self.blocks.allocate_slots(r.request_id, start + n, kind)
         assert new is not None
         if r.status is RequestStatus.WAITING:
             r.set_status(RequestStatus.RUNNING)
@@ -88,6 +91,7 @@ class DecisionApplier:
             output_index=r.num_output_tokens,
             processing=_processing(r) if sample else None,
             prompt_logprobs=_prompt_logprobs(r, start, n),
+            hidden=kind is CacheKind.HIDDEN,
         )
 
 
@@ -124,6 +128,10 @@ def _prompt_logprobs(r: Request, start: int, n: int) -> PromptLogprobsAsk | None
     if first >= end:
         return None
     return PromptLogprobsAsk(first, tuple(r.prompt_token_ids[first + 1 : end + 1]), top)
+
+
+def _kind(d: Decision, rid: str) -> CacheKind:
+    return CacheKind.HIDDEN if rid in d.hidden else CacheKind.KV
 
 
 def _get(live: Mapping[str, Request], rid: str) -> Request:

@@ -1,6 +1,9 @@
 """Block bookkeeping for the two-tier paged KV cache (ids only; the tensors live in the runner).
 
-A request owns a list of block ids in exactly one tier at a time. Allocation returns ``None``
+A request owns a list of block ids in exactly one tier at a time, all of one ``CacheKind``
+(K+V, or hidden states at twice the tokens per block: Apt-Serve's unified pool). The kind is
+fixed from the first block until the request's blocks are freed; a switch is a discard and a
+recompute. Allocation returns ``None``
 when it cannot be done, and the caller (the decision applier, driven by a policy) decides what
 to preempt. ``check_integrity`` proves the accounting is exact.
 """
@@ -10,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from enum import StrEnum
 
-from quanta.core.request import blocks_for
+from quanta.core.request import CacheKind, blocks_for
 
 
 class Tier(StrEnum):
@@ -57,6 +60,7 @@ class BlockManager:
             Tier.HOST: BlockPool(Tier.HOST, num_host_blocks),
         }
         self._tables: dict[str, tuple[Tier, list[int]]] = {}
+        self._kinds: dict[str, CacheKind] = {}  # of requests that hold blocks
 
     # -- queries -------------------------------------------------------------------------
     def num_free(self, tier: Tier) -> int:
@@ -65,8 +69,12 @@ class BlockManager:
     def num_total(self, tier: Tier) -> int:
         return self.pools[tier].num_blocks
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
+    def blocks_for(self, num_tokens: int, kind: CacheKind = CacheKind.KV) -> int:
+        return blocks_for(num_tokens, self.block_size, kind)
+
+    def kind_of(self, request_id: str) -> CacheKind | None:
+        """What the request's blocks hold; None while it holds none."""
+        return self._kinds.get(request_id)
 
     def tier_of(self, request_id: str) -> Tier | None:
         entry = self._tables.get(request_id)
@@ -80,17 +88,29 @@ class BlockManager:
         entry = self._tables.get(request_id)
         return tuple(entry[1]) if entry else ()
 
-    def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
-        """Extra device blocks needed so the request's table covers ``num_tokens`` tokens."""
-        return max(0, self.blocks_for(num_tokens) - self.num_blocks(request_id))
+    def blocks_to_grow(
+        self, request_id: str, num_tokens: int, kind: CacheKind = CacheKind.KV
+    ) -> int:
+        """Extra device blocks needed so the request's table covers ``num_tokens`` tokens
+        (of the kind it holds, or ``kind`` when it holds none)."""
+        kind = self._kinds.get(request_id, kind)
+        return max(0, self.blocks_for(num_tokens, kind) - self.num_blocks(request_id))
 
     # -- mutations -----------------------------------------------------------------------
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grow the request's device table to cover ``num_tokens``; new ids or ``None``."""
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, kind: CacheKind = CacheKind.KV
+    ) -> list[int] | None:
+        """Grow the request's device table to cover ``num_tokens``; new ids or ``None``.
+
+        ``kind`` is taken when the request holds no blocks; one that holds blocks keeps its
+        own, and asking for the other kind is a bug (a switch frees the blocks first)."""
         tier, table = self._tables.get(request_id, (Tier.DEVICE, []))
         if tier is not Tier.DEVICE:
             raise RuntimeError(f"request {request_id} has its KV in the {tier.value} tier")
-        need = self.blocks_for(num_tokens) - len(table)
+        held = self._kinds.get(request_id)
+        if held is not None and held is not kind:
+            raise RuntimeError(f"request {request_id} holds a {held.value} cache, not {kind.value}")
+        need = self.blocks_for(num_tokens, kind) - len(table)
         if need <= 0:
             return []
         new = self.pools[Tier.DEVICE].allocate(need)
@@ -98,6 +118,7 @@ class BlockManager:
             return None
         table.extend(new)
         self._tables[request_id] = (Tier.DEVICE, table)
+        self._kinds[request_id] = kind
         return new
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
@@ -122,6 +143,7 @@ class BlockManager:
     def free(self, request_id: str) -> int:
         """Return all the request's blocks to their pool; the number freed."""
         entry = self._tables.pop(request_id, None)
+        self._kinds.pop(request_id, None)
         if entry is None:
             return 0
         tier, table = entry
@@ -131,6 +153,8 @@ class BlockManager:
     # -- invariants ----------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError unless every block is either free or owned exactly once."""
+        if set(self._kinds) != set(self._tables):
+            raise AssertionError("a request has a cache kind without blocks, or blocks without one")
         for tier, pool in self.pools.items():
             free = pool.free_ids()
             owned = [b for t, table in self._tables.values() if t is tier for b in table]
@@ -143,4 +167,5 @@ class BlockManager:
                 )
 
     def all_free(self) -> bool:
-        return not self._tables and all(p.num_free == p.num_blocks for p in self.pools.values())
+        pools_full = all(p.num_free == p.num_blocks for p in self.pools.values())
+        return not self._tables and not self._kinds and pools_full

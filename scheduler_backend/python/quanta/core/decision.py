@@ -22,12 +22,15 @@ class Decision:
     """One iteration's plan, applied in order: preempt, swap in, then run.
 
     ``run`` pairs a request id with the number of new tokens it computes this step (a prefill
-    chunk or 1): one mechanism for prefill and decode.
+    chunk or 1): one mechanism for prefill and decode. ``hidden`` names the runs whose cache is
+    hidden states rather than K and V (Apt-Serve); a request that holds a cache keeps its kind,
+    so switching it is a recompute-preemption first and a fresh start later.
     """
 
     run: tuple[tuple[str, int], ...] = ()
     preempt: tuple[Preemption, ...] = ()
     swap_in: tuple[str, ...] = ()
+    hidden: frozenset[str] = frozenset()
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,9 @@ class ScheduledSeq:
     output_index: int  # index of the token to sample; seeds its random stream
     processing: LogitsProcessing | None = None
     prompt_logprobs: PromptLogprobsAsk | None = None
+    # The block table holds hidden states (``HIDDEN_TOKENS_PER_BLOCK`` x block_size tokens a
+    # block), from which the runner recomputes this sequence's K and V every step.
+    hidden: bool = False
 
     @property
     def num_new_tokens(self) -> int:

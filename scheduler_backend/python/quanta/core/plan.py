@@ -18,7 +18,7 @@ from __future__ import annotations
 from quanta.core.blocks import BlockManager, Tier
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
-from quanta.core.request import Request, RequestStatus, blocks_for
+from quanta.core.request import CacheKind, Request, RequestStatus, blocks_for
 
 
 class PoolView:
@@ -53,8 +53,12 @@ class PoolView:
         """Blocks the request holds now, in whichever tier its KV is."""
         return self._blocks.num_blocks(request_id)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
+    def kind_of(self, request_id: str) -> CacheKind | None:
+        """What the request's blocks hold now; None while it holds none."""
+        return self._blocks.kind_of(request_id)
+
+    def blocks_for(self, num_tokens: int, kind: CacheKind = CacheKind.KV) -> int:
+        return blocks_for(num_tokens, self.block_size, kind)
 
 
 class StepPlan:
@@ -74,6 +78,8 @@ class StepPlan:
         self.chosen: set[str] = set()  # runs this step
         self.moved: set[str] = set()  # preempted or swapped in this step
         self._swapped_in: dict[str, int] = {}  # device blocks brought back this step
+        self._dropped: set[str] = set()  # recompute-preempted: they hold no cache any more
+        self.hidden: set[str] = set()  # runs with a hidden cache
 
     # -- queries -------------------------------------------------------------------------
     def held(self, req: Request) -> int:
@@ -86,9 +92,17 @@ class StepPlan:
             return True
         return req.status is RequestStatus.RUNNING and rid not in self.moved
 
-    def blocks_to_grow(self, req: Request, n: int) -> int:
-        """Device blocks ``req`` needs to compute ``n`` more tokens, counting a swap-in."""
-        target = self.pool.blocks_for(req.num_computed_tokens + n)
+    def cache_kind(self, req: Request) -> CacheKind | None:
+        """The kind of cache ``req`` holds after this plan's moves (None: it holds none)."""
+        if req.request_id in self._dropped:
+            return None
+        return self.pool.kind_of(req.request_id)
+
+    def blocks_to_grow(self, req: Request, n: int, kind: CacheKind | None = None) -> int:
+        """Device blocks ``req`` needs to compute ``n`` more tokens, counting a swap-in; a
+        request that holds a cache grows its own kind, one that starts takes ``kind``."""
+        kind = self.cache_kind(req) or kind or CacheKind.KV
+        target = self.pool.blocks_for(req.num_computed_tokens + n, kind)
         rid = req.request_id
         held = self._swapped_in.get(rid, self.held(req) if self.is_resident(req) else 0)
         return max(0, target - held)
@@ -111,8 +125,10 @@ class StepPlan:
             self.free_device += n
         elif running and mode is PreemptMode.RECOMPUTE:
             self.free_device += n
+            self._dropped.add(req.request_id)
         elif req.status is RequestStatus.SWAPPED and mode is PreemptMode.RECOMPUTE:
             self.free_host += n
+            self._dropped.add(req.request_id)
             n = 0
         else:
             raise PolicyError(f"cannot {mode.value}-preempt {req.request_id} ({req.status})")
@@ -138,16 +154,24 @@ class StepPlan:
         self.swap_in.append(req.request_id)
         self._swapped_in[req.request_id] = n
 
-    def run_req(self, req: Request, n: int) -> None:
-        """Compute ``n`` new tokens of ``req`` this step; it must be resident by now."""
+    def run_req(self, req: Request, n: int, kind: CacheKind | None = None) -> None:
+        """Compute ``n`` new tokens of ``req`` this step; it must be resident by now.
+
+        ``kind`` is the cache a request that holds none starts with (KV when None); one that
+        holds a cache keeps it, and naming the other kind is an error (switching is a
+        recompute-preemption first)."""
         rid = req.request_id
+        held = self.cache_kind(req)
+        if held is not None and kind is not None and kind is not held:
+            raise PolicyError(f"run of {rid} with a {kind.value} cache; it holds {held.value}")
+        kind = held or kind or CacheKind.KV
         if rid in self.chosen or (rid in self.moved and rid not in self._swapped_in):
             raise PolicyError(f"run of {rid}: repeated or preempted this step")
         if req.status is RequestStatus.SWAPPED and rid not in self._swapped_in:
             raise PolicyError(f"run of swapped {rid} without a swap-in")
         if not 1 <= n <= req.num_uncomputed_tokens:
             raise PolicyError(f"run of {rid} with {n} tokens; {req.num_uncomputed_tokens} left")
-        need = self.blocks_to_grow(req, n)
+        need = self.blocks_to_grow(req, n, kind)
         if need > self.free_device:
             raise PolicyError(f"run of {rid} needs {need} device blocks, {self.free_device} free")
         if not self.has_room(n):
@@ -155,19 +179,23 @@ class StepPlan:
         self.free_device -= need
         self.run.append((rid, n))
         self.chosen.add(rid)
+        if kind is CacheKind.HIDDEN:
+            self.hidden.add(rid)
         if self.budget is not None:
             self.budget -= n
         if self.seats is not None:
             self.seats -= 1
 
-    def take(self, req: Request, n: int) -> None:
+    def take(self, req: Request, n: int, kind: CacheKind | None = None) -> None:
         """Run ``req`` for ``n`` tokens, swapping it in first when its KV is on the host."""
         if req.status is RequestStatus.SWAPPED and req.request_id not in self._swapped_in:
             self.swap_in_req(req)
-        self.run_req(req, n)
+        self.run_req(req, n, kind)
 
     def decision(self) -> Decision:
-        return Decision(tuple(self.run), tuple(self.preempt), tuple(self.swap_in))
+        return Decision(
+            tuple(self.run), tuple(self.preempt), tuple(self.swap_in), frozenset(self.hidden)
+        )
 
     def _touch(self, req: Request) -> None:
         if req.request_id in self.moved:

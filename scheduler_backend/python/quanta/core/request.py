@@ -264,6 +264,27 @@ class Request:
         return max(0.0, now - last)
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` tokens of KV."""
-    return math.ceil(num_tokens / block_size) if num_tokens > 0 else 0
+class CacheKind(StrEnum):
+    """What a request's blocks hold (Apt-Serve's hybrid cache).
+
+    A block is sized for ``block_size`` tokens of K and V over all layers. A hidden-cache
+    request stores each layer's attention input instead, one vector per token where K and V
+    are two, so for multi-head attention (K and V each as wide as the hidden state) the same
+    block holds ``HIDDEN_TOKENS_PER_BLOCK * block_size`` tokens: half the blocks, exactly.
+    """
+
+    KV = "kv"
+    HIDDEN = "hidden"
+
+
+# Tokens of hidden states a block holds, per token of K+V (2 for multi-head attention; a
+# model whose K+V is narrower than its hidden state offers no hidden cache).
+HIDDEN_TOKENS_PER_BLOCK = 2
+
+
+def blocks_for(num_tokens: int, block_size: int, kind: CacheKind = CacheKind.KV) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens of cache of ``kind``."""
+    if num_tokens <= 0:
+        return 0
+    per_block = block_size * (HIDDEN_TOKENS_PER_BLOCK if kind is CacheKind.HIDDEN else 1)
+    return math.ceil(num_tokens / per_block)

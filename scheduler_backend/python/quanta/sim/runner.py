@@ -36,7 +36,7 @@ class SimStats:
 class SimRunner:
     """Implements the ``Runner`` protocol from a ``CostModel`` and a ``VirtualClock``."""
 
-    capabilities = RunnerCapabilities(async_swap=True)
+    capabilities = RunnerCapabilities(hidden_cache=True, async_swap=True)
 
     def __init__(
         self, cost: CostModel, clock: VirtualClock, block_size: int, token_id: int = 1
@@ -58,6 +58,9 @@ class SimRunner:
             for block in seq.block_table:
                 wait_until = max(wait_until, self._ready_at.get(block, start))
         compute = self.cost.step_time((s.num_new_tokens, s.start_pos) for s in so.seqs)
+        hidden_context = sum(s.start_pos for s in so.seqs if s.hidden)
+        if hidden_context:  # K and V of hidden-cache requests' past tokens, recomputed
+            compute += self.cost.hidden_time(hidden_context)
         if not self.cost.swap_overlaps_compute:
             wait_until = max(start, self._link_free_at)  # every copy, touched or not
         end = wait_until + compute if so.seqs else max(start, self._link_free_at)
