@@ -123,6 +123,21 @@ PRESETS: dict[str, ModelPreset] = {
             rope_theta=10000.0,
             rms_norm_eps=1e-6,
         ),
+        # llama-tiny with multi-head attention (as LLaMA-1/2 7B and 13B): one KV head per
+        # query head, so it is offered the hidden cache, which grouped-query llama-tiny is not.
+        ModelPreset(
+            name="llama-tiny-mha",
+            family="llama",
+            vocab_size=TINY_VOCAB_SIZE,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=176,
+            max_position_embeddings=512,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+        ),
         # The real facebook/opt-125m shape (125,239,296 parameters).
         ModelPreset(
             name="opt-125m",

@@ -14,6 +14,14 @@ gathered every row up to the longest context and then had to zero the stale slot
 past a row's context may hold inf/NaN from an earlier owner, and a masked score still
 multiplies its value); that copy and fill were 56% of a batch-32 decode step. Here a stale
 slot is never read, so NaN-safety holds by construction.
+
+Hidden-cache sequences (Apt-Serve) keep each layer's attention input instead of K and V: a
+layer's cache viewed as ``[2 * num_blocks * block_size, hidden]`` gives a block room for
+``2 * block_size`` such vectors (K and V are each as wide as the hidden state in multi-head
+attention). Every step their past K and V are projected again from those vectors, in one
+matrix product over all hidden sequences (the extra cost the scheduler weighs as rho), and
+joined with the step's own K and V; then they attend exactly as KV sequences do: prefill
+chunks through SDPA, single-token rows through the same packed decode kernel.
 """
 
 from __future__ import annotations
@@ -35,11 +43,18 @@ class PagedSeq(Protocol):
     def start_pos(self) -> int: ...
     @property
     def block_table(self) -> tuple[int, ...]: ...
+    @property
+    def hidden(self) -> bool: ...
 
 
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
+# (hidden states [P, hidden], layer) -> K and V [P, kv_heads, head_dim] of those tokens
+ProjectKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# Tokens of hidden states per block, per token of K+V (the core's HIDDEN_TOKENS_PER_BLOCK).
+HIDDEN_TOKENS_PER_BLOCK = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +79,29 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class HiddenBatch:
+    """The step's hidden-cache sequences. Their contexts are assembled, sequence after
+    sequence, in one buffer ``cat(past K/V [P], the rows' new K/V [R])[context_index]``;
+    ``prefills`` and ``decode`` index that buffer, as KV ones index the cache."""
+
+    rows: torch.Tensor  # [R] packed-batch rows of the hidden sequences' new tokens
+    slots: torch.Tensor  # [R] hidden slots the rows' attention inputs are stored in
+    past_slots: torch.Tensor  # [P] hidden slots of their cached tokens, sequence after sequence
+    past_positions: torch.Tensor  # [P] positions of those tokens (rotary embeddings)
+    context_index: torch.Tensor  # [P + R] assembles every sequence's context contiguously
+    prefills: tuple[PrefillChunk, ...]  # block_ids: the chunk's context rows in the buffer
+    decode: DecodeBatch | None  # slots: each row's context rows in the buffer
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Per-step index tensors, built once and shared by every layer."""
 
-    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    slot_mapping: torch.Tensor  # [T'] flat cache slot of each new token of the KV sequences
     prefills: tuple[PrefillChunk, ...]
     decode: DecodeBatch | None
+    kv_rows: torch.Tensor | None = None  # [T'] their rows; None: every row is a KV row
+    hidden: HiddenBatch | None = None
 
 
 def build_metadata(
@@ -84,32 +116,64 @@ def build_metadata(
     Per-token indices (slots of new tokens, decode contexts) are computed with tensor ops
     from the per-block tables, so a step's Python work grows with its blocks, not its tokens.
     """
-    tables: list[list[int]] = []
-    starts: list[int] = []
-    counts: list[int] = []
-    prefills: list[PrefillChunk] = []
-    decode_rows: list[int] = []
+    kernel = decode_kernel or varlen_decode
+    kv: list[tuple[int, PagedSeq, list[int]]] = []
+    hidden: list[tuple[int, PagedSeq, list[int]]] = []
     offset = 0
     for seq in seqs:
-        n = len(seq.token_ids)
-        context_len = seq.start_pos + n
-        num_ctx_blocks = -(-context_len // block_size)
-        table = list(seq.block_table[:num_ctx_blocks])
-        if n == 0 or len(table) < num_ctx_blocks:
-            raise ValueError(
-                f"sequence needs {num_ctx_blocks} blocks for {context_len} tokens, "
-                f"block table has {len(seq.block_table)} (tokens this step: {n})"
-            )
-        if min(table) < 0 or max(table) >= num_blocks:
-            raise ValueError(f"block id out of range [0, {num_blocks}) in {table}")
-        tables.append(table)
-        starts.append(seq.start_pos)
-        counts.append(n)
-        if n == 1:
-            decode_rows.append(offset)
-        else:
-            prefills.append(_prefill_chunk(offset, seq.start_pos, n, table, device))
-        offset += n
+        is_hidden = bool(getattr(seq, "hidden", False))
+        per_block = block_size * (HIDDEN_TOKENS_PER_BLOCK if is_hidden else 1)
+        table = _checked_table(seq, per_block, num_blocks)
+        (hidden if is_hidden else kv).append((offset, seq, table))
+        offset += len(seq.token_ids)
+    meta = _kv_metadata(kv, block_size, device, kernel)
+    if not hidden:
+        return meta
+    kv_rows = [o + i for o, seq, _ in kv for i in range(len(seq.token_ids))]
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        prefills=meta.prefills,
+        decode=meta.decode,
+        kv_rows=torch.tensor(kv_rows, dtype=torch.long, device=device),
+        hidden=_hidden_metadata(hidden, block_size, num_blocks, device, kernel),
+    )
+
+
+def _checked_table(seq: PagedSeq, per_block: int, num_blocks: int) -> list[int]:
+    """The blocks ``seq``'s context spans (``per_block`` tokens each), checked."""
+    n = len(seq.token_ids)
+    context_len = seq.start_pos + n
+    num_ctx_blocks = -(-context_len // per_block)
+    table = list(seq.block_table[:num_ctx_blocks])
+    if n == 0 or len(table) < num_ctx_blocks:
+        raise ValueError(
+            f"sequence needs {num_ctx_blocks} blocks for {context_len} tokens, "
+            f"block table has {len(seq.block_table)} (tokens this step: {n})"
+        )
+    if min(table) < 0 or max(table) >= num_blocks:
+        raise ValueError(f"block id out of range [0, {num_blocks}) in {table}")
+    return table
+
+
+def _kv_metadata(
+    entries: list[tuple[int, PagedSeq, list[int]]],
+    block_size: int,
+    device: torch.device,
+    kernel: DecodeKernel,
+) -> AttentionMetadata:
+    """Cache slots, prefill chunks and the packed decode batch of the KV sequences."""
+    if not entries:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return AttentionMetadata(slot_mapping=empty, prefills=(), decode=None)
+    tables = [table for _, _, table in entries]
+    starts = [seq.start_pos for _, seq, _ in entries]
+    counts = [len(seq.token_ids) for _, seq, _ in entries]
+    prefills = [
+        _prefill_chunk(o, seq.start_pos, len(seq.token_ids), table, device)
+        for o, seq, table in entries
+        if len(seq.token_ids) > 1
+    ]
+    decode_rows = [o for o, seq, _ in entries if len(seq.token_ids) == 1]
     slot_table = _slot_table(tables, block_size)  # [S, max_blocks * block_size]
     lens = torch.tensor([s + n for s, n in zip(starts, counts, strict=True)], dtype=torch.long)
     start_t = torch.tensor(starts, dtype=torch.long)
@@ -125,10 +189,87 @@ def build_metadata(
             token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
             slots=ctx[owned].to(device),
             owner=torch.repeat_interleave(torch.arange(len(decode_rows)), ctx_lens).to(device),
-            kernel=decode_kernel or varlen_decode,
+            kernel=kernel,
         )
     return AttentionMetadata(
         slot_mapping=slot_table[new].to(device),  # row-major: the packed batch's token order
+        prefills=tuple(prefills),
+        decode=decode,
+    )
+
+
+def _hidden_slots(table: list[int], stop: int, block_size: int, num_blocks: int) -> torch.Tensor:
+    """Hidden slots of positions ``[0, stop)`` in a layer's cache viewed as
+    ``[2 * num_blocks * block_size, hidden]``: a block's first ``block_size`` tokens sit where
+    its K would, the next ``block_size`` where its V would."""
+    pos = torch.arange(stop)
+    per_block = block_size * HIDDEN_TOKENS_PER_BLOCK
+    blocks = torch.tensor(table, dtype=torch.long)[pos // per_block]
+    within = pos % per_block
+    return (
+        (within // block_size) * (num_blocks * block_size)
+        + blocks * block_size
+        + (within % block_size)
+    )
+
+
+def _hidden_metadata(
+    entries: list[tuple[int, PagedSeq, list[int]]],
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+    kernel: DecodeKernel,
+) -> HiddenBatch:
+    rows: list[int] = []
+    slots: list[torch.Tensor] = []
+    past_slots: list[torch.Tensor] = []
+    past_positions: list[torch.Tensor] = []
+    past_total = sum(seq.start_pos for _, seq, _ in entries)
+    new_total = sum(len(seq.token_ids) for _, seq, _ in entries)
+    context_index: list[torch.Tensor] = []
+    prefills: list[PrefillChunk] = []
+    decode_rows: list[int] = []
+    decode_ctx: list[torch.Tensor] = []
+    decode_lens: list[int] = []
+    past_at = new_at = assembled = 0
+    for offset, seq, table in entries:
+        n, start = len(seq.token_ids), seq.start_pos
+        context_len = start + n
+        all_slots = _hidden_slots(table, context_len, block_size, num_blocks)
+        rows.extend(range(offset, offset + n))
+        slots.append(all_slots[start:])
+        past_slots.append(all_slots[:start])
+        past_positions.append(torch.arange(start))
+        context_index.append(torch.arange(past_at, past_at + start))
+        context_index.append(torch.arange(past_total + new_at, past_total + new_at + n))
+        span = torch.arange(assembled, assembled + context_len)
+        if n == 1:
+            decode_rows.append(offset)
+            decode_ctx.append(span)
+            decode_lens.append(context_len)
+        else:
+            mask = _chunk_mask(start, n, device)
+            prefills.append(PrefillChunk(offset, offset + n, context_len, span.to(device), mask))
+        past_at += start
+        new_at += n
+        assembled += context_len
+    assert past_at == past_total and new_at == new_total
+    decode = None
+    if decode_rows:
+        decode = DecodeBatch(
+            token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            slots=torch.cat(decode_ctx).to(device),
+            owner=torch.repeat_interleave(
+                torch.arange(len(decode_rows)), torch.tensor(decode_lens)
+            ).to(device),
+            kernel=kernel,
+        )
+    return HiddenBatch(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        slots=torch.cat(slots).to(device),
+        past_slots=torch.cat(past_slots).to(device),
+        past_positions=torch.cat(past_positions).to(device),
+        context_index=torch.cat(context_index).to(device),
         prefills=tuple(prefills),
         decode=decode,
     )
@@ -146,20 +287,24 @@ def _slot_table(tables: list[list[int]], block_size: int) -> torch.Tensor:
 def _prefill_chunk(
     offset: int, start_pos: int, n: int, table: list[int], device: torch.device
 ) -> PrefillChunk:
-    context_len = start_pos + n
-    mask = None
-    if start_pos > 0:
-        # NOTE: SDPA's is_causal aligns the mask top-left; a chunk that starts at start_pos
-        # needs query i (absolute position start_pos + i) to see keys 0..start_pos + i.
-        q_pos = torch.arange(start_pos, context_len, device=device)
-        mask = torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
     return PrefillChunk(
         token_start=offset,
         token_end=offset + n,
-        context_len=context_len,
+        context_len=start_pos + n,
         block_ids=torch.tensor(table, dtype=torch.long, device=device),
-        mask=mask,
+        mask=_chunk_mask(start_pos, n, device),
     )
+
+
+def _chunk_mask(start_pos: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """None (plain causal) for a chunk at position 0, else the offset causal mask.
+
+    NOTE: SDPA's is_causal aligns the mask top-left; a chunk that starts at start_pos needs
+    query i (absolute position start_pos + i) to see keys 0..start_pos + i."""
+    if start_pos == 0:
+        return None
+    q_pos = torch.arange(start_pos, start_pos + n, device=device)
+    return torch.arange(start_pos + n, device=device)[None, :] <= q_pos[:, None]
 
 
 def paged_attention(
@@ -169,31 +314,93 @@ def paged_attention(
     layer_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    hidden_input: torch.Tensor | None = None,
+    project_kv: ProjectKV | None = None,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend.  q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D]."""
+    """Store this step's K/V, then attend.  q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D].
+
+    With hidden-cache sequences in the step, ``hidden_input`` ([T, hidden], what q, k and v
+    were projected from) is stored for them instead, and ``project_kv`` turns their cached
+    inputs back into K and V."""
     _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
     flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, meta.slot_mapping, k.to(layer_cache.dtype))
-    flat[1].index_copy_(0, meta.slot_mapping, v.to(layer_cache.dtype))
-    gqa = q.shape[1] != kv_heads
+    k_new, v_new = k, v
+    if meta.kv_rows is not None:
+        k_new, v_new = k.index_select(0, meta.kv_rows), v.index_select(0, meta.kv_rows)
+    flat[0].index_copy_(0, meta.slot_mapping, k_new.to(layer_cache.dtype))
+    flat[1].index_copy_(0, meta.slot_mapping, v_new.to(layer_cache.dtype))
     out = torch.empty_like(q)
     for chunk in meta.prefills:
-        # [1, H, n, D] against [1, KVH, L, D]
         keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
         vals = layer_cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
-        attn = F.scaled_dot_product_attention(
-            q[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0),
-            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            vals.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out[chunk.token_start : chunk.token_end] = attn[0].transpose(0, 1)
+        _prefill(q, keys, vals, chunk, out, scale)
     if meta.decode is not None:
         out.index_copy_(0, meta.decode.token_index, _decode(q, layer_cache, meta.decode, scale))
+    if meta.hidden is not None:
+        if hidden_input is None or project_kv is None:
+            raise ValueError("hidden-cache sequences need the layer's input and projections")
+        _attend_hidden(q, k, v, hidden_input, project_kv, layer_cache, meta.hidden, out, scale)
     return out
+
+
+def _prefill(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    chunk: PrefillChunk,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """One chunk's rows of ``q`` against its context ``keys``/``vals`` ([L, KVH, D])."""
+    # [1, H, n, D] against [1, KVH, L, D]
+    attn = F.scaled_dot_product_attention(
+        q[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0),
+        keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        vals.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    out[chunk.token_start : chunk.token_end] = attn[0].transpose(0, 1)
+
+
+def _attend_hidden(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    hidden_input: torch.Tensor,
+    project_kv: ProjectKV,
+    layer_cache: torch.Tensor,
+    batch: HiddenBatch,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Store the hidden sequences' inputs, rebuild their contexts' K and V (past tokens
+    projected again, the step's own rows as computed), and attend over them."""
+    width = hidden_input.shape[1]
+    slots = layer_cache.view(-1, width)  # [2 * num_blocks * block_size, hidden]
+    slots.index_copy_(0, batch.slots, hidden_input.index_select(0, batch.rows).to(slots.dtype))
+    k_rows, v_rows = k.index_select(0, batch.rows), v.index_select(0, batch.rows)
+    if batch.past_slots.numel():
+        k_past, v_past = project_kv(slots.index_select(0, batch.past_slots).to(hidden_input.dtype))
+        k_rows = torch.cat((k_past, k_rows))
+        v_rows = torch.cat((v_past, v_rows))
+    keys = k_rows.index_select(0, batch.context_index)  # [contexts, KVH, D]
+    vals = v_rows.index_select(0, batch.context_index)
+    for chunk in batch.prefills:
+        _prefill(
+            q,
+            keys.index_select(0, chunk.block_ids),
+            vals.index_select(0, chunk.block_ids),
+            chunk,
+            out,
+            scale,
+        )
+    if batch.decode is not None:
+        d = batch.decode
+        rows = q.index_select(0, d.token_index)
+        out.index_copy_(0, d.token_index, d.kernel(rows, keys, vals, d.slots, d.owner, scale))
 
 
 def _decode(

@@ -129,7 +129,14 @@ class ModelRunner:
             num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
         self.bytes_per_block = self.kv_bytes_per_block(self.model_config, block_size, self.dtype)
-        self.capabilities = RunnerCapabilities()
+        self.capabilities = RunnerCapabilities(hidden_cache=offers_hidden_cache(cfg))
+
+    @staticmethod
+    def hidden_blocks_ratio(config: ModelConfig) -> float:
+        """How many times more tokens a block holds as hidden states than as K and V:
+        ``2 * kv_heads * head_dim / hidden_size`` (2.0 for multi-head attention; below 2 for
+        grouped-query models, which is why they are not offered the hidden cache)."""
+        return 2 * config.num_kv_heads * config.head_dim / config.hidden_size
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -228,6 +235,11 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
+        if not self.capabilities.hidden_cache and any(getattr(s, "hidden", False) for s in seqs):
+            raise ValueError(
+                f"{self.model_config.family} model with {self.model_config.num_kv_heads} KV "
+                f"heads for {self.model_config.num_heads} query heads offers no hidden cache"
+            )
         for seq in seqs:
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.start_pos + len(seq.token_ids)))
@@ -287,9 +299,17 @@ class _Batch:
 class _Chunk:
     """A minimal ``PagedSeq`` for ``forward_logits``."""
 
-    __slots__ = ("block_table", "start_pos", "token_ids")
+    __slots__ = ("block_table", "hidden", "start_pos", "token_ids")
 
     def __init__(self, token_ids: tuple[int, ...], start_pos: int, block_table: tuple[int, ...]):
         self.token_ids = token_ids
         self.start_pos = start_pos
         self.block_table = block_table
+        self.hidden = False
+
+
+def offers_hidden_cache(config: ModelConfig) -> bool:
+    """A hidden-cache request halves its blocks only where K and V are each as wide as the
+    attention input (multi-head attention: OPT, LLaMA-1/2 7B/13B). Grouped-query models
+    would need more blocks for hidden states than for K and V, so they are not offered it."""
+    return config.num_kv_heads * config.head_dim == config.hidden_size

@@ -78,6 +78,7 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
+        past_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
@@ -86,7 +87,25 @@ class LlamaAttention(nn.Module):
         cos, sin = rope  # [T, 1, D], broadcast over heads
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = paged_attention(q, k, v, layer_cache, meta, scale=self.head_dim**-0.5)
+
+        def project_kv(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """K (rotated to each token's position) and V of cached attention inputs."""
+            assert past_rope is not None
+            shape = (h.shape[0], self.num_kv_heads, self.head_dim)
+            k_past = self.k_proj(h).view(shape)
+            k_past = k_past * past_rope[0] + _rotate_half(k_past) * past_rope[1]
+            return k_past, self.v_proj(h).view(shape)
+
+        out = paged_attention(
+            q,
+            k,
+            v,
+            layer_cache,
+            meta,
+            scale=self.head_dim**-0.5,
+            hidden_input=x,
+            project_kv=project_kv,
+        )
         return self.o_proj(out.flatten(1))
 
 
@@ -116,8 +135,9 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
+        past_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layer_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, layer_cache, meta, past_rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -139,12 +159,20 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self._rope(positions, x.dtype)
+        # Hidden-cache sequences' past tokens get their rotations once per step, not per layer.
+        past_rope = self._rope(meta.hidden.past_positions, x.dtype) if meta.hidden else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, kv_cache[i], meta, past_rope)
+        return self.norm(x)
+
+    def _rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D]`` of ``positions`` (broadcast over heads)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta)
-        return self.norm(x)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -47,8 +47,15 @@ class OPTAttention(nn.Module):
         q = (self.q_proj(x) * self.head_dim**-0.5).view(shape)
         k = self.k_proj(x).view(shape)
         v = self.v_proj(x).view(shape)
-        out = paged_attention(q, k, v, layer_cache, meta, scale=1.0)
+        out = paged_attention(
+            q, k, v, layer_cache, meta, scale=1.0, hidden_input=x, project_kv=self._project_kv
+        )
         return self.out_proj(out.flatten(1))
+
+    def _project_kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of cached attention inputs (hidden-cache sequences)."""
+        shape = (h.shape[0], self.num_heads, self.head_dim)
+        return self.k_proj(h).view(shape), self.v_proj(h).view(shape)
 
 
 class OPTDecoderLayer(nn.Module):
