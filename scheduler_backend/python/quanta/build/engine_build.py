@@ -46,7 +46,7 @@ from quanta.build.manifest import (
 from quanta.build.shape import model_shape
 from quanta.core.output import RunnerCapabilities
 from quanta.frontends.devices import device_memory_bytes
-from quanta.runner.model_runner import ModelRunner, resolve_dtype
+from quanta.runner.model_runner import ModelRunner, offers_hidden_cache, resolve_dtype
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import checkpoint_files
@@ -122,7 +122,9 @@ def build_engine_dir(
             device=options.device,
             limits=limits,
             cache=sizing,
-            capabilities=Capabilities(**dataclasses.asdict(RunnerCapabilities())),
+            capabilities=Capabilities(
+                **dataclasses.asdict(RunnerCapabilities(hidden_cache=offers_hidden_cache(config)))
+            ),
             chat_template=chat_template,
             weights=weights,
             source=source,

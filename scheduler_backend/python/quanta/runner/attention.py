@@ -33,6 +33,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
+
 
 class PagedSeq(Protocol):
     """What attention needs of one scheduled sequence (``ScheduledSeq`` fits)."""
@@ -52,9 +54,6 @@ DecodeKernel = Callable[
 ]
 # (hidden states [P, hidden], layer) -> K and V [P, kv_heads, head_dim] of those tokens
 ProjectKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-# Tokens of hidden states per block, per token of K+V (the core's HIDDEN_TOKENS_PER_BLOCK).
-HIDDEN_TOKENS_PER_BLOCK = 2
 
 
 @dataclass(frozen=True, slots=True)

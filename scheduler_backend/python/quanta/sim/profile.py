@@ -25,9 +25,21 @@ from quanta.sim.calibrate import calibration_steps, refit, report
 from quanta.sim.driver import StepSample
 
 
-def _seq(rid: str, tokens: int, start: int, table: tuple[int, ...]) -> ScheduledSeq:
+def _seq(
+    rid: str, tokens: int, start: int, table: tuple[int, ...], hidden: bool = False
+) -> ScheduledSeq:
     return ScheduledSeq(
-        rid, tuple(4 + (i % 97) for i in range(tokens)), start, table, True, 0.0, 1.0, 0, 0, 0
+        rid,
+        tuple(4 + (i % 97) for i in range(tokens)),
+        start,
+        table,
+        True,
+        0.0,
+        1.0,
+        0,
+        0,
+        0,
+        hidden=hidden,
     )
 
 
@@ -138,6 +150,14 @@ def _sweep(
     swap = [
         (k, timed(SchedulerOutput((), swap_out=tuple((i, i) for i in range(k))))) for k in copies
     ]
+    hidden = {}
+    if runner.capabilities.hidden_cache:
+        hidden = _fit_hidden(timed, contexts, min(4, max(batches)), per_seq_blocks, table)
+        rho = hidden["hidden_projection_per_token_s"] * block_size
+        echo(
+            f"hidden cache: +{1e3 * hidden['hidden_projection_per_token_s'] * 1000:.2f} ms per "
+            f"step per 1000 cached tokens; rho = {1e6 * rho:.1f} us per block of {block_size}"
+        )
 
     bytes_per_block = runner.bytes_per_block
     common = dict(
@@ -150,6 +170,7 @@ def _sweep(
         host_kv_bytes=4 * device_blocks * bytes_per_block,
         max_model_len=max_len,
         **_fit_swap(swap, bytes_per_block),
+        **hidden,
     )
     fits = [CostModel(**common, **coef) for coef in _fit_compute(prefill, decode)]
     model = min(fits, key=lambda m: _median_error(m, prefill, decode))
@@ -164,6 +185,28 @@ def _as_samples(
     alone = [StepSample(((n, 0),), 0, t) for n, t in prefill]
     batches = [StepSample(((1, c // b - 1),) * b, 0, t) for b, c, t in decode]
     return alone + batches
+
+
+def _fit_hidden(
+    timed: Callable[[SchedulerOutput], float],
+    contexts: list[int],
+    batch: int,
+    per_seq_blocks: int,
+    table: tuple[int, ...],
+) -> dict[str, float]:
+    """Apt-Serve's rho: the same decode batch with K/V caches and with hidden caches; the
+    difference (their past K and V projected again) against the cached tokens, through 0."""
+    tokens, extra = [], []
+    for ctx in contexts:
+        tables = [table[i * per_seq_blocks : (i + 1) * per_seq_blocks] for i in range(batch)]
+        kv, hid = (
+            timed(SchedulerOutput(tuple(_seq(f"h{i}", 1, ctx, t, h) for i, t in enumerate(tables))))
+            for h in (False, True)
+        )
+        tokens.append(batch * ctx)
+        extra.append(hid - kv)
+    (per_token,) = _lstsq([tokens], extra)
+    return {"hidden_projection_per_token_s": per_token}
 
 
 def _fit_swap(swap: list[tuple[int, float]], bytes_per_block: int) -> dict[str, float]:
