@@ -318,3 +318,38 @@ def test_a_running_request_keeps_its_kind_until_it_is_discarded() -> None:
     bm.free("r")
     bm.check_integrity()
     assert bm.all_free()
+
+
+def test_the_simulator_charges_hidden_requests_their_recomputed_kv() -> None:
+    from quanta.core.clock import VirtualClock
+    from quanta.costmodel import get_profile
+    from quanta.sim.runner import SimRunner
+
+    cost = get_profile("a100-opt13b")
+    assert cost.hidden_per_token_s == pytest.approx(cost.compute_per_token_s / 6)
+    assert cost.rho(16) == pytest.approx(16 * cost.hidden_per_token_s)
+    measured = cost.model_copy(update={"hidden_projection_per_token_s": 2e-6})
+    assert measured.hidden_time(500) == pytest.approx(1e-3)
+    times = {}
+    for hidden in (False, True):
+        clock = VirtualClock()
+        runner = SimRunner(measured, clock, block_size=16)
+        seqs = tuple(
+            ScheduledSeq(
+                f"r{i}",
+                (1,),
+                300 + i,
+                tuple(range(20)),
+                True,
+                0.0,
+                1.0,
+                0,
+                0,
+                0,
+                hidden=hidden and i == 0,
+            )
+            for i in range(3)
+        )
+        runner.execute(SchedulerOutput(seqs))
+        times[hidden] = clock.now()
+    assert times[True] - times[False] == pytest.approx(measured.hidden_time(300))
