@@ -305,6 +305,7 @@ def test_a_running_request_keeps_its_kind_until_it_is_discarded() -> None:
     bm = BlockManager(4, 10, 0)
     req = Request("r", [1] * 9, SamplingParams(max_tokens=4), 0.0, 0)
     assert bm.allocate_slots("r", 9, CacheKind.HIDDEN) == [0, 1]
+    assert bm.usage(CacheKind.HIDDEN) == (1, 2) and bm.usage(CacheKind.KV) == (0, 0)
     req.num_computed_tokens = 9
     req.set_status(RequestStatus.RUNNING)
     plan = StepPlan(PoolView(bm))

@@ -84,6 +84,15 @@ class BlockManager:
         entry = self._tables.get(request_id)
         return len(entry[1]) if entry else 0
 
+    def usage(self, kind: CacheKind, tier: Tier = Tier.DEVICE) -> tuple[int, int]:
+        """(requests, blocks) holding a ``kind`` cache in ``tier``."""
+        tables = [
+            table
+            for rid, (t, table) in self._tables.items()
+            if t is tier and self._kinds.get(rid) is kind
+        ]
+        return len(tables), sum(len(t) for t in tables)
+
     def block_table(self, request_id: str) -> tuple[int, ...]:
         entry = self._tables.get(request_id)
         return tuple(entry[1]) if entry else ()

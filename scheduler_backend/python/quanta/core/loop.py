@@ -28,7 +28,7 @@ from quanta.core.errors import (
 from quanta.core.output import Runner, SchedulerOutput
 from quanta.core.plan import PoolView
 from quanta.core.policy import Policy, check_capabilities
-from quanta.core.request import Request, RequestStatus, validate_prompt
+from quanta.core.request import CacheKind, Request, RequestStatus, validate_prompt
 from quanta.core.stream import RequestStream, Sink
 from quanta.core.view import SchedulerView
 
@@ -50,6 +50,8 @@ class LoopStats:
     num_preemptions_swap: int
     num_preemptions_recompute: int
     num_generated_tokens: int
+    num_hidden_cache: int = 0  # requests whose device cache is hidden states (Apt-Serve)
+    hidden_blocks_used: int = 0  # device blocks they hold
 
 
 class EngineLoop:
@@ -247,6 +249,7 @@ class EngineLoop:
 
     def _snapshot(self) -> LoopStats:
         view = self._view(self.clock.now())
+        hidden = self.blocks.usage(CacheKind.HIDDEN)
         return LoopStats(
             num_waiting=len(view.waiting),
             num_running=len(view.running),
@@ -259,4 +262,6 @@ class EngineLoop:
             num_preemptions_swap=self._counts["swap"],
             num_preemptions_recompute=self._counts["recompute"],
             num_generated_tokens=self._committer.num_generated_tokens,
+            num_hidden_cache=hidden[0],
+            hidden_blocks_used=hidden[1],
         )

@@ -58,6 +58,16 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     "quanta_num_requests_swapped": ("GAUGE", "Requests with KV in the host tier.", None),
     "quanta_kv_blocks_used": ("GAUGE", "KV blocks in use, by tier.", None),
     "quanta_kv_blocks_total": ("GAUGE", "KV blocks in the pool, by tier.", None),
+    "quanta_hidden_cache_requests": (
+        "GAUGE",
+        "Requests whose device cache holds hidden states instead of K and V (Apt-Serve).",
+        None,
+    ),
+    "quanta_hidden_cache_blocks_used": (
+        "GAUGE",
+        "Device blocks holding hidden states (included in quanta_kv_blocks_used).",
+        None,
+    ),
     "quanta_num_preemptions_total": ("COUNTER", "Preemptions, by kind.", None),
     "quanta_engine_steps_total": ("COUNTER", "Engine iterations executed.", None),
     "quanta_generation_tokens_total": (
@@ -203,6 +213,8 @@ class MetricsReporter:
             ("quanta_kv_blocks_used", (("tier", "host"),)): s.host_blocks_used,
             ("quanta_kv_blocks_total", (("tier", "device"),)): s.device_blocks_total,
             ("quanta_kv_blocks_total", (("tier", "host"),)): s.host_blocks_total,
+            ("quanta_hidden_cache_requests", ()): s.num_hidden_cache,
+            ("quanta_hidden_cache_blocks_used", ()): s.hidden_blocks_used,
         }
         for (name, labels), value in gauges.items():
             self._metric(name, labels).set(float(value))
