@@ -58,7 +58,16 @@ def check_capabilities(policy: Policy, offered: RunnerCapabilities, runner_name:
     """Raise ``CapabilityError`` when ``policy`` needs more than the runner offers."""
     missing = missing_capabilities(policy.requires, offered)
     if missing:
+        hint = _HINTS.get(missing[0], "") if len(missing) == 1 else ""
         raise CapabilityError(
             f"policy {policy.name!r} needs {', '.join(missing)}, which the {runner_name} "
-            "runner does not offer"
+            f"runner does not offer{hint}"
         )
+
+
+_HINTS = {
+    "hidden_cache": (
+        " (the hidden cache halves memory only with multi-head attention, so grouped-query "
+        "models are not offered it; policy option cache=kv schedules without it)"
+    ),
+}
