@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from quanta.core.blocks import BlockManager, Tier
 from quanta.core.detokenize import Detokenizer
-from quanta.core.request import RequestMetadata, SamplingParams
+from quanta.core.request import CacheKind, RequestMetadata, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -54,16 +54,18 @@ def test_block_accounting_is_exact_under_any_sequence(ops):
     tokens: dict[str, int] = {}
     for op, who, n in ops:
         rid = f"r{who}"
+        kind = CacheKind.HIDDEN if who % 2 else CacheKind.KV  # a unified pool of both kinds
         tier = bm.tier_of(rid)
         if op in "ag" and tier in (None, Tier.DEVICE):
             total = tokens.get(rid, 0) + n
             before = bm.num_free(Tier.DEVICE)
-            got = bm.allocate_slots(rid, total)
+            got = bm.allocate_slots(rid, total, kind)
             if got is None:
                 assert bm.num_free(Tier.DEVICE) == before  # nothing taken on failure
             else:
                 tokens[rid] = total
-                assert bm.num_blocks(rid) == bm.blocks_for(total)
+                assert bm.num_blocks(rid) == bm.blocks_for(total, kind)
+                assert bm.kind_of(rid) is kind
         elif op == "s" and tier is Tier.DEVICE:
             bm.swap_out(rid)
         elif op == "i" and tier is Tier.HOST:
@@ -71,6 +73,8 @@ def test_block_accounting_is_exact_under_any_sequence(ops):
         elif op == "f":
             bm.free(rid)
             tokens.pop(rid, None)
+            assert bm.kind_of(rid) is None
+        assert bm.kind_of(rid) in (None, kind)  # swaps keep it
         bm.check_integrity()
     for rid in list(tokens):
         bm.free(rid)
