@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from quanta.core.config import SchedulerConfig
 from quanta.costmodel import CostModel, get_profile
+from quanta.policies.adaptive import AdaptivePacker, CacheMode, Fallback
 from quanta.policies.fair import VTCOrder, WSCOrder
 from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
 from quanta.policies.interactions import InteractionTracker
@@ -39,12 +40,20 @@ class FCFSOptions(SystemOptions):
     allow_swap: bool = Field(True, description="evict to host when it has room (else recompute)")
 
 
-class PriorityOptions(SystemOptions):
-    """The FastServe family: a cost model, the packer and the KV placement."""
+class ProfileOptions(SystemOptions):
+    """A system that predicts step times: its cost model (the simulator supplies its own)."""
 
     profile: str | CostModel | dict[str, Any] = Field(
         "a100-opt13b", description="cost-model preset, or a profile's parsed JSON"
     )
+
+    def cost(self) -> CostModel:
+        return get_profile(self.profile)  # type: ignore[arg-type]
+
+
+class PriorityOptions(ProfileOptions):
+    """The FastServe family: a cost model, the packer and the KV placement."""
+
     service: Literal["own", "step"] = Field(
         "own", description="attained service: the job's own share of a step, or the whole step"
     )
@@ -62,8 +71,30 @@ class PriorityOptions(SystemOptions):
         False, description="spend the step's tokens on chosen decodes before chosen prefills"
     )
 
-    def cost(self) -> CostModel:
-        return get_profile(self.profile)  # type: ignore[arg-type]
+
+class AptOptions(ProfileOptions):
+    """Apt-Serve: the hybrid cache, the SLOs its values fall back past, and rho."""
+
+    cache: CacheMode = Field(
+        "hybrid", description="hybrid: KV or hidden per request; kv: KV only; hidden: hidden only"
+    )
+    rho: float | None = Field(
+        None,
+        ge=0,
+        description="extra step seconds per KV block of a hidden request's context "
+        "(default: the profile's)",
+    )
+    ttft_slo_s: float | None = Field(1.0, gt=0, description="default TTFT SLO (None: none)")
+    tbt_slo_s: float | None = Field(
+        1.0, gt=0, description="default time-between-tokens SLO (None: none)"
+    )
+    fallback: Fallback = Field(
+        "zero", description="a request past its SLO: zero: worth ~0; decay: worth decay x"
+    )
+    decay: float = Field(0.4, gt=0, le=1)
+    allow_swap: bool = Field(
+        False, description="evict to host when it has room (else recompute, as Apt-Serve)"
+    )
 
 
 class SkipJoinOptions(PriorityOptions):
@@ -226,6 +257,20 @@ def _vtc(config: SchedulerConfig, o: VTCOptions) -> dict[str, Stage]:
     return {"ordering": order}
 
 
+def _apt(config: SchedulerConfig, o: AptOptions) -> dict[str, Stage]:
+    packer = AdaptivePacker(
+        config,
+        o.cost(),
+        cache=o.cache,
+        ttft_slo_s=o.ttft_slo_s,
+        tbt_slo_s=o.tbt_slo_s,
+        fallback=o.fallback,
+        decay=o.decay,
+        rho=o.rho,
+    )
+    return {"packer": packer, "placement": ReactivePreemption(allow_swap=o.allow_swap)}
+
+
 def _rpm(config: SchedulerConfig, o: RPMOptions) -> dict[str, Stage]:
     return {"admission": RPMAdmission(limit=o.rpm_limit, window_s=o.window_s)}
 
@@ -288,4 +333,11 @@ def builtin() -> list[System]:
         ),
         System("vtc", VTCOptions, _vtc, frozenset({"ordering"}), doc="virtual token counter"),
         System("rpm", RPMOptions, _rpm, frozenset({"admission"}), doc="requests per minute"),
+        System(
+            "apt",
+            AptOptions,
+            _apt,
+            frozenset({"packer", "placement"}),
+            doc="Apt-Serve: adaptive scheduling with a hybrid KV / hidden cache",
+        ),
     ]
