@@ -354,3 +354,17 @@ def test_the_simulator_charges_hidden_requests_their_recomputed_kv() -> None:
         runner.execute(SchedulerOutput(seqs))
         times[hidden] = clock.now()
     assert times[True] - times[False] == pytest.approx(measured.hidden_time(300))
+
+
+@pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny-mha"])
+def test_apt_outputs_equal_fcfs_whatever_the_cache(engines: dict[str, Path], model: str) -> None:
+    """The policy ``apt`` on the real engine, in a pool tight enough to preempt: greedy and
+    seeded tokens equal FCFS's under every cache option."""
+    params = [
+        quanta.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        quanta.SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True),
+    ] * 2
+    reference, _ = _generate(engines[model], "fcfs", {}, params)
+    for cache in ("hybrid", "hidden", "kv"):
+        tokens, _ = _generate(engines[model], "apt", {"cache": cache}, params, num_device_blocks=12)
+        assert tokens == reference, cache
