@@ -354,3 +354,17 @@ def test_fair_and_apt_stack():
 def test_scheduler_bench_runs_apt():
     out = bench_scheduler(["apt"], [50, 200], repeats=1, echo=lambda _: None)
     assert set(out["apt"]) == {50, 200}
+
+
+def test_profile_option_reads_a_measured_profile_file(tmp_path) -> None:
+    from quanta.costmodel import get_profile, save_profile
+    from quanta.policies.registry import parse_policy
+
+    measured = get_profile("a100-opt13b").model_copy(
+        update={"name": "measured", "hidden_projection_per_token_s": 1e-5}
+    )
+    path = save_profile(measured, tmp_path / "p.json")
+    options = parse_policy("apt", {"profile": str(path)}).parts[0].options
+    assert options.cost().rho(16) == pytest.approx(16e-5)
+    with pytest.raises(ValueError, match="neither a preset"):
+        parse_policy("apt", {"profile": str(tmp_path / "missing.json")})

@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.core.config import SchedulerConfig
-from quanta.costmodel import CostModel, get_profile
+from quanta.costmodel import PRESETS, CostModel, get_profile, load_profile
 from quanta.policies.adaptive import AdaptivePacker, CacheMode, Fallback
 from quanta.policies.fair import VTCOrder, WSCOrder
 from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
@@ -44,8 +44,20 @@ class ProfileOptions(SystemOptions):
     """A system that predicts step times: its cost model (the simulator supplies its own)."""
 
     profile: str | CostModel | dict[str, Any] = Field(
-        "a100-opt13b", description="cost-model preset, or a profile's parsed JSON"
+        "a100-opt13b",
+        description="cost-model preset, a profile JSON file (quanta profile), or its parsed JSON",
     )
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(
+        cls, value: str | CostModel | dict[str, Any]
+    ) -> str | CostModel | dict[str, Any]:
+        """A preset name stays a name; a file is read once here, when the options are parsed
+        (a served engine's own measured profile), so building the policy does no I/O."""
+        if isinstance(value, str) and value not in PRESETS:
+            return load_profile(value)
+        return value
 
     def cost(self) -> CostModel:
         return get_profile(self.profile)  # type: ignore[arg-type]
