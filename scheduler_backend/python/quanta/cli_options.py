@@ -38,3 +38,16 @@ def _choices(name: str, literal: Any) -> type[StrEnum]:
 # How the engine runs its projections and decode attention (``EngineConfig``'s fields).
 LinearKernelOpt = _choices("LinearKernelOpt", LinearKernel)
 AttentionKernelOpt = _choices("AttentionKernelOpt", AttentionKernel)
+
+# Apt-Serve's SLO attainment (``quanta.slo``): the TBT limit and the named presets.
+TbtSloOpt = Annotated[
+    float | None,
+    typer.Option(min=0.0, help="P99 time-between-tokens SLO (s) of SLO attainment"),
+]
+SloPresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Apt-Serve's SLOs by dataset and model size: sharegpt-13b, humaneval-13b, "
+        "longbench-13b, and -30b, -66b (explicit --ttft-slo/--tbt-slo override its parts)"
+    ),
+]

@@ -11,8 +11,11 @@ tool that reads a file (``quanta.workloads.load_workload``). Calls of multi-call
 or was throttled, as in the simulator (``quanta.bench.client``). Writes every request's raw
 timings, a summary per rate (``quanta.metrics``) and FairServe's fairness figures
 (``quanta.bench.fairness``) to ``--output`` (JSON), prints the summaries, and with
-``--plot-dir`` draws latency-vs-rate and CDF plots (matplotlib, imported only then). It exits
-with 1 when a request failed for any reason but a throttle (or a call abandoned after one).
+``--plot-dir`` draws latency-vs-rate and CDF plots (matplotlib, imported only then). With an
+SLO (``--slo-preset``, or ``--ttft-slo`` with ``--tpot-slo``/``--tbt-slo``; ``quanta.slo``) the
+requests carry it and each summary adds goodput and Apt-Serve's ``slo_attainment`` (a
+fraction). It exits with 1 when a request failed for any reason but a throttle (or a call
+abandoned after one).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Annotated, Any
 import typer
 
 from quanta.bench.workload_spec import parse_range, spec_from_options
+from quanta.cli_options import SloPresetOpt, TbtSloOpt
 from quanta.workloads import WorkloadRequest
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
 
@@ -87,6 +91,8 @@ def bench_serve(
     ] = True,
     ttft_slo: Annotated[float | None, typer.Option(help="TTFT SLO (s) for goodput")] = None,
     tpot_slo: Annotated[float | None, typer.Option(help="TPOT SLO (s) for goodput")] = None,
+    tbt_slo: TbtSloOpt = None,
+    slo_preset: SloPresetOpt = None,
     delay_threshold: Annotated[
         float,
         typer.Option(
@@ -99,13 +105,15 @@ def bench_serve(
 ) -> None:
     """Replay a workload at each rate with real timing; print the summaries."""
     from quanta.bench.client import TRANSPORTS, Target
-    from quanta.metrics import SLO
+    from quanta.slo import resolve_slo, with_slo
     from quanta.workloads import WorkloadError
 
     if transport not in TRANSPORTS:
         raise typer.BadParameter(f"--transport must be one of {', '.join(TRANSPORTS)}")
-    if (ttft_slo is None) != (tpot_slo is None):
-        raise typer.BadParameter("give both --ttft-slo and --tpot-slo, or neither")
+    try:
+        slo = resolve_slo(ttft=ttft_slo, tpot=tpot_slo, tbt=tbt_slo, preset=slo_preset)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--slo-preset/--ttft-slo") from None
     target = Target(
         url=url,
         transport=transport,  # type: ignore[arg-type]
@@ -127,7 +135,8 @@ def bench_serve(
         plans = [(r, spec.build(r)) for r in rates]
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
-    slo = SLO(ttft_s=ttft_slo, tpot_s=tpot_slo) if ttft_slo is not None else None
+    if slo is not None:  # sent with each request (unless its row has its own), as simulated
+        plans = [(r, with_slo(rows, slo)) for r, rows in plans]
     runs = asyncio.run(_sweep(target, plans, concurrency_limit, slo, delay_threshold))
     _print(runs)
     if output is not None:
@@ -234,6 +243,14 @@ def _print(runs: list[dict[str, Any]]) -> None:
             f"tokens; users served {_share(f['served_users_fraction'])}, delayed "
             f"{_share(f['delayed_users_fraction'])}; Jain {f['jain_index']:.3f}"
         )
+        s = run["summary"]
+        if "slo_attainment" in s:
+            limits = s["slo"]
+            console.print(
+                f"SLO attainment at {_label(run)} req/s: {_percent(s['slo_attainment'])} "
+                f"(TTFT <= {limits['ttft_s']:g} s and P99 TBT <= {limits['tbt_s']:g} s; "
+                f"goodput {s['goodput_rps']:.2f} req/s)"
+            )
 
 
 def write_plots(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -284,6 +301,10 @@ def _save(fig: Any, path: Path) -> Path:
 
 def _share(fraction: float) -> str:
     return "-" if math.isnan(fraction) else f"{fraction:.0%}"
+
+
+def _percent(fraction: float) -> str:
+    return "-" if math.isnan(fraction) else f"{100 * fraction:.1f}%"
 
 
 def _ms(seconds: float | None) -> str:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from quanta.cli_options import PolicyOpt, parse_options
+from quanta.cli_options import PolicyOpt, SloPresetOpt, TbtSloOpt, parse_options
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
 
 CalibrationOpt = Annotated[
@@ -77,16 +77,30 @@ def simulate_cmd(
     host_blocks: Annotated[int | None, typer.Option(help="default: the profile's")] = None,
     policy_option: PolicyOpt = None,
     output: Annotated[Path | None, typer.Option(help="write the metrics JSON here")] = None,
+    ttft_slo: Annotated[
+        float | None, typer.Option(min=0.0, help="TTFT SLO (s) of SLO attainment")
+    ] = None,
+    tbt_slo: TbtSloOpt = None,
+    slo_preset: SloPresetOpt = None,
 ) -> None:
-    """Serve a seeded workload on the cost model with the real loop and policy."""
+    """Serve a seeded workload on the cost model with the real loop and policy.
+
+    With an SLO (``--slo-preset``, or ``--ttft-slo`` and ``--tbt-slo``) the requests carry it
+    (those without their own) for SLO-aware policies, and the JSON's ``slo_attainment`` is
+    the fraction of requests within it."""
     if ctx.invoked_subcommand is not None:
         return
     from quanta.core.config import SchedulerConfig
     from quanta.costmodel import load_profile
     from quanta.policies import parse_policy
     from quanta.sim import SimSetup, simulate, summarize
+    from quanta.slo import resolve_slo, with_slo
     from quanta.workloads import WorkloadError, make_workload, with_io_ratio
 
+    try:
+        slo = resolve_slo(ttft=ttft_slo, tbt=tbt_slo, preset=slo_preset)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--slo-preset/--ttft-slo/--tbt-slo") from None
     cost = load_profile(profile)
     try:
         trace = make_workload(
@@ -106,6 +120,8 @@ def simulate_cmd(
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
     if io_ratio is not None:
         trace = with_io_ratio(trace, io_ratio, cost.max_model_len)
+    if slo is not None:
+        trace = with_slo(trace, slo)
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
@@ -115,7 +131,7 @@ def simulate_cmd(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy/--policy-option") from None
     setup = SimSetup(policy, cost, sched, block_size, device_blocks, host_blocks, options)
-    result = summarize(simulate(trace, setup), delay_threshold_s=delay_threshold)
+    result = summarize(simulate(trace, setup), delay_threshold_s=delay_threshold, slo=slo)
     result["workload"] = {
         "name": workload,
         "rate": rate,
@@ -137,6 +153,7 @@ def simulate_cmd(
         "throughput_rps",
         "num_preemptions",
         "swap_out_blocks",
+        "slo_attainment",
     ):
         typer.echo(f"{key:>24}: {result[key]}")
     fair = {k: v for k, v in result["fairness"].items() if k != "by_tenant"}
@@ -148,12 +165,22 @@ def simulate_cmd(
 
 def repro_cmd(
     figure: Annotated[
-        str, typer.Option(help="14, 15a, azure, all (FastServe), or fair (FairServe)")
+        str,
+        typer.Option(
+            help="14, 15a, azure, all (FastServe), fair (FairServe), or apt (Apt-Serve "
+            "Tables 4 and 5)"
+        ),
     ] = "all",
-    output: Annotated[Path, typer.Option(help="markdown file whose tables are (re)written")] = (
-        Path("docs/fastserve.md")
-    ),
-    num_requests: Annotated[int, typer.Option(help="jobs per point")] = 500,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            help="markdown file whose tables are (re)written (default docs/fastserve.md; "
+            "apt: docs/aptserve.md, or none with --quick)"
+        ),
+    ] = None,
+    num_requests: Annotated[
+        int | None, typer.Option(min=1, help="jobs per point (default 500; apt: 1000)")
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     loads: Annotated[str, typer.Option(help="Fig. 14 loads, comma-separated")] = "0.7,0.9",
     jobs: Annotated[int, typer.Option(help="worker processes")] = 2,
@@ -162,16 +189,33 @@ def repro_cmd(
         Path | None,
         typer.Option(help="Azure conversation trace CSV for the real-trace sweep (azure)"),
     ] = None,
-    seeds: Annotated[str, typer.Option(help="seeds of the fair figure, comma-separated")] = (
-        "0,1,2"
-    ),
+    seeds: Annotated[
+        str, typer.Option(help="seeds of the fair and apt figures, comma-separated")
+    ] = "0,1,2",
+    quick: Annotated[
+        bool,
+        typer.Option(
+            help="apt: 40 requests per trace and seed 0 (seconds, for a smoke test); the "
+            "tables are printed, and written only to an explicit --output"
+        ),
+    ] = False,
 ) -> None:
-    """Reproduce FastServe's Fig. 14 / Fig. 15, and the policies on a real trace, on the
-    simulator; update the doc's tables."""
+    """Reproduce FastServe's Fig. 14 / Fig. 15, and the policies on a real trace,
+    FairServe's comparison or Apt-Serve's ablations on the simulator; update the doc's
+    tables."""
     from quanta.sim.report import run_repro
 
-    if figure not in ("14", "15a", "azure", "all", "fair"):
-        raise typer.BadParameter("figure must be 14, 15a, azure, all or fair")
+    if figure not in ("14", "15a", "azure", "all", "fair", "apt"):
+        raise typer.BadParameter("figure must be 14, 15a, azure, all, fair or apt")
+    if quick and figure != "apt":
+        raise typer.BadParameter("--quick shrinks the apt figure only", param_hint="--quick")
+    if quick:
+        num_requests = num_requests or 40
+        seeds = "0"
+    elif output is None:
+        output = Path("docs/aptserve.md" if figure == "apt" else "docs/fastserve.md")
+    if num_requests is None:
+        num_requests = 1000 if figure == "apt" else 500
     if figure == "azure" and trace is None:
         raise typer.BadParameter("--figure azure needs --trace", param_hint="--trace")
     run_repro(

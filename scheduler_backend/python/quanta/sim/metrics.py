@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from quanta.core.request import Request
-from quanta.metrics import from_requests, json_safe, per_class, per_tenant, percentile
+from quanta.metrics import SLO, from_requests, json_safe, per_class, per_tenant, percentile
 from quanta.metrics import mean as _mean
 from quanta.sim.fairness import fairness
+from quanta.slo import attainment, describe
 
 
 def request_metrics(
@@ -112,11 +113,17 @@ def plot_lines(
     return path
 
 
-def summarize(result: Any, *, delay_threshold_s: float = 2.0) -> dict[str, Any]:
+def summarize(
+    result: Any, *, delay_threshold_s: float = 2.0, slo: SLO | None = None
+) -> dict[str, Any]:
     """The JSON of one simulated run (a ``SimResult``): request metrics, memory traffic and
     the setup, with the keys ``quanta simulate`` promises at the top level, and FairServe's
     figures under ``fairness`` (``quanta.sim.fairness``; a call that queued longer than
-    ``delay_threshold_s`` makes its user a delayed one)."""
+    ``delay_threshold_s`` makes its user a delayed one).
+
+    ``slo_attainment`` is Apt-Serve's, a fraction in [0, 1] (``quanta.slo.attainment``): against
+    ``slo`` with each request's own SLOs first, or against the requests' own alone; None when
+    no SLO applies."""
     setup, runner, loop = result.setup, result.runner, result.loop
     per_block = setup.profile.bytes_per_block(setup.block_size)
     device, host = setup.pools()
@@ -141,6 +148,8 @@ def summarize(result: Any, *, delay_threshold_s: float = 2.0) -> dict[str, Any]:
         "policy_options": dict(setup.policy_options),
     }
     records = from_requests(result.requests)
+    out["slo_attainment"] = attainment(records, slo)
+    out["slo"] = describe(slo) if slo is not None else None
     out["by_tenant"] = per_tenant(records)  # service shares and Jain's index across tenants
     out["by_class"] = per_class(records)  # online and offline requests on their own
     out["fairness"] = fairness(

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from quanta.costmodel import get_profile
+from quanta.sim.apt_repro import run_apt
 from quanta.sim.fair_repro import run_fair
 from quanta.sim.metrics import plot_lines
 from quanta.sim.repro import (
@@ -47,7 +48,7 @@ def write_sections(path: Path, sections: dict[str, str], title: str) -> None:
 
 def run_repro(
     figure: str,
-    output: Path,
+    output: Path | None,
     *,
     num_requests: int,
     seed: int,
@@ -58,8 +59,13 @@ def run_repro(
     seeds: Sequence[int] = (0, 1, 2),
     echo: Callable[[str], object] = print,
 ) -> dict[str, str]:
-    """Run Fig. 14 (at each load), Fig. 15a and/or the real-trace sweep and update
-    ``output``'s tables."""
+    """Run Fig. 14 (at each load), Fig. 15a and/or the real-trace sweep, FairServe's
+    comparison (``fair``) or Apt-Serve's Tables 4 and 5 (``apt``) and update ``output``'s
+    tables (``apt`` without ``output``: print them only)."""
+    if figure == "apt":
+        return _apt_sections(output, seeds, num_requests, jobs, echo)
+    if output is None:
+        raise ValueError(f"figure {figure} needs an output file")
     if figure == "fair":
         t0 = time.perf_counter()
         sections = run_fair(seeds, num_requests, jobs, plots)
@@ -165,4 +171,26 @@ def _azure_sections(
             f"repro --figure {figure} --num-requests {exp.num_requests} --trace {trace}`."
         )
         echo(f"azure on {profile}: {time.perf_counter() - t0:.0f} s")
+    return sections
+
+
+def _apt_sections(
+    output: Path | None,
+    seeds: Sequence[int],
+    num_requests: int,
+    jobs: int,
+    echo: Callable[[str], object],
+) -> dict[str, str]:
+    t0 = time.perf_counter()
+    command = (
+        f"quanta simulate repro --figure apt --num-requests {num_requests} --seeds "
+        f"{','.join(str(s) for s in seeds)} --output {output or 'docs/aptserve.md'}"
+    )
+    sections, _ = run_apt(seeds, num_requests, jobs, command)
+    for name in ("apt-table5", "apt-table4", "apt-detail"):
+        echo(f"\n{name}:\n{sections[name]}")
+    echo(f"apt-serve tables 4 and 5: {time.perf_counter() - t0:.0f} s")
+    if output is not None:
+        write_sections(output, sections, "Apt-Serve in Quanta")
+        echo(f"updated {output}")
     return sections
