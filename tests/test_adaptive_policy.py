@@ -31,8 +31,9 @@ from quanta.core.request import (
 from quanta.core.view import SchedulerView
 from quanta.costmodel import PRESETS
 from quanta.policies import StagedPolicy, make_policy, parse_policy
-from quanta.policies.adaptive import NEAR_ZERO, AdaptivePacker, Item, greedy_knapsack, options
+from quanta.policies.adaptive import AdaptivePacker
 from quanta.policies.fair import WSCOrder
+from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, options
 from quanta.policies.throttle import OITAdmission
 from quanta.sim import SimRunner, SimSetup, build_requests
 from quanta.sim.bench import bench_scheduler

@@ -1,0 +1,111 @@
+"""Apt-Serve's hybrid-cache knapsack (§4.3) as a pure function: which candidates run, with a
+KV or a hidden cache, within a memory limit, by the greedy on value per block whose result is
+worth at least half the optimum. ``AdaptivePacker`` feeds it each step; tests brute-force it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from quanta.core.request import CacheKind
+
+# Seconds: what a request past its SLO is worth with fallback "zero", and the least any option
+# is worth, so that work which fits is never left idle.
+NEAR_ZERO = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One knapsack candidate: what running it is worth and what each kind of cache costs."""
+
+    value: float  # p: the pending seconds its run clears (after the SLO fallback)
+    kv_blocks: int  # m >= 1: its cache as K and V, the KV option's weight
+    hidden_blocks: int  # >= 1: its cache as hidden states (about m / 2), the hidden option's
+    kv: bool = True  # the KV option is open to it
+    hidden: bool = True  # the hidden option is open to it
+    tokens: int = 1  # this step's tokens of it
+
+
+def options(item: Item, factor: float, memory: int) -> list[tuple[CacheKind, int, float]]:
+    """The item's useful options as (kind, blocks, value), lightest first.
+
+    Hidden is worth ``value - factor * kv_blocks``; options heavier than ``memory`` are gone,
+    and so is hidden when it is worth nothing while KV is open. Beside KV, hidden stays only
+    when its value per block is at least what the upgrade to KV adds per block (the options'
+    upper hull): with exactly half the blocks, hidden worth at least half of KV, Apt-Serve's
+    public rule. The greedy then takes hidden before the upgrade and is the LP relaxation's
+    greedy, which the factor-2 bound rests on.
+    """
+    value = max(item.value, NEAR_ZERO)
+    hidden_value = item.value - factor * item.kv_blocks
+    w_h, w_k = item.hidden_blocks, item.kv_blocks
+    kv = item.kv and w_k <= memory
+    hidden = item.hidden and w_h <= memory and (hidden_value > 0 or not item.kv)
+    if kv and hidden:
+        hidden = w_h < w_k and hidden_value * (w_k - w_h) >= (value - hidden_value) * w_h
+    out: list[tuple[CacheKind, int, float]] = []
+    if hidden:
+        out.append((CacheKind.HIDDEN, w_h, max(hidden_value, NEAR_ZERO)))
+    if kv:
+        out.append((CacheKind.KV, w_k, value))
+    return out
+
+
+def greedy_knapsack(
+    items: Sequence[Item],
+    memory: int,
+    factor: float,
+    *,
+    seats: int | None = None,
+    tokens: int | None = None,
+    chunked: bool = False,
+) -> dict[int, CacheKind]:
+    """Apt-Serve's greedy: the chosen items (indices) and their cache, in the order taken.
+
+    Each item's options become increments (hidden: 0 -> hidden blocks; upgrade: hidden -> KV
+    blocks; or 0 -> KV alone), taken by value gained per block, highest first, items earlier
+    in ``items`` first on ties; one that does not fit is skipped and the walk goes on. When one
+    option alone is worth more than the whole walk it is taken instead, so the result is worth
+    at least half the optimum of  max sum g  s.t. sum blocks <= ``memory``. ``seats`` and
+    ``tokens`` (the step's limits) are kept too, without that bound; with ``chunked`` an item
+    may take fewer tokens than it asks. ``factor`` is (|W| + |R|) * rho.
+    """
+    opts = [options(it, factor, memory) for it in items]
+    alone = [_has_room(it, seats, tokens, chunked) for it in items]
+    steps: list[tuple[float, int, int, int, float]] = []
+    for i, choices in enumerate(opts):
+        prev_w, prev_v = 0, 0.0
+        for stage, (_, w, v) in enumerate(choices):
+            steps.append((-(v - prev_v) / (w - prev_w), i, stage, w - prev_w, v - prev_v))
+            prev_w, prev_v = w, v
+    steps.sort()
+    chosen: dict[int, CacheKind] = {}
+    total = 0.0
+    for _, i, stage, dw, dv in steps:
+        if dw > memory:
+            continue
+        if stage == 0:
+            if not _has_room(items[i], seats, tokens, chunked):
+                continue
+            seats = None if seats is None else seats - 1
+            tokens = None if tokens is None else tokens - min(items[i].tokens, tokens)
+        elif i not in chosen:
+            continue
+        chosen[i] = opts[i][stage][0]
+        memory -= dw
+        total += dv
+    best: tuple[float, int, CacheKind] | None = None
+    for i, choices in enumerate(opts):
+        for kind, _, v in choices:
+            if alone[i] and (best is None or v > best[0]):
+                best = (v, i, kind)
+    if best is not None and best[0] > total:
+        return {best[1]: best[2]}
+    return chosen
+
+
+def _has_room(item: Item, seats: int | None, tokens: int | None, chunked: bool) -> bool:
+    """A seat is left, and the item's tokens (or, chunked, some of them)."""
+    seat = seats is None or seats > 0
+    return seat and (tokens is None or item.tokens <= tokens or (chunked and tokens > 0))
