@@ -120,7 +120,7 @@ def build_metadata(
     hidden: list[tuple[int, PagedSeq, list[int]]] = []
     offset = 0
     for seq in seqs:
-        is_hidden = bool(getattr(seq, "hidden", False))
+        is_hidden = seq.hidden
         per_block = block_size * (HIDDEN_TOKENS_PER_BLOCK if is_hidden else 1)
         table = _checked_table(seq, per_block, num_blocks)
         (hidden if is_hidden else kv).append((offset, seq, table))

@@ -24,6 +24,7 @@ from quanta.core.output import (
     SchedulerOutput,
     TokenLogprob,
 )
+from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
@@ -235,7 +236,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
-        if not self.capabilities.hidden_cache and any(getattr(s, "hidden", False) for s in seqs):
+        if not self.capabilities.hidden_cache and any(s.hidden for s in seqs):
             raise ValueError(
                 f"{self.model_config.family} model with {self.model_config.num_kv_heads} KV "
                 f"heads for {self.model_config.num_heads} query heads offers no hidden cache"
@@ -310,6 +311,7 @@ class _Chunk:
 
 def offers_hidden_cache(config: ModelConfig) -> bool:
     """A hidden-cache request halves its blocks only where K and V are each as wide as the
-    attention input (multi-head attention: OPT, LLaMA-1/2 7B/13B). Grouped-query models
+    attention input (multi-head attention: OPT, LLaMA-1/2 7B/13B): there a block holds the
+    core's ``HIDDEN_TOKENS_PER_BLOCK`` times as many hidden tokens. Grouped-query models
     would need more blocks for hidden states than for K and V, so they are not offered it."""
-    return config.num_kv_heads * config.head_dim == config.hidden_size
+    return ModelRunner.hidden_blocks_ratio(config) == HIDDEN_TOKENS_PER_BLOCK
