@@ -316,14 +316,24 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def metrics_up(self) -> bool:
+        """The metrics endpoint answers. Triton starts it after the HTTP service, so a server
+        can report ready a moment before ``/metrics`` accepts connections."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Block until every model is loaded; raise with the log tail if the server exits."""
+        """Block until every model is loaded and the metrics endpoint answers; raise with the
+        log tail if the server exits."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise LaunchError(f"tritonserver exited with code {code}{self._log_tail()}")
-            if self.is_ready():
+            if self.is_ready() and self.metrics_up():
                 return
             time.sleep(0.25)
         raise LaunchError(f"tritonserver not ready after {timeout:.0f}s{self._log_tail()}")
