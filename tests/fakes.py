@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
+from quanta.core.safepoint import StepAborted
 
 
 class HashRunner:
@@ -55,7 +56,29 @@ class HashRunner:
             assert -1 not in ctx, f"{s.request_id} read an unwritten slot"
             digest = hashlib.sha256(repr((ctx, s.seed if s.temperature else 0)).encode())
             sampled.append(int.from_bytes(digest.digest()[:4], "little") % self.vocab)
+        if so.abort is not None and so.abort.is_set():
+            # NOTE: after the step's slots were written, as a real layer loop stopped half-way
+            # leaves them: a later step must overwrite them, and no checkpoint copy is made
+            raise StepAborted(layer=1)
+        for d, h in so.checkpoint:
+            self.host[h] = list(self.device[d])
         return RunnerOutput(tuple(s.request_id for s in so.seqs), tuple(sampled))
+
+
+class SafepointHashRunner(HashRunner):
+    """A ``HashRunner`` that offers layer safepoints; ``during_step`` runs inside each step
+    (before its safepoint), as a request arriving mid-step would."""
+
+    capabilities = RunnerCapabilities(layer_safepoints=True)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.during_step: list = []  # callables taking the SchedulerOutput; each runs once
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        if self.during_step and so.seqs:
+            self.during_step.pop(0)(so)
+        return super().execute(so)
 
 
 def decode_chars(ids: list[int] | tuple[int, ...]) -> str:

@@ -35,6 +35,8 @@ class DecisionApplier:
             plan.swap_in_req(_get(live, rid))
         for rid, n in d.run:
             plan.run_req(_get(live, rid), n, _kind(d, rid))
+        for rid in d.checkpoint:
+            plan.checkpoint_req(_get(live, rid))
         if not d.hidden <= plan.chosen:
             stray = sorted(d.hidden - plan.chosen)
             raise PolicyError(f"hidden cache for requests that do not run: {stray}")
@@ -49,11 +51,11 @@ class DecisionApplier:
             r = live[p.request_id]
             r.num_preemptions += 1
             if p.mode is PreemptMode.SWAP:
-                pairs = bm.swap_out(r.request_id)
+                pairs = bm.swap_out(r.request_id, r.num_computed_tokens)
                 assert pairs is not None  # NOTE: validated above
                 swap_out.extend(pairs)
                 r.num_swap_outs += 1
-                r.num_swapped_blocks += len(pairs)
+                r.num_swapped_blocks += len(pairs)  # copies: a checkpoint saves some
                 r.set_status(RequestStatus.SWAPPED)
             else:
                 bm.free(r.request_id)
@@ -66,7 +68,14 @@ class DecisionApplier:
             swap_in.extend(pairs)
             live[rid].set_status(RequestStatus.RUNNING)
         seqs = [self._schedule(live[rid], n, now, _kind(d, rid)) for rid, n in d.run]
-        return SchedulerOutput(tuple(seqs), tuple(swap_out), tuple(swap_in))
+        ran = dict(d.run)
+        checkpoint: list[tuple[int, int]] = []
+        for rid in d.checkpoint:
+            r = live[rid]
+            pairs = bm.checkpoint(rid, r.num_computed_tokens + ran.get(rid, 0))
+            assert pairs is not None
+            checkpoint.extend(pairs)
+        return SchedulerOutput(tuple(seqs), tuple(swap_out), tuple(swap_in), tuple(checkpoint))
 
     def _schedule(self, r: Request, n: int, now: float, kind: CacheKind) -> ScheduledSeq:
         start = r.num_computed_tokens

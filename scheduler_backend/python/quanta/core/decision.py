@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from quanta.core.safepoint import AbortRule
+
 
 class PreemptMode(StrEnum):
     SWAP = "swap"  # KV moves to the host tier
@@ -19,7 +21,7 @@ class Preemption:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """One iteration's plan, applied in order: preempt, swap in, then run.
+    """One iteration's plan, applied in order: preempt, swap in, run, then checkpoint.
 
     ``run`` pairs a request id with the number of new tokens it computes this step (a prefill
     chunk or 1): one mechanism for prefill and decode. ``hidden`` names the runs whose cache is
@@ -31,6 +33,13 @@ class Decision:
     preempt: tuple[Preemption, ...] = ()
     swap_in: tuple[str, ...] = ()
     hidden: frozenset[str] = frozenset()
+    # Requests whose KV, up to their computed tokens after this step, is copied to the host
+    # tier once the forward pass is done (ConServe's incremental checkpoint): a request whose
+    # host copy is complete is later preempted by freeing its device blocks, with no copy.
+    checkpoint: tuple[str, ...] = ()
+    # Set when the step holds only preemptible work: a request that arrives while it runs and
+    # for which the rule says yes stops it at the next layer safepoint (``core/safepoint.py``).
+    abort_when: AbortRule | None = None
 
     @property
     def num_tokens(self) -> int:

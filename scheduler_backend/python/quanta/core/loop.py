@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from quanta.core.apply import DecisionApplier
 from quanta.core.blocks import BlockManager, Tier
@@ -29,6 +29,7 @@ from quanta.core.output import Runner, SchedulerOutput
 from quanta.core.plan import PoolView
 from quanta.core.policy import Policy, check_capabilities
 from quanta.core.request import CacheKind, Request, RequestStatus, validate_prompt
+from quanta.core.safepoint import AbortRule, AbortSignal, StepAborted
 from quanta.core.stream import RequestStream, Sink
 from quanta.core.view import SchedulerView
 
@@ -52,6 +53,10 @@ class LoopStats:
     num_generated_tokens: int
     num_hidden_cache: int = 0  # requests whose device cache is hidden states (Apt-Serve)
     hidden_blocks_used: int = 0  # device blocks they hold
+    num_preemptions_checkpoint: int = 0  # swaps that needed no copy: a complete checkpoint
+    num_safepoint_aborts: int = 0  # steps stopped at a layer safepoint (ConServe)
+    checkpoint_blocks_used: int = 0  # host blocks holding incremental checkpoints
+    num_checkpoint_blocks_copied: int = 0  # block copies made by checkpoints
 
 
 class EngineLoop:
@@ -79,7 +84,18 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._counts = {"steps": 0, "swap": 0, "recompute": 0}
+        self._counts = {
+            "steps": 0,
+            "swap": 0,
+            "recompute": 0,
+            "checkpoint": 0,
+            "aborts": 0,
+            "ckpt_copies": 0,
+        }
+        self._abort = AbortSignal()  # raised by ``submit`` while a preemptible step runs
+        self._abort_rule: AbortRule | None = None
+        self._safepoints = runner.capabilities.layer_safepoints
+        self.last_abort: tuple[float, float] | None = None  # (raised at, stopped at) clock times
         self._stats = self._snapshot()
 
     # -- client side (any thread) ---------------------------------------------------------
@@ -95,7 +111,16 @@ class EngineLoop:
                 raise RequestAbortedError("the engine is shutting down")
             self._inbox.append((request, sink or stream))  # type: ignore[arg-type]
             self._cv.notify()
+            if self.would_abort(request, self.clock.now()):
+                self._abort.raise_at(self.clock.now())
         return stream
+
+    def would_abort(self, request: Request, now: float) -> bool:
+        """Whether ``request``, arriving at ``now``, stops the step running now at a layer
+        safepoint: the step is preemptible and its policy's rule says so. (The simulator asks
+        this for arrivals that fall inside a step.)"""
+        rule = self._abort_rule
+        return rule is not None and not self._abort.is_set() and rule(request, now)
 
     def validate(self, request: Request) -> None:
         """Raise the typed error that makes ``request`` unservable by this engine, if any."""
@@ -129,20 +154,33 @@ class EngineLoop:
         now = self.clock.now()
         try:
             decision = self.policy.schedule(self._view(now))
+            self._count_preemptions(decision)
             sched = self._applier.apply(decision, self._live, now)
         except Exception as exc:  # a policy bug must not wedge every client
             log.exception("scheduling failed")
             self._fail(list(self._live.values()), f"scheduler error: {exc}")
             return True
-        self._count_preemptions(decision)
         if sched.is_empty:
             return bool(decision.preempt)
+        if decision.abort_when is not None and self._safepoints and sched.seqs:
+            sched = replace(sched, abort=self._abort)
+            with self._cv:
+                self._abort.clear()
+                self._abort_rule = decision.abort_when
         try:
             out = self.runner.execute(sched)
+        except StepAborted:
+            self._aborted(decision)
+            return True
         except Exception as exc:
+            self.blocks.drop_pending_checkpoints()
             log.exception("engine step failed")
             self._fail_step(decision, sched, exc)
             return True
+        finally:
+            self._abort_rule = None
+        self.blocks.confirm_checkpoints()
+        self._counts["ckpt_copies"] += len(sched.checkpoint)
         step_time = self.clock.now() - now
         self._counts["steps"] += 1
         done = self._committer.commit(sched, out, self._live, step_time)
@@ -232,9 +270,36 @@ class EngineLoop:
         ids |= {p.request_id for p in decision.preempt if p.mode is PreemptMode.SWAP}
         self._fail([self._live[i] for i in ids if i in self._live], f"engine step failed: {exc}")
 
+    def _aborted(self, decision: Decision) -> None:
+        """A preemptible step stopped at a safepoint: commit nothing, forget its checkpoint
+        copies (they were to run after the forward pass) and tell the policy."""
+        self.blocks.drop_pending_checkpoints()
+        self._counts["aborts"] += 1
+        raised = self._abort.raised_at
+        if raised is not None:
+            self.last_abort = (raised, self.clock.now())
+        log.info("step of %d requests stopped at a safepoint", len(decision.run))
+        on_abort = getattr(self.policy, "on_abort", None)  # NOTE: optional in the protocol
+        if on_abort is not None:
+            on_abort(decision)
+        self._stats = self._snapshot()
+
     def _count_preemptions(self, decision: Decision) -> None:
+        """Count before the decision is applied: a swap of a request whose checkpoint holds
+        all its tokens is a checkpointed preemption (no copy)."""
         for p in decision.preempt:
-            self._counts["swap" if p.mode is PreemptMode.SWAP else "recompute"] += 1
+            r = self._live.get(p.request_id)
+            if p.mode is PreemptMode.RECOMPUTE:
+                self._counts["recompute"] += 1
+            elif (
+                r is not None
+                and r.status is RequestStatus.RUNNING
+                and r.num_computed_tokens > 0
+                and self.blocks.checkpointed_tokens(r.request_id) >= r.num_computed_tokens
+            ):
+                self._counts["checkpoint"] += 1
+            else:
+                self._counts["swap"] += 1
 
     def _stall_check(self) -> None:
         """A policy that schedules nothing while requests wait and no copies are pending."""
@@ -264,4 +329,8 @@ class EngineLoop:
             num_generated_tokens=self._committer.num_generated_tokens,
             num_hidden_cache=hidden[0],
             hidden_blocks_used=hidden[1],
+            num_preemptions_checkpoint=self._counts["checkpoint"],
+            num_safepoint_aborts=self._counts["aborts"],
+            checkpoint_blocks_used=self.blocks.num_checkpoint_blocks(),
+            num_checkpoint_blocks_copied=self._counts["ckpt_copies"],
         )

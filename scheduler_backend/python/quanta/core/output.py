@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from quanta.core.safepoint import AbortSignal
+
 
 @dataclass(frozen=True, slots=True)
 class LogitsProcessing:
@@ -76,11 +78,18 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """What one step must do: block copies first, then one forward pass over ``seqs``."""
+    """What one step must do: block copies first, then one forward pass over ``seqs``, then
+    the checkpoint copies."""
 
     seqs: tuple[ScheduledSeq, ...]
     swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block)
     swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
+    # (device block, host block) copied AFTER the forward pass, when the step was not aborted:
+    # incremental checkpoints of this step's KV
+    checkpoint: tuple[tuple[int, int], ...] = ()
+    # Set on a step of preemptible work run by an engine with layer safepoints: poll it every
+    # few layers and raise ``StepAborted`` once it is raised (``core/safepoint.py``).
+    abort: AbortSignal | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +97,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in
+        return not (self.seqs or self.swap_out or self.swap_in or self.checkpoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +127,12 @@ class Runner(Protocol):
     capabilities: RunnerCapabilities
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Perform the block copies, run the forward pass and sample.
+        """Perform the block copies, run the forward pass and sample, then the checkpoint
+        copies.
 
         Promises: on an exception no request's computed tokens advance (the loop fails that
-        step's requests and goes on).
+        step's requests and goes on). ``StepAborted`` (only from a runner that offers
+        ``layer_safepoints``, only for a step with ``abort`` set) is not a failure: the loop
+        commits nothing of the step and schedules again.
         """
         ...

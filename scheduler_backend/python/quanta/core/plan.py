@@ -7,8 +7,9 @@ decision a packer could build is one the applier accepts, and a bad one raises
 ``PolicyError`` with nothing changed.
 
 NOTE: the applier carries a decision out in a fixed order: every preemption, then every
-swap-in, then the runs. A plan checks each entry when it is recorded, against what is known
-to be free at that point, which is never more than the applier will find free in its order.
+swap-in, then the runs, then the checkpoints (copied after the forward pass). A plan checks
+each entry when it is recorded, against what is known to be free at that point, which is
+never more than the applier will find free in its order.
 The one thing the applier's order does not give back is host space freed by a swap-in: the
 swap-outs have already happened by then, so a plan never credits it.
 """
@@ -19,6 +20,7 @@ from quanta.core.blocks import BlockManager, Tier
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
 from quanta.core.request import CacheKind, Request, RequestStatus, blocks_for
+from quanta.core.safepoint import AbortRule
 
 
 class PoolView:
@@ -60,6 +62,19 @@ class PoolView:
     def blocks_for(self, num_tokens: int, kind: CacheKind = CacheKind.KV) -> int:
         return blocks_for(num_tokens, self.block_size, kind)
 
+    def checkpointed_tokens(self, request_id: str) -> int:
+        """Tokens whose KV the request's host checkpoint holds (0: none)."""
+        return self._blocks.checkpointed_tokens(request_id)
+
+    def checkpoint_blocks(self, request_id: str) -> int:
+        return self._blocks.checkpoint_blocks(request_id)
+
+    def checkpoint_need(self, request_id: str, num_tokens: int) -> int:
+        return self._blocks.checkpoint_need(request_id, num_tokens)
+
+    def swap_out_need(self, request_id: str, num_tokens: int) -> int:
+        return self._blocks.swap_out_need(request_id, num_tokens)
+
 
 class StepPlan:
     """A decision under construction, with the counts it leaves free.
@@ -80,6 +95,9 @@ class StepPlan:
         self._swapped_in: dict[str, int] = {}  # device blocks brought back this step
         self._dropped: set[str] = set()  # recompute-preempted: they hold no cache any more
         self.hidden: set[str] = set()  # runs with a hidden cache
+        self.checkpoint: list[str] = []  # KV copied to the host after the forward pass
+        self.abort_when: AbortRule | None = None  # the step is preemptible at safepoints
+        self._ran: dict[str, int] = {}  # tokens each run computes
 
     # -- queries -------------------------------------------------------------------------
     def held(self, req: Request) -> int:
@@ -107,6 +125,16 @@ class StepPlan:
         held = self._swapped_in.get(rid, self.held(req) if self.is_resident(req) else 0)
         return max(0, target - held)
 
+    def is_checkpointed(self, req: Request) -> bool:
+        """Its host checkpoint holds all its computed tokens: preempting it by swap frees its
+        device blocks with no copy."""
+        return (
+            self.is_resident(req)
+            and req.request_id not in self._swapped_in
+            and req.num_computed_tokens > 0
+            and self.pool.checkpointed_tokens(req.request_id) >= req.num_computed_tokens
+        )
+
     def has_room(self, n: int = 1) -> bool:
         """The step has a seat and ``n`` tokens of budget left."""
         seats_ok = self.seats is None or self.seats > 0
@@ -119,9 +147,10 @@ class StepPlan:
         n = self.held(req)
         running = req.status is RequestStatus.RUNNING
         if running and mode is PreemptMode.SWAP:
-            if n > self.free_host:
-                raise PolicyError(f"swap-out of {req.request_id} needs {n} host blocks")
-            self.free_host -= n
+            need = self.pool.swap_out_need(req.request_id, req.num_computed_tokens)
+            if need > self.free_host:
+                raise PolicyError(f"swap-out of {req.request_id} needs {need} host blocks")
+            self.free_host -= need
             self.free_device += n
         elif running and mode is PreemptMode.RECOMPUTE:
             self.free_device += n
@@ -138,7 +167,8 @@ class StepPlan:
     def evict(self, req: Request, mode: PreemptMode) -> int:
         """Preempt a resident; a swap falls back to recompute when the host is full, so
         eviction always succeeds. Returns the device blocks freed."""
-        if mode is PreemptMode.SWAP and self.held(req) > self.free_host:
+        need = self.pool.swap_out_need(req.request_id, req.num_computed_tokens)
+        if mode is PreemptMode.SWAP and need > self.free_host:
             mode = PreemptMode.RECOMPUTE
         return self.preempt_req(req, mode)
 
@@ -161,6 +191,8 @@ class StepPlan:
         holds a cache keeps it, and naming the other kind is an error (switching is a
         recompute-preemption first)."""
         rid = req.request_id
+        if self.checkpoint:
+            raise PolicyError(f"run of {rid} after a checkpoint entry: checkpoints come last")
         held = self.cache_kind(req)
         if held is not None and kind is not None and kind is not held:
             raise PolicyError(f"run of {rid} with a {kind.value} cache; it holds {held.value}")
@@ -178,6 +210,7 @@ class StepPlan:
             raise PolicyError(f"run of {rid}: the step's token budget or seats are used up")
         self.free_device -= need
         self.run.append((rid, n))
+        self._ran[rid] = n
         self.chosen.add(rid)
         if kind is CacheKind.HIDDEN:
             self.hidden.add(rid)
@@ -192,9 +225,36 @@ class StepPlan:
             self.swap_in_req(req)
         self.run_req(req, n, kind)
 
+    def checkpoint_req(self, req: Request) -> int:
+        """Copy ``req``'s KV, up to its computed tokens after this step, to the host once the
+        forward pass is done; it must be resident or run this step. Returns the host blocks it
+        takes.
+
+        Recorded after every run of the plan (the applier copies after the forward pass and
+        counts this step's tokens of the request, so the entry must know them)."""
+        rid = req.request_id
+        if not (self.is_resident(req) or rid in self.chosen) or rid in self.checkpoint:
+            raise PolicyError(f"checkpoint of {rid}: not resident, or repeated")
+        upto = req.num_computed_tokens + self._ran.get(rid, 0)
+        if upto == 0:
+            raise PolicyError(f"checkpoint of {rid}, which has no KV yet")
+        kind = self.cache_kind(req) or (CacheKind.HIDDEN if rid in self.hidden else CacheKind.KV)
+        have = 0 if rid in self._swapped_in else self.pool.checkpoint_blocks(rid)
+        need = max(0, self.pool.blocks_for(upto, kind) - have)
+        if need > self.free_host:
+            raise PolicyError(f"checkpoint of {rid} needs {need} host blocks")
+        self.free_host -= need
+        self.checkpoint.append(rid)
+        return need
+
     def decision(self) -> Decision:
         return Decision(
-            tuple(self.run), tuple(self.preempt), tuple(self.swap_in), frozenset(self.hidden)
+            tuple(self.run),
+            tuple(self.preempt),
+            tuple(self.swap_in),
+            frozenset(self.hidden),
+            tuple(self.checkpoint),
+            self.abort_when,
         )
 
     def _touch(self, req: Request) -> None:

@@ -48,6 +48,10 @@ class Stage:
     def on_finish(self, request: Request) -> None:
         """A request left the engine, whatever way."""
 
+    def on_abort(self, decision: Decision) -> None:
+        """A step was stopped at a layer safepoint: nothing of ``decision``'s runs happened
+        (its preemptions and swap-ins did)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Ranking:
@@ -180,3 +184,7 @@ class StagedPolicy:
     def on_finish(self, request: Request) -> None:
         for s in self.stages():
             s.on_finish(request)
+
+    def on_abort(self, decision: Decision) -> None:
+        for s in self.stages():
+            s.on_abort(decision)

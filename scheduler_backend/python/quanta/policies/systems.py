@@ -13,8 +13,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.core.config import SchedulerConfig
+from quanta.core.decision import PreemptMode
 from quanta.costmodel import PRESETS, CostModel, get_profile, load_profile
 from quanta.policies.adaptive import AdaptivePacker, CacheMode, Fallback
+from quanta.policies.coserve import (
+    ClassLanes,
+    ClassOrder,
+    CoservePacker,
+    CoservePlacement,
+    OnlineOnlyLanes,
+)
 from quanta.policies.fair import VTCOrder, WSCOrder
 from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
 from quanta.policies.interactions import InteractionTracker
@@ -107,6 +115,31 @@ class AptOptions(ProfileOptions):
     allow_swap: bool = Field(
         False, description="evict to host when it has room (else recompute, as Apt-Serve)"
     )
+
+
+class ConserveOptions(ProfileOptions):
+    """ConServe: the SLOs the online budget keeps, and the ways offline work yields."""
+
+    ttft_slo_s: float = Field(1.5, gt=0, description="default online TTFT SLO (P99, seconds)")
+    tpot_slo_s: float = Field(0.11, gt=0, description="default online TPOT SLO (seconds)")
+    safepoints: bool = Field(
+        True, description="stop offline-only steps at layer safepoints for online arrivals"
+    )
+    checkpoint: bool = Field(True, description="copy offline KV to host incrementally")
+    checkpoint_threshold: float = Field(
+        0.5, gt=0, le=1, description="free device fraction below which checkpointing starts"
+    )
+    prefetch: bool = Field(True, description="swap preempted offline work back in, ahead")
+    prefetch_blocks: int | None = Field(
+        None, ge=1, description="blocks prefetched per step (default: an eighth of the pool)"
+    )
+    allow_swap: bool = Field(
+        True, description="offline work without a full checkpoint yields by swap (else recompute)"
+    )
+
+
+class OnlineOnlyOptions(SystemOptions):
+    allow_swap: bool = Field(True, description="evict to host when it has room (else recompute)")
 
 
 class SkipJoinOptions(PriorityOptions):
@@ -283,6 +316,37 @@ def _apt(config: SchedulerConfig, o: AptOptions) -> dict[str, Stage]:
     return {"packer": packer, "placement": ReactivePreemption(allow_swap=o.allow_swap)}
 
 
+def _conserve(config: SchedulerConfig, o: ConserveOptions) -> dict[str, Stage]:
+    cost = o.cost()
+    return {
+        "lanes": ClassLanes(),
+        "packer": CoservePacker(config, cost, tpot_slo_s=o.tpot_slo_s),
+        "placement": CoservePlacement(
+            cost,
+            evict_mode=PreemptMode.SWAP if o.allow_swap else PreemptMode.RECOMPUTE,
+            ttft_slo_s=o.ttft_slo_s,
+            safepoints=o.safepoints,
+            checkpoint=o.checkpoint,
+            checkpoint_threshold=o.checkpoint_threshold,
+            prefetch=o.prefetch,
+            prefetch_blocks=o.prefetch_blocks,
+        ),
+    }
+
+
+def _online_only(config: SchedulerConfig, o: OnlineOnlyOptions) -> dict[str, Stage]:
+    mode = PreemptMode.SWAP if o.allow_swap else PreemptMode.RECOMPUTE
+    return {
+        "lanes": OnlineOnlyLanes(),
+        "packer": CoservePacker(config, None),
+        "placement": CoservePlacement(get_profile("a100-opt13b"), evict_mode=mode),
+    }
+
+
+def _class_priority(config: SchedulerConfig, o: FCFSOptions) -> dict[str, Stage]:
+    return {**_fcfs(config, o), "ordering": ClassOrder(config)}
+
+
 def _rpm(config: SchedulerConfig, o: RPMOptions) -> dict[str, Stage]:
     return {"admission": RPMAdmission(limit=o.rpm_limit, window_s=o.window_s)}
 
@@ -351,5 +415,26 @@ def builtin() -> list[System]:
             _apt,
             frozenset({"packer", "placement"}),
             doc="Apt-Serve: adaptive scheduling with a hybrid KV / hidden cache",
+        ),
+        System(
+            "conserve",
+            ConserveOptions,
+            _conserve,
+            frozenset({"lanes", "packer", "placement"}),
+            doc="ConServe: online under an SLO budget, preemptible offline work",
+        ),
+        System(
+            "online-only",
+            OnlineOnlyOptions,
+            _online_only,
+            frozenset({"lanes", "packer", "placement"}),
+            doc="offline work held back while online work is in flight",
+        ),
+        System(
+            "priority",
+            FCFSOptions,
+            _class_priority,
+            _PRIORITY_SLOTS,
+            doc="online first in the queue, no preemption for newcomers (vLLM's priority)",
         ),
     ]
