@@ -331,3 +331,59 @@ def test_a_safepoint_abort_commits_nothing_and_outputs_hold():
     expected = reference()
     assert out == expected
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in offline)
+
+
+# -- metrics ----------------------------------------------------------------------------------
+class _Family:
+    HISTOGRAM = COUNTER = GAUGE = "kind"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.series: dict[tuple[tuple[str, str], ...], list[float]] = {}
+
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None):  # noqa: N802
+        return _Series(self.series.setdefault(tuple(sorted(labels.items())), []))
+
+
+class _Series:
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+
+    def increment(self, v: float) -> None:
+        self.values.append(v)
+
+    observe = set = increment
+
+
+class _Pb:
+    MetricFamily = _Family
+
+
+def test_metrics_split_online_and_offline_and_count_what_conserve_does():
+    from quanta.core.stream import RequestMetrics
+    from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
+
+    offline, online = workload()
+    loop = make_loop(
+        "conserve", runner=SafepointHashRunner, ttft_slo_s=1e-6, checkpoint_threshold=1.0
+    )
+    runner = loop.runner
+    assert isinstance(runner, SafepointHashRunner)
+    arrivals = iter(online)
+    runner.during_step += [lambda so: None] * 3 + [lambda so: loop.submit(next(arrivals))]
+    run(loop, offline, [online[1]], after=4)
+    reporter = MetricsReporter(_Pb, {"model": "m"}, stats=loop.stats)
+    reporter.flush()
+    fam = reporter._families
+    assert sum(fam["quanta_safepoint_aborts_total"].series[(("model", "m"),)]) == 1
+    copied = fam["quanta_checkpoint_blocks_copied_total"].series[(("model", "m"),)]
+    assert sum(copied) == loop.stats().num_checkpoint_blocks_copied > 0
+    kinds = {dict(k)["kind"] for k in fam["quanta_num_preemptions_total"].series}
+    assert kinds == {"swap", "recompute", "checkpoint"}
+    for cls, ttft in (("online", 0.2), ("offline", 3.0)):
+        m = RequestMetrics(0.0, 0.1, ttft, ttft + 1, (ttft, ttft + 1), 10, 2, 0, 0, 0)
+        reporter._apply_finished(FinishedRecord("t", cls, "length", False, m))
+    by_class = fam["quanta_class_time_to_first_token_seconds"].series
+    assert by_class[(("model", "m"), ("priority_class", "online"))] == [0.2]
+    assert by_class[(("model", "m"), ("priority_class", "offline"))] == [3.0]
+    tpot = fam["quanta_class_time_per_output_token_seconds"].series
+    assert tpot[(("model", "m"), ("priority_class", "offline"))] == [1.0]

@@ -68,7 +68,38 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         "Device blocks holding hidden states (included in quanta_kv_blocks_used).",
         None,
     ),
-    "quanta_num_preemptions_total": ("COUNTER", "Preemptions, by kind.", None),
+    "quanta_num_preemptions_total": (
+        "COUNTER",
+        "Preemptions, by kind: swap, recompute, checkpoint (a swap whose copy a checkpoint "
+        "had already made: the device blocks are just freed).",
+        None,
+    ),
+    "quanta_class_time_to_first_token_seconds": (
+        "HISTOGRAM",
+        "Time from arrival to the first generated token, by priority class (online, offline).",
+        TTFT_BUCKETS,
+    ),
+    "quanta_class_time_per_output_token_seconds": (
+        "HISTOGRAM",
+        "Mean time between output tokens of each finished request, by priority class.",
+        TPOT_BUCKETS,
+    ),
+    "quanta_safepoint_aborts_total": (
+        "COUNTER",
+        "Steps of offline work stopped at a layer safepoint for an online arrival (ConServe).",
+        None,
+    ),
+    "quanta_checkpoint_blocks_used": (
+        "GAUGE",
+        "Host blocks holding incremental checkpoints of device KV (included in the host's "
+        "quanta_kv_blocks_used).",
+        None,
+    ),
+    "quanta_checkpoint_blocks_copied_total": (
+        "COUNTER",
+        "Blocks copied device to host by incremental checkpoints.",
+        None,
+    ),
     "quanta_engine_steps_total": ("COUNTER", "Engine iterations executed.", None),
     "quanta_generation_tokens_total": (
         "COUNTER",
@@ -215,6 +246,7 @@ class MetricsReporter:
             ("quanta_kv_blocks_total", (("tier", "host"),)): s.host_blocks_total,
             ("quanta_hidden_cache_requests", ()): s.num_hidden_cache,
             ("quanta_hidden_cache_blocks_used", ()): s.hidden_blocks_used,
+            ("quanta_checkpoint_blocks_used", ()): s.checkpoint_blocks_used,
         }
         for (name, labels), value in gauges.items():
             self._metric(name, labels).set(float(value))
@@ -226,7 +258,16 @@ class MetricsReporter:
             ("quanta_num_preemptions_total", (("kind", "recompute"),)): (
                 s.num_preemptions_recompute - (last.num_preemptions_recompute if last else 0)
             ),
+            ("quanta_num_preemptions_total", (("kind", "checkpoint"),)): (
+                s.num_preemptions_checkpoint - (last.num_preemptions_checkpoint if last else 0)
+            ),
             ("quanta_engine_steps_total", ()): s.num_steps - (last.num_steps if last else 0),
+            ("quanta_safepoint_aborts_total", ()): (
+                s.num_safepoint_aborts - (last.num_safepoint_aborts if last else 0)
+            ),
+            ("quanta_checkpoint_blocks_copied_total", ()): (
+                s.num_checkpoint_blocks_copied - (last.num_checkpoint_blocks_copied if last else 0)
+            ),
         }
         for (name, labels), delta in counters.items():
             metric = self._metric(name, labels)  # created at 0 so it shows from the start
@@ -236,7 +277,8 @@ class MetricsReporter:
 
     def _apply_finished(self, rec: FinishedRecord) -> None:
         tenant = (("tenant", self._tenant(rec.tenant)),)
-        who = (*tenant, ("priority_class", rec.priority_class))
+        cls = (("priority_class", rec.priority_class),)
+        who = (*tenant, *cls)
         reason = (("reason", rec.finish_reason),)
         self._metric("quanta_request_finished_total", reason).increment(1.0)
         if rec.throttled:
@@ -260,15 +302,16 @@ class MetricsReporter:
             ttft = max(0.0, m.first_token_time - m.arrival_time)
             self._metric("quanta_time_to_first_token_seconds").observe(ttft)
             self._metric("quanta_tenant_time_to_first_token_seconds", tenant).observe(ttft)
+            self._metric("quanta_class_time_to_first_token_seconds", cls).observe(ttft)
         if m.finish_time is not None:
             self._metric("quanta_e2e_request_latency_seconds").observe(
                 max(0.0, m.finish_time - m.arrival_time)
             )
         if m.first_token_time is not None and len(m.token_times) > 1:
             decode_time = m.token_times[-1] - m.first_token_time
-            self._metric("quanta_time_per_output_token_seconds").observe(
-                max(0.0, decode_time / (len(m.token_times) - 1))
-            )
+            tpot = max(0.0, decode_time / (len(m.token_times) - 1))
+            self._metric("quanta_time_per_output_token_seconds").observe(tpot)
+            self._metric("quanta_class_time_per_output_token_seconds", cls).observe(tpot)
 
     def _metric(self, name: str, labels: tuple[tuple[str, str], ...] = ()) -> Any:
         key = (name, labels)
