@@ -340,7 +340,7 @@ class _Family:
     def __init__(self, name: str, description: str, kind: str) -> None:
         self.series: dict[tuple[tuple[str, str], ...], list[float]] = {}
 
-    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None):  # noqa: N802
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None):
         return _Series(self.series.setdefault(tuple(sorted(labels.items())), []))
 
 
