@@ -387,3 +387,15 @@ def test_metrics_split_online_and_offline_and_count_what_conserve_does():
     assert by_class[(("model", "m"), ("priority_class", "offline"))] == [3.0]
     tpot = fam["quanta_class_time_per_output_token_seconds"].series
     assert tpot[(("model", "m"), ("priority_class", "offline"))] == [1.0]
+
+
+def test_conserve_stacks_under_an_ordering_and_keeps_online_first():
+    from quanta.policies.fair import WSCOrder
+
+    loop = make_loop("fair+conserve", safepoints=False)
+    assert isinstance(loop.policy.ordering, WSCOrder)
+    offline, online = workload()
+    out = run(loop, offline, online)
+    assert out == reference()
+    with pytest.raises(ValueError, match="both supply the packer"):
+        make_policy("apt+conserve", SchedulerConfig())
