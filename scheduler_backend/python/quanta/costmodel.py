@@ -66,6 +66,12 @@ class CostModel(BaseModel):
     device_kv_bytes: int = Field(gt=0, description="device memory left for KV blocks")
     host_kv_bytes: int = Field(ge=0, description="host memory for swapped KV blocks")
     max_model_len: int = Field(2048, gt=0)
+    num_layers: int = Field(
+        32, gt=0, description="transformer layers: the granularity of layer safepoints"
+    )
+    safepoint_overhead: float = Field(
+        0.0, ge=0, description="fraction a preemptible step is slowed by its safepoint checks"
+    )
 
     # -- iteration times -----------------------------------------------------------------
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
@@ -226,6 +232,7 @@ def _preset(
         # Swap space: 32 GB per GPU, as FastServe's public artifact scripts (--swap-space 32).
         host_kv_bytes=32 * GB * gpus_per_stage * stages,
         max_model_len=max_model_len,
+        num_layers=layers,
     )
 
 

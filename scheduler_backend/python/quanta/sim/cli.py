@@ -167,19 +167,22 @@ def repro_cmd(
     figure: Annotated[
         str,
         typer.Option(
-            help="14, 15a, azure, all (FastServe), fair (FairServe), or apt (Apt-Serve "
-            "Tables 4 and 5)"
+            help="14, 15a, azure, all (FastServe), fair (FairServe), apt (Apt-Serve "
+            "Tables 4 and 5), or conserve (ConServe under ON/OFF load, needs --trace)"
         ),
     ] = "all",
     output: Annotated[
         Path | None,
         typer.Option(
             help="markdown file whose tables are (re)written (default docs/fastserve.md; "
-            "apt: docs/aptserve.md, or none with --quick)"
+            "apt: docs/aptserve.md, conserve: docs/conserve.md; none with --quick)"
         ),
     ] = None,
     num_requests: Annotated[
-        int | None, typer.Option(min=1, help="jobs per point (default 500; apt: 1000)")
+        int | None,
+        typer.Option(
+            min=1, help="jobs per point (default 500; apt: 1000; conserve: online requests, 360)"
+        ),
     ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     loads: Annotated[str, typer.Option(help="Fig. 14 loads, comma-separated")] = "0.7,0.9",
@@ -187,7 +190,7 @@ def repro_cmd(
     plots: Annotated[Path | None, typer.Option(help="directory for PNG plots")] = None,
     trace: Annotated[
         Path | None,
-        typer.Option(help="Azure conversation trace CSV for the real-trace sweep (azure)"),
+        typer.Option(help="Azure conversation trace CSV (azure's sweep, conserve's online load)"),
     ] = None,
     seeds: Annotated[
         str, typer.Option(help="seeds of the fair and apt figures, comma-separated")
@@ -195,8 +198,9 @@ def repro_cmd(
     quick: Annotated[
         bool,
         typer.Option(
-            help="apt: 40 requests per trace and seed 0 (seconds, for a smoke test); the "
-            "tables are printed, and written only to an explicit --output"
+            help="apt: 40 requests per trace and seed 0; conserve: 24 online requests "
+            "(seconds, for a smoke test); the tables are printed, and written only to an "
+            "explicit --output"
         ),
     ] = False,
 ) -> None:
@@ -205,19 +209,30 @@ def repro_cmd(
     tables."""
     from quanta.sim.report import run_repro
 
-    if figure not in ("14", "15a", "azure", "all", "fair", "apt"):
-        raise typer.BadParameter("figure must be 14, 15a, azure, all, fair or apt")
-    if quick and figure != "apt":
-        raise typer.BadParameter("--quick shrinks the apt figure only", param_hint="--quick")
+    if figure not in ("14", "15a", "azure", "all", "fair", "apt", "conserve"):
+        raise typer.BadParameter("figure must be 14, 15a, azure, all, fair, apt or conserve")
+    if quick and figure not in ("apt", "conserve"):
+        raise typer.BadParameter(
+            "--quick shrinks the apt and conserve figures only", param_hint="--quick"
+        )
+    if figure in ("azure", "conserve") and trace is None:
+        raise typer.BadParameter(f"--figure {figure} needs --trace", param_hint="--trace")
+    docs = {"apt": "docs/aptserve.md", "conserve": "docs/conserve.md"}
     if quick:
-        num_requests = num_requests or 40
+        num_requests = num_requests or (24 if figure == "conserve" else 40)
         seeds = "0"
     elif output is None:
-        output = Path("docs/aptserve.md" if figure == "apt" else "docs/fastserve.md")
+        output = Path(docs.get(figure, "docs/fastserve.md"))
     if num_requests is None:
-        num_requests = 1000 if figure == "apt" else 500
-    if figure == "azure" and trace is None:
-        raise typer.BadParameter("--figure azure needs --trace", param_hint="--trace")
+        num_requests = {"apt": 1000, "conserve": 360}.get(figure, 500)
+    if figure == "conserve":
+        from quanta.sim.conserve_repro import conserve_report
+
+        assert trace is not None  # NOTE: checked above
+        conserve_report(
+            trace, output, num_requests=num_requests, seed=seed, jobs=jobs, echo=typer.echo
+        )
+        return
     run_repro(
         figure,
         output,

@@ -4,6 +4,11 @@ Requests are submitted when the clock reaches their arrival time; while the engi
 clock moves by step times, when it is idle it jumps to the next arrival. A call of a
 multi-call interaction waits for the call before it (``quanta.sim.interactions``). Nothing in
 the loop or the policy knows it is simulated.
+
+An arrival that falls inside a preemptible step (ConServe's offline work) is shown to the loop
+as it would be by a client thread: the runner asks the driver which pending arrival, if any,
+the loop's abort rule stops the step for (``SimRunner.interrupt``), stops at the safepoint
+after it, and the arrival is submitted as usual once the clock has moved there.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.costmodel import CostModel
 from quanta.policies import parse_policy
 from quanta.sim.interactions import Replay
-from quanta.sim.runner import SimRunner, SimStats
+from quanta.sim.runner import Interrupt, SimRunner, SimStats
 from quanta.workloads import WorkloadRequest
 
 # FastServe's public artifact for OPT-13B: --max-batch-size 16 --max-tokens-per-batch 2048.
@@ -42,6 +47,7 @@ class SimSetup:
     num_device_blocks: int | None = None  # default: what the profile's KV memory holds
     num_host_blocks: int | None = None
     policy_options: dict[str, Any] = field(default_factory=dict)
+    safepoint_interval: int = 8  # layers between the runner's safepoints
 
     def pools(self) -> tuple[int, int]:
         device, host = self.profile.num_blocks(self.block_size)
@@ -60,6 +66,7 @@ class SimResult:
     loop: LoopStats
     throttled: frozenset[str] = frozenset()  # ids of requests the policy refused at admission
     abandoned: tuple[str, ...] = ()  # ids of calls never sent: an earlier call of theirs failed
+    cut_off: tuple[str, ...] = ()  # ids of requests in flight or unsent when ``until`` came
 
 
 def build_requests(
@@ -105,11 +112,19 @@ def make_sim_policy(setup: SimSetup) -> Policy:
     return spec.build(setup.scheduler)
 
 
-def simulate(trace: Sequence[WorkloadRequest], setup: SimSetup) -> SimResult:
-    """Serve ``trace`` with ``setup`` on the cost model; deterministic for a given trace."""
+def simulate(
+    trace: Sequence[WorkloadRequest], setup: SimSetup, *, until: float | None = None
+) -> SimResult:
+    """Serve ``trace`` with ``setup`` on the cost model; deterministic for a given trace.
+
+    With ``until`` the run stops at the first step boundary at or after that virtual time:
+    requests still in flight are aborted and those not sent yet never are (``cut_off``), so a
+    backlog larger than the run needs costs nothing to simulate."""
     clock = VirtualClock()
     device, host = setup.pools()
-    runner = SimRunner(setup.profile, clock, setup.block_size)
+    runner = SimRunner(
+        setup.profile, clock, setup.block_size, safepoint_interval=setup.safepoint_interval
+    )
     loop = EngineLoop(
         runner=runner,
         policy=make_sim_policy(setup),
@@ -120,10 +135,13 @@ def simulate(trace: Sequence[WorkloadRequest], setup: SimSetup) -> SimResult:
     requests = build_requests(trace)
     think = {r.request_id: row.think_time_s for row, r in zip(trace, requests, strict=True)}
     replay = Replay(requests, think)
-    rejected = drive(loop, clock, requests, replay)
+    rejected = drive(loop, clock, requests, replay, until=until)
+    cut_off = tuple(r.request_id for r in requests if not r.status.finished)
+    if cut_off:
+        loop.stop(f"the simulated run ended at {until} s")
     loop.blocks.check_integrity()
     abandoned = tuple(r.request_id for r in replay.abandoned)
-    expected = replay.throttled | set(abandoned)
+    expected = replay.throttled | set(abandoned) | set(cut_off)
     failed = [r for r in requests if r.error is not None and r.request_id not in expected]
     if failed:  # the loop turns a policy bug into failed requests; a simulation must not
         raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0].error}")
@@ -135,6 +153,7 @@ def simulate(trace: Sequence[WorkloadRequest], setup: SimSetup) -> SimResult:
         loop.stats(),
         frozenset(replay.throttled),
         abandoned,
+        cut_off,
     )
 
 
@@ -143,16 +162,22 @@ def drive(
     clock: VirtualClock,
     requests: Sequence[Request],
     replay: Replay | None = None,
+    *,
+    until: float | None = None,
 ) -> list[tuple[Request, str]]:
-    """Submit each request when it is due and step until all are done: at its arrival time,
-    or for a later call of an interaction after the call before it (``replay``, which also
-    records throttled and abandoned requests; default: one without think times).
+    """Submit each request when it is due and step until all are done (or the clock reaches
+    ``until``): at its arrival time, or for a later call of an interaction after the call
+    before it (``replay``, which also records throttled and abandoned requests; default: one
+    without think times). A ``SimRunner`` learns from it which arrival stops a preemptible
+    step.
 
     Returns the requests the engine refused at submission, with the reason.
     """
     plan = Replay(requests) if replay is None else replay
+    if isinstance(loop.runner, SimRunner):
+        loop.runner.interrupt = _first_abort(loop, plan)
     rejected: list[tuple[Request, str]] = []
-    while plan.pending or loop.has_unfinished():
+    while (plan.pending or loop.has_unfinished()) and (until is None or clock.now() < until):
         now = clock.now()
         for req in plan.due(now):
             try:
@@ -170,6 +195,20 @@ def drive(
             else:
                 loop.run_until_idle()  # fails what the policy left stuck, then returns
     return rejected
+
+
+def _first_abort(loop: EngineLoop, plan: Replay) -> Interrupt:
+    """The runner's hook: the arrival time of the first request due inside a step (after its
+    start: those due at the start were submitted before it) that the loop would stop the
+    step for."""
+
+    def first(start: float, end: float) -> float | None:
+        for req in plan.peek(end):
+            if req.arrival_time > start and loop.would_abort(req, req.arrival_time):
+                return req.arrival_time
+        return None
+
+    return first
 
 
 @dataclass(frozen=True, slots=True)

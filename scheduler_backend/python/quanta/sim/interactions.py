@@ -67,6 +67,17 @@ class Replay:
             out.append(heapq.heappop(self._due)[2])
         return out
 
+    def peek(self, until: float) -> list[Request]:
+        """The requests due before ``until``, in the order ``due`` will send them; none is
+        removed (the simulator asks which arrivals fall inside a running step)."""
+        found, stack = [], [0]
+        while stack:  # NOTE: a heap: a node due at or after ``until`` hides its whole subtree
+            i = stack.pop()
+            if i < len(self._due) and self._due[i][0] < until:
+                found.append(self._due[i])
+                stack += (2 * i + 1, 2 * i + 2)
+        return [entry[2] for entry in sorted(found, key=lambda e: e[:2])]
+
     def sink(self, request: Request) -> Sink:
         """The sink to submit ``request`` with: it learns when and how the request ends."""
 

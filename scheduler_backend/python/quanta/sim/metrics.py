@@ -5,7 +5,8 @@ Conventions (shared/design/REFERENCE_FACTS.md): normalized latency = E2E / outpu
 (output - 1). Per-tenant service (Jain's index) and per-class figures come from
 ``quanta.metrics``, as for a live run. Time breakdown per request (FastServe Fig. 15b):
 executing = steps it took part in, less the part of them stalled on its swaps; swapping = that
-stall; queued = the rest.
+stall; queued = the rest. Online and offline requests (ConServe) also get an object each
+(``class_figures``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from quanta.core.request import Request
-from quanta.metrics import SLO, from_requests, json_safe, per_class, per_tenant, percentile
+from quanta.metrics import (
+    SLO,
+    RequestRecord,
+    from_requests,
+    json_safe,
+    meets_slo,
+    metric_values,
+    per_class,
+    per_tenant,
+    percentile,
+)
 from quanta.metrics import mean as _mean
 from quanta.sim.fairness import fairness
 from quanta.slo import attainment, describe
@@ -79,6 +90,59 @@ def request_metrics(
     }
 
 
+def makespan(records: Sequence[RequestRecord]) -> float:
+    """From the first arrival to the last token or end of any request, finished or not (NaN
+    when nothing happened)."""
+    starts = [r.arrival for r in records if r.token_times or math.isfinite(r.end)]
+    ends = [t for r in records for t in (*r.token_times[-1:], r.end) if math.isfinite(t)]
+    return max(ends) - min(starts) if starts and ends else math.nan
+
+
+def class_figures(
+    records: Sequence[RequestRecord], priority_class: str, slo: SLO | None, span: float
+) -> dict[str, Any]:
+    """One priority class's latency, SLO and throughput figures.
+
+    ``throughput_tokens_per_s`` is the output tokens the class's requests generated (finished
+    or not: a run cut short still produced them) over ``span``, the *whole run's* makespan,
+    so the two classes' throughputs add up to the engine's. SLO figures judge each request
+    by its own SLOs, else ``slo``; None when neither gives one: ``slo_attainment`` is
+    Apt-Serve's (TTFT and the request's P99 time between tokens, as the top-level key) and
+    ``frac_meeting_slo`` DistServe's (TTFT and TPOT), the check ConServe's SLOs describe.
+    Failures and unfinished requests count as misses in both."""
+    mine = [r for r in records if r.priority_class == priority_class]
+    ttft, tpot = metric_values(mine, "ttft"), metric_values(mine, "tpot")
+    tokens = sum(r.num_output_tokens for r in mine)
+    limits = _own_or(mine, slo)
+    return {
+        "num_requests": len(mine),
+        "num_finished": sum(r.ok for r in mine),
+        "mean_ttft": _mean(ttft),
+        "p50_ttft": percentile(ttft, 50),
+        "p99_ttft": percentile(ttft, 99),
+        "mean_tpot": _mean(tpot),
+        "p50_tpot": percentile(tpot, 50),
+        "p99_tpot": percentile(tpot, 99),
+        "slo_attainment": attainment(mine, slo),
+        "frac_meeting_slo": (
+            sum(meets_slo(r, limits) for r in mine) / len(mine) if mine and limits else None
+        ),
+        "output_tokens": tokens,
+        "throughput_tokens_per_s": tokens / span if span > 0 else math.nan,
+    }
+
+
+def _own_or(records: Sequence[RequestRecord], slo: SLO | None) -> SLO | None:
+    """``slo``, or a stand-in when every request carries both of its own limits (then never
+    consulted: ``SLO.for_request`` reads the request's first)."""
+    if slo is not None or not records:
+        return slo
+    if any(r.ttft_slo_s is None or r.tpot_slo_s is None for r in records):
+        return None
+    first = records[0]
+    return SLO(ttft_s=first.ttft_slo_s, tpot_s=first.tpot_slo_s)  # type: ignore[arg-type]
+
+
 def plot_lines(
     path: Path,
     x: Sequence[float],
@@ -123,7 +187,9 @@ def summarize(
 
     ``slo_attainment`` is Apt-Serve's, a fraction in [0, 1] (``quanta.slo.attainment``): against
     ``slo`` with each request's own SLOs first, or against the requests' own alone; None when
-    no SLO applies."""
+    no SLO applies. ``online`` and ``offline`` hold each priority class's figures
+    (``class_figures``), and the ConServe counters (safepoint aborts, checkpoint copies)
+    sit beside the swap counters."""
     setup, runner, loop = result.setup, result.runner, result.loop
     per_block = setup.profile.bytes_per_block(setup.block_size)
     device, host = setup.pools()
@@ -132,6 +198,7 @@ def summarize(
         "profile": setup.profile.name,
         **request_metrics(result.requests, runner.stall_by_request),
         "num_rejected": len(result.rejected),
+        "num_cut_off": len(result.cut_off),  # in flight or unsent when the run was stopped
         "num_preemptions_swap": loop.num_preemptions_swap,
         "num_preemptions_recompute": loop.num_preemptions_recompute,
         "swap_out_blocks": runner.swap_out_blocks,
@@ -152,6 +219,13 @@ def summarize(
     out["slo"] = describe(slo) if slo is not None else None
     out["by_tenant"] = per_tenant(records)  # service shares and Jain's index across tenants
     out["by_class"] = per_class(records)  # online and offline requests on their own
+    span = makespan(records)
+    for cls in ("online", "offline"):
+        out[cls] = class_figures(records, cls, slo, span)
+    out["safepoint_aborts"] = runner.safepoint_aborts
+    out["aborted_compute_s"] = runner.aborted_compute_s
+    out["checkpoint_blocks"] = runner.checkpoint_blocks
+    out["num_preemptions_checkpoint"] = loop.num_preemptions_checkpoint
     out["fairness"] = fairness(
         result.requests, result.throttled, result.abandoned, delay_threshold_s=delay_threshold_s
     )
