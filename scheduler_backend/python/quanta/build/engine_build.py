@@ -123,7 +123,11 @@ def build_engine_dir(
             limits=limits,
             cache=sizing,
             capabilities=Capabilities(
-                **dataclasses.asdict(RunnerCapabilities(hidden_cache=offers_hidden_cache(config)))
+                **dataclasses.asdict(
+                    RunnerCapabilities(
+                        hidden_cache=offers_hidden_cache(config), layer_safepoints=True
+                    )
+                )
             ),
             chat_template=chat_template,
             weights=weights,

@@ -69,6 +69,8 @@ class EngineConfig(BaseModel):
     # Decode attention: fused by torch.compile, or eager; auto: compiled on CPU where a C++
     # compiler is found (see quanta.runner.decode_kernel).
     attention_kernel: AttentionKernel = "auto"
+    # Layers between checks of a preemptible step's abort signal (ConServe's safepoints).
+    safepoint_interval: int = Field(8, ge=1)
     # Longest prompt + output a request may have; None: the model's own context length.
     max_seq_len: int | None = Field(None, ge=1)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -172,6 +172,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         device=config.device,
         linear_kernel=config.linear_kernel,
         attention_kernel=config.attention_kernel,
+        safepoint_interval=config.safepoint_interval,
     )
     tokenizer = load_tokenizer(model_dir)
     clock = clock or WallClock()

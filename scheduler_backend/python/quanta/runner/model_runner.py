@@ -3,7 +3,9 @@
 It owns the weights and two KV tiers (device and host), each ONE tensor
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.  A step copies blocks
 (swap-outs first, so a block freed by a swap-out can be the target of a swap-in), then runs
-one forward pass over all scheduled tokens packed together, and samples only where asked.
+one forward pass over all scheduled tokens packed together, samples only where asked, and
+last copies the step's incremental checkpoints to the host tier.  A step of preemptible work
+(``abort`` set) polls its signal every ``safepoint_interval`` layers and stops there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from quanta.core.output import (
     TokenLogprob,
 )
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
+from quanta.core.safepoint import AbortSignal, StepAborted
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
@@ -33,6 +36,7 @@ from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import load_weights
+from quanta.runner.models.safepoints import Safepoints
 from quanta.runner.sampler import sample
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -100,9 +104,15 @@ class ModelRunner:
         device: torch.device | str | None = None,
         linear_kernel: LinearKernel = "auto",
         attention_kernel: AttentionKernel = "auto",
+        safepoint_interval: int = 8,
     ) -> None:
         if num_device_blocks <= 0 or num_host_blocks < 0 or block_size <= 0:
             raise ValueError("need num_device_blocks > 0, num_host_blocks >= 0, block_size > 0")
+        if safepoint_interval < 1:
+            raise ValueError(f"safepoint_interval must be >= 1, got {safepoint_interval}")
+        # Layers between checks of a preemptible step's abort signal: a check costs little
+        # (an Event read), but a stop is only as early as the next check.
+        self.safepoint_interval = safepoint_interval
         self.device = torch.device(device if device is not None else "cpu")
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -130,7 +140,9 @@ class ModelRunner:
             num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
         self.bytes_per_block = self.kv_bytes_per_block(self.model_config, block_size, self.dtype)
-        self.capabilities = RunnerCapabilities(hidden_cache=offers_hidden_cache(cfg))
+        self.capabilities = RunnerCapabilities(
+            hidden_cache=offers_hidden_cache(cfg), layer_safepoints=True
+        )
 
     @staticmethod
     def hidden_blocks_ratio(config: ModelConfig) -> float:
@@ -147,48 +159,46 @@ class ModelRunner:
         return elements * torch.empty((), dtype=dtype).element_size()
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Swap-outs, then swap-ins, then one forward pass and sampling.
+        """Swap-outs, then swap-ins, then one forward pass and sampling, then checkpoints.
 
         Returns the sampled token per seq (None where ``sample`` is False).  A malformed step
         (bad block ids, too-short block table, position past ``max_model_len``) raises before
         any block is copied or written; the runner keeps no per-request state to undo.
+
+        With ``abort`` set, the forward pass raises ``StepAborted`` at the first safepoint
+        after the signal is raised.  What it leaves behind is harmless: the swaps done before
+        it stand (the core already moved those blocks), the KV it wrote lies past the
+        requests' computed tokens and is written again when they are computed, nothing was
+        sampled and the checkpoint copies were not made.
         """
         started = time.perf_counter()
-        seqs = scheduler_output.seqs
+        so = scheduler_output
+        seqs = so.seqs
         with torch.inference_mode():
             batch = self._prepare(seqs, self.num_device_blocks) if seqs else None
-            self._check_copies(
-                scheduler_output.swap_out, self.num_device_blocks, self.num_host_blocks
-            )
-            self._check_copies(
-                scheduler_output.swap_in, self.num_host_blocks, self.num_device_blocks
-            )
-            self._copy_blocks(scheduler_output.swap_out, self.device_kv_cache, self.host_kv_cache)
-            self._copy_blocks(scheduler_output.swap_in, self.host_kv_cache, self.device_kv_cache)
+            self._check_copies(so.swap_out, self.num_device_blocks, self.num_host_blocks)
+            self._check_copies(so.swap_in, self.num_host_blocks, self.num_device_blocks)
+            self._check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
+            self._copy_blocks(so.swap_out, self.device_kv_cache, self.host_kv_cache)
+            self._copy_blocks(so.swap_in, self.host_kv_cache, self.device_kv_cache)
             sampled: list[int | None] = [None] * len(seqs)
             logprobs: list[TokenLogprob | None] = [None] * len(seqs)
             prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
             if batch is not None:
+                safepoints = None if so.abort is None else self.safepoints_for(so.abort, started)
                 hidden = self.model(
-                    batch.input_ids, batch.positions, self.device_kv_cache, batch.meta
+                    batch.input_ids, batch.positions, self.device_kv_cache, batch.meta, safepoints
                 )
                 for i, seq in enumerate(seqs):
                     if seq.prompt_logprobs is not None:
                         first_row = batch.last_rows[i] - seq.num_new_tokens + 1
                         prompt_logprobs[i] = self._prompt_logprobs(hidden, first_row, seq)
-                chosen = [i for i, seq in enumerate(seqs) if seq.sample]
-                if chosen:
-                    rows = [batch.last_rows[i] for i in chosen]
-                    index = torch.tensor(rows, dtype=torch.long, device=self.device)
-                    logits = self.model.compute_logits(hidden.index_select(0, index)).float()
-                    rows = [seqs[i] for i in chosen]
-                    raw = process_logits(logits, rows)
-                    tokens = sample(logits, rows)
-                    for i, token in zip(chosen, tokens, strict=True):
-                        sampled[i] = token
-                    for j, lp in raw.items():
-                        top = rows[j].processing.logprobs  # type: ignore[union-attr]
-                        logprobs[chosen[j]] = token_logprob(lp, tokens[j], top or 0)
+                self._sample(hidden, batch, seqs, sampled, logprobs)
+            # NOTE: synchronous, like every copy here: on CPU both tiers are RAM, and on CUDA
+            # a blocking ``.to`` the host waits for the copy. Overlapping checkpoints with the
+            # next step on a side stream (ConServe's background copies) waits for a GPU
+            # machine to test it on.
+            self._copy_blocks(so.checkpoint, self.device_kv_cache, self.host_kv_cache)
         return RunnerOutput(
             request_ids=tuple(seq.request_id for seq in seqs),
             sampled_token_ids=tuple(sampled),
@@ -196,6 +206,43 @@ class ModelRunner:
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else (),
         )
+
+    def safepoints_for(self, signal: AbortSignal, started: float) -> Safepoints:
+        """The checks of ``signal`` a forward pass makes: every ``safepoint_interval``
+        layers, raising ``StepAborted`` (with the seconds since ``started``, the step's
+        ``perf_counter`` start) once it is raised."""
+
+        def check(layers_done: int) -> None:
+            if signal.is_set():
+                raise StepAborted(layers_done, time.perf_counter() - started)
+
+        # NOTE: on CUDA the check runs when the CPU has queued the layers, not when the GPU has
+        # run them; stopping there leaves at most the queued layers to run.
+        return Safepoints(self.safepoint_interval, check)
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        batch: _Batch,
+        seqs: Sequence[ScheduledSeq],
+        sampled: list[int | None],
+        logprobs: list[TokenLogprob | None],
+    ) -> None:
+        """Fill ``sampled`` (and ``logprobs`` where asked) for the seqs that sample."""
+        chosen = [i for i, seq in enumerate(seqs) if seq.sample]
+        if not chosen:
+            return
+        rows_at = [batch.last_rows[i] for i in chosen]
+        index = torch.tensor(rows_at, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index)).float()
+        rows = [seqs[i] for i in chosen]
+        raw = process_logits(logits, rows)
+        tokens = sample(logits, rows)
+        for i, token in zip(chosen, tokens, strict=True):
+            sampled[i] = token
+        for j, lp in raw.items():
+            top = rows[j].processing.logprobs  # type: ignore[union-attr]
+            logprobs[chosen[j]] = token_logprob(lp, tokens[j], top or 0)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, first_row: int, seq: ScheduledSeq

@@ -58,6 +58,7 @@ class _Parameters(BaseModel):
     device: str = "cpu"
     linear_kernel: LinearKernel = "auto"
     attention_kernel: AttentionKernel = "auto"
+    safepoint_interval: int = 8
     max_seq_len: int | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
@@ -120,6 +121,7 @@ def parse_parameters(
             device=p.device,
             linear_kernel=p.linear_kernel,
             attention_kernel=p.attention_kernel,
+            safepoint_interval=p.safepoint_interval,
             max_seq_len=p.max_seq_len,
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**sched),

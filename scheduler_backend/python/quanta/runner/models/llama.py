@@ -16,6 +16,7 @@ from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
 from quanta.runner.models.config import ModelConfig
+from quanta.runner.models.safepoints import Safepoints, walk_layers
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -157,12 +158,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        safepoints: Safepoints | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self._rope(positions, x.dtype)
         # Hidden-cache sequences' past tokens get their rotations once per step, not per layer.
         past_rope = self._rope(meta.hidden.past_positions, x.dtype) if meta.hidden else None
-        for i, layer in enumerate(self.layers):
+        for i, layer in walk_layers(self.layers, safepoints):
             x = layer(x, rope, kv_cache[i], meta, past_rope)
         return self.norm(x)
 
@@ -201,8 +203,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        safepoints: Safepoints | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, meta)
+        """Final hidden states; with ``safepoints`` the pass may stop between layers."""
+        return self.model(input_ids, positions, kv_cache, meta, safepoints)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -15,6 +15,7 @@ from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
 from quanta.runner.models.config import ModelConfig
+from quanta.runner.models.safepoints import Safepoints, walk_layers
 
 POSITION_OFFSET = 2  # OPT's learned positions are stored shifted by two (a fairseq legacy)
 
@@ -107,12 +108,13 @@ class OPTDecoder(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        safepoints: Safepoints | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
-        for i, layer in enumerate(self.layers):
+        for i, layer in walk_layers(self.layers, safepoints):
             x = layer(x, kv_cache[i], meta)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
@@ -158,8 +160,10 @@ class OPTForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        safepoints: Safepoints | None = None,
     ) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, kv_cache, meta)
+        """Hidden states; with ``safepoints`` the pass may stop between layers (it raises)."""
+        return self.model.decoder(input_ids, positions, kv_cache, meta, safepoints)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
