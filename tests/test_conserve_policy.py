@@ -397,5 +397,5 @@ def test_conserve_stacks_under_an_ordering_and_keeps_online_first():
     offline, online = workload()
     out = run(loop, offline, online)
     assert out == reference()
-    with pytest.raises(ValueError, match="both supply the (packer|placement|lanes) stage"):
+    with pytest.raises(ValueError, match=r"both supply the (packer|placement|lanes) stage"):
         make_policy("apt+conserve", SchedulerConfig())

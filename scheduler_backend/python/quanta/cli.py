@@ -148,14 +148,25 @@ def bench_loop(
 
 def _register_subcommands() -> None:
     """Each sub-system adds its own commands; their heavy imports happen inside them."""
-    from quanta.bench import load_cli, serve_cli
+    from quanta.bench import load_cli, safepoints, serve_cli
     from quanta.bench.peer import cli as peer_cli
     from quanta.build import cli as build_cli
+    from quanta.frontends.openai import batch_cli
     from quanta.frontends.openai import cli as openai_cli
     from quanta.frontends.triton import cli as triton_cli
     from quanta.sim import cli as sim_cli
 
-    for module in (build_cli, triton_cli, openai_cli, serve_cli, load_cli, peer_cli, sim_cli):
+    for module in (
+        build_cli,
+        triton_cli,
+        openai_cli,
+        batch_cli,
+        serve_cli,
+        load_cli,
+        peer_cli,
+        sim_cli,
+        safepoints,
+    ):
         module.register(app, bench_app)
 
 

@@ -14,15 +14,17 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from quanta.core.request import SamplingParams
+from quanta.frontends.openai.batch_routes import BatchService
 from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.errors import OpenAIError, classify, invalid
 from quanta.frontends.openai.logprobs import output_logprobs, prompt_logprobs
@@ -56,18 +58,35 @@ class GatewaySettings(BaseModel):
     default_max_tokens: int = Field(16, ge=1)  # completions, as OpenAI's default
     default_chat_max_tokens: int = Field(256, ge=1)  # chat has no OpenAI default that fits
     request_timeout_s: float | None = Field(None, gt=0)
+    state_dir: Path = Path("quanta-state")  # Batch API files and batches (relative: to the cwd)
+    batch_concurrency: int = Field(64, ge=1)  # batch lines in flight at once, all batches
 
 
-def create_app(settings: GatewaySettings, chat_template: ChatTemplate | None = None) -> FastAPI:
-    """The gateway as an ASGI app; its gRPC channel opens on first use and closes on shutdown."""
-    gateway = Gateway(settings, chat_template or ChatTemplate())
+def create_app(
+    settings: GatewaySettings,
+    chat_template: ChatTemplate | None = None,
+    *,
+    upstream: TritonGrpc | None = None,
+) -> FastAPI:
+    """The gateway as an ASGI app; its gRPC channel opens on first use and closes on shutdown.
+
+    Batches left unfinished by an earlier run resume at startup. ``upstream`` replaces the
+    Triton client (tests give one that fails on purpose).
+    """
+    gateway = Gateway(settings, chat_template or ChatTemplate(), upstream)
+    batches = BatchService(
+        settings.state_dir, gateway.answer, concurrency=settings.batch_concurrency
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await batches.start()
         yield
+        await batches.stop()
         await gateway.upstream.close()
 
     app = FastAPI(title="Quanta OpenAI-compatible gateway", lifespan=lifespan)
+    app.include_router(batches.router)
     app.post("/v1/completions", response_model=None)(gateway.completions)
     app.post("/v1/chat/completions", response_model=None)(gateway.chat_completions)
     app.get("/v1/models")(gateway.models)
@@ -83,25 +102,38 @@ def create_app(settings: GatewaySettings, chat_template: ChatTemplate | None = N
 class Gateway:
     """The route handlers; one instance per app."""
 
-    def __init__(self, settings: GatewaySettings, chat_template: ChatTemplate) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        chat_template: ChatTemplate,
+        upstream: TritonGrpc | None = None,
+    ) -> None:
         self.settings = settings
         self.template = chat_template
-        self.upstream = TritonGrpc(settings.triton_grpc_url, timeout_s=settings.request_timeout_s)
+        self.upstream = upstream or TritonGrpc(
+            settings.triton_grpc_url, timeout_s=settings.request_timeout_s
+        )
         self.triton_model = settings.triton_model or settings.model_name
         self.created = int(time.time())
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check(body)
-        prompt = body.single_prompt()
-        params = body.sampling_params(self.settings.default_max_tokens)
-        return await self._generate(request, body, prompt, params)
+        return await self._respond(request, body)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check(body)
-        params = body.sampling_params(self.settings.default_chat_max_tokens)
-        prompt = self.template.render(body.messages)
-        system = self.template.system_tokens(body.messages)
-        return await self._generate(request, body, prompt, params, system)
+        return await self._respond(request, body)
+
+    async def answer(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """The whole response body the route at ``path`` gives ``payload``, not streamed, for
+        callers with no HTTP request of their own (the Batch API). Errors raise the
+        ``OpenAIError`` the route would have answered with."""
+        model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+        try:
+            body = model.model_validate({**payload, "stream": False})
+        except ValidationError as exc:
+            raise _invalid_fields(exc.errors()) from None
+        result = await self._generate(None, body, *self._prepared(body))
+        assert isinstance(result, dict)  # not streamed
+        return result
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_card()]}
@@ -126,6 +158,20 @@ class Gateway:
             "owned_by": "quanta",
         }
 
+    def _prepared(self, body: Body) -> tuple[str | list[int], SamplingParams, int | None]:
+        """The prompt, sampling settings and system-prompt length of a checked ``body``."""
+        self._check(body)
+        if isinstance(body, ChatCompletionRequest):
+            params = body.sampling_params(self.settings.default_chat_max_tokens)
+            prompt = self.template.render(body.messages)
+            return prompt, params, self.template.system_tokens(body.messages)
+        prompt = body.single_prompt()
+        return prompt, body.sampling_params(self.settings.default_max_tokens), None
+
+    async def _respond(self, request: Request, body: Body) -> Response:
+        result = await self._generate(request, body, *self._prepared(body))
+        return JSONResponse(result) if isinstance(result, dict) else result
+
     def _check(self, body: Body) -> None:
         if body.model != self.settings.model_name:
             raise _unknown_model(body.model)
@@ -140,13 +186,16 @@ class Gateway:
 
     async def _generate(
         self,
-        request: Request,
+        request: Request | None,
         body: Body,
         prompt: str | list[int],
         params: SamplingParams,
         system_tokens: int | None = None,
-    ) -> Response:
-        """One Triton request per choice (``n``): choice i samples with seed ``seed + i``."""
+    ) -> dict[str, Any] | StreamingResponse:
+        """One Triton request per choice (``n``): choice i samples with seed ``seed + i``.
+
+        A whole response is returned as its body; without an HTTP ``request`` nothing watches
+        for a disconnect (the caller cancels the task instead)."""
         metadata = body.metadata(system_tokens)
         streams = [
             self.upstream.stream(
@@ -164,21 +213,23 @@ class Gateway:
             for stream in streams:
                 stream.cancel()
 
-        watcher = DisconnectWatcher(request, cancel)
+        watcher = None if request is None else DisconnectWatcher(request, cancel)
+        owned = True  # NOTE: False once the SSE generator owns the streams and the watcher
         try:
             firsts = [await _next(stream) for stream in streams]  # errors before any header
-            if body.stream:
+            if body.stream and watcher is not None:
                 chunks = self._all_chunks(rid, body, firsts, streams, _echo(body, prompt))
                 sse = _sse(chunks, cancel, watcher)
-                watcher = None  # NOTE: the SSE generator owns it from here
+                owned = False
                 return StreamingResponse(sse, media_type="text/event-stream", headers=_SSE_HEADERS)
             runs = [
                 [first, *[e async for e in _mapped(stream)]]
                 for first, stream in zip(firsts, streams, strict=True)
             ]
         finally:
-            if watcher is not None:
-                watcher.stop()
+            if owned:
+                if watcher is not None:
+                    watcher.stop()
                 cancel()
         top = body.top_logprobs_wanted
         echo = _echo(body, prompt)
@@ -202,7 +253,7 @@ class Gateway:
                 )["choices"][0]
             choices.append(choice | {"index": index})
         whole = (chat_body if chat else _completion_whole)(rid, body.model, "", None, _usage(runs))
-        return JSONResponse(whole | {"choices": choices})
+        return whole | {"choices": choices}
 
     async def _all_chunks(
         self,
@@ -425,15 +476,19 @@ async def _openai_error(request: Request, exc: Exception) -> Response:
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
+    return await _openai_error(request, _invalid_fields(exc.errors()))
+
+
+def _invalid_fields(errors: Any) -> OpenAIError:
+    """One 400 for pydantic's ``errors``, naming the first field that is wrong."""
     parts, param = [], None
-    for err in exc.errors():
+    for err in errors:
         if err["type"] == "json_invalid":
-            detail = err.get("ctx", {}).get("error", "")
-            return await _openai_error(request, invalid(f"the body is not valid JSON: {detail}"))
+            return invalid(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
         loc = [str(p) for p in err["loc"] if p != "body"]
         param = param or (loc[0] if loc else None)
         parts.append(f"{'.'.join(loc)}: {err['msg']}" if loc else str(err["msg"]))
-    return await _openai_error(request, invalid("; ".join(parts), param))
+    return invalid("; ".join(parts), param)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

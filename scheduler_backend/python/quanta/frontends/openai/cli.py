@@ -42,8 +42,15 @@ def openai(
     request_timeout: Annotated[
         float | None, typer.Option(help="seconds a request may take in Triton")
     ] = None,
+    state_dir: Annotated[
+        Path, typer.Option(help="where Batch API files and batches are kept (survive restarts)")
+    ] = Path("quanta-state"),
+    batch_concurrency: Annotated[
+        int, typer.Option(min=1, help="batch requests in flight at once, over all batches")
+    ] = 64,
 ) -> None:
-    """Serve /v1/completions, /v1/chat/completions and /v1/models, forwarding to Triton gRPC."""
+    """Serve /v1/completions, /v1/chat/completions, /v1/models and the Batch API (/v1/files,
+    /v1/batches), forwarding to Triton gRPC."""
     from quanta.frontends.openai.app import GatewaySettings
     from quanta.frontends.openai.chat import ChatTemplate
     from quanta.frontends.openai.server import GatewayServer
@@ -59,6 +66,8 @@ def openai(
         triton_model=triton_model,
         default_chat_max_tokens=default_chat_max_tokens,
         request_timeout_s=request_timeout,
+        state_dir=state_dir,
+        batch_concurrency=batch_concurrency,
     )
     typer.echo(f"OpenAI  http://{host}:{port}/v1 -> Triton gRPC {triton_grpc_url}")
     GatewayServer(settings, host=host, port=port, chat_template=template, log_level="info").run()

@@ -16,6 +16,7 @@ from typing import Any
 
 from quanta.frontends.openai.app import GatewaySettings, create_app
 from quanta.frontends.openai.chat import ChatTemplate
+from quanta.frontends.openai.upstream import TritonGrpc
 
 
 class GatewayError(RuntimeError):
@@ -33,11 +34,12 @@ class GatewayServer:
         port: int = 9000,
         chat_template: ChatTemplate | None = None,
         log_level: str = "warning",
+        upstream: TritonGrpc | None = None,
     ) -> None:
         import uvicorn
 
         self.host, self.port = host, port
-        app = create_app(settings, chat_template)
+        app = create_app(settings, chat_template, upstream=upstream)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

@@ -74,6 +74,9 @@ def serve(
         int | None,
         typer.Option(help="also serve the OpenAI-compatible API on this port (0: any free port)"),
     ] = None,
+    state_dir: Annotated[
+        Path, typer.Option(help="where the OpenAI gateway keeps Batch API files and batches")
+    ] = Path("quanta-state"),
     served_model_name: Annotated[
         str | None,
         typer.Option(
@@ -94,6 +97,10 @@ def serve(
     attention_kernel: Annotated[
         AttentionKernelOpt | None,
         typer.Option(help="decode attention: auto, compiled (torch.compile, at load) or eager"),
+    ] = None,
+    safepoint_interval: Annotated[
+        int | None,
+        typer.Option(min=1, help="layers between abort checks of a preemptible step (8)"),
     ] = None,
     max_num_seqs: Annotated[int | None, typer.Option(min=1, help="sequences per step")] = None,
     max_num_batched_tokens: Annotated[
@@ -151,6 +158,7 @@ def serve(
             device=device,
             linear_kernel=None if linear_kernel is None else linear_kernel.value,
             attention_kernel=None if attention_kernel is None else attention_kernel.value,
+            safepoint_interval=safepoint_interval,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_seq_len=max_seq_len,
@@ -217,7 +225,7 @@ def serve(
             typer.echo(f"gRPC    {server.grpc_url}")
             typer.echo(f"metrics {server.metrics_url}")
             if openai_port is not None:
-                gateway = _start_gateway(server, repo, host, openai_port, model_name)
+                gateway = _start_gateway(server, repo, host, openai_port, model_name, state_dir)
                 typer.echo(f"OpenAI  {gateway.url}/v1")
             if demo is not None:
                 _demo(server.http_url, model_name, demo)
@@ -270,7 +278,9 @@ def check_config(
     typer.echo(f"{path}: OK" + (f" ({len(problems)} warning(s))" if problems else ""))
 
 
-def _start_gateway(server: Any, repo: Path, host: str, port: int, model_name: str) -> Any:
+def _start_gateway(
+    server: Any, repo: Path, host: str, port: int, model_name: str, state_dir: Path
+) -> Any:
     from quanta.frontends.openai.server import (
         GatewayError,
         model_dir_from_repository,
@@ -285,6 +295,7 @@ def _start_gateway(server: Any, repo: Path, host: str, port: int, model_name: st
             port=port or free_port(host),
             model_name=model_name,
             model_dir=model_dir_from_repository(repo, model_name),
+            state_dir=state_dir,
         )
     except GatewayError as exc:  # reported (and Triton stopped) like a failed launch
         raise LaunchError(str(exc)) from None
