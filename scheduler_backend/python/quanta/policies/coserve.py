@@ -2,7 +2,8 @@
 
 Online requests (``priority_class="online"``: streaming, latency-critical) are packed first,
 within a per-step token budget that the cost model says keeps their TPOT within its SLO; the
-offline lane (batch work, measured by throughput) fills what is left. A step with no online work
+offline lane (batch work, measured by throughput) fills what is left, as far as the predicted
+step time stays within that SLO. A step with no online work
 ignores the budget ("offline batching mode"). Offline work yields to online work:
 
 - at scheduling: an online request that needs blocks evicts offline residents, those whose
@@ -252,6 +253,7 @@ class CoservePacker(Packer):
         self.cost = cost  # None: no SLO budget (online-only needs none)
         self.tpot_slo_s = tpot_slo_s
         self._cap: int | None = None  # this step's token budget, set by the online lane
+        self._tpot: float | None = None  # this step's time budget while online work is live
 
     def pack(
         self,
@@ -263,6 +265,9 @@ class CoservePacker(Packer):
     ) -> None:
         if lane.name == ONLINE:
             self._cap = self._budget(lane.order, plan) if lane.order else None
+            self._tpot = None
+            if lane.order and self.cost is not None:
+                self._tpot = min(tpot_slo(r, self.tpot_slo_s) for r in lane.order)
             self._pack_online(lane.order, plan, ranking, placement)
         else:
             self._pack_offline(lane.order, plan, ranking, placement)
@@ -321,11 +326,13 @@ class CoservePacker(Packer):
     def _pack_offline(
         self, order: list[Request], plan: StepPlan, ranking: Ranking, placement: Placement
     ) -> None:
+        timed = _StepTime(self.cost, self._tpot, ranking, plan)
         residents = plan_residents(order, plan)
         for i, req in enumerate(residents):
             if not _evictable(req, plan):
                 continue  # evicted for a higher-ranked one
             n = chunk(req, self._left(plan), self.config.enable_chunked_prefill)
+            n = timed.fit(req, n, self.config.enable_chunked_prefill)
             if n == 0 or not plan.has_room(n):
                 return
             below = [r for r in reversed(residents[i + 1 :]) if _evictable(r, plan)]
@@ -336,15 +343,18 @@ class CoservePacker(Packer):
                 plan.evict(req, _yield(placement, req, plan))
                 return
             plan.run_req(req, n)
+            timed.add(req, n)
         for req in order:
             if plan.is_resident(req) or req.request_id in plan.moved:
                 continue
             n = chunk(req, self._left(plan), self.config.enable_chunked_prefill)
+            n = timed.fit(req, n, self.config.enable_chunked_prefill)
             if n == 0 or not plan.has_room(n):
                 return
             if plan.blocks_to_grow(req, n) > plan.free_device:
                 return  # in order: the next offline request waits too
             plan.take(req, n)
+            timed.add(req, n)
 
     @staticmethod
     def _make_room(
@@ -367,6 +377,41 @@ class CoservePacker(Packer):
                 break
             plan.evict(victim, _yield(placement, victim, plan))
         return True
+
+
+class _StepTime:
+    """The step's predicted time as offline work joins it: while online work is live, an
+    offline run is taken only as far as the step stays within the online TPOT SLO. (The
+    token budget alone does not keep it: an offline decode costs a sequence's overhead and
+    its context's reads, which a token of a prefill chunk does not.)"""
+
+    def __init__(
+        self, cost: CostModel | None, limit: float | None, ranking: Ranking, plan: StepPlan
+    ) -> None:
+        self.cost, self.limit = cost, limit
+        by_id = {r.request_id: r for r in ranking.order}
+        self.chunks = [(n, by_id[rid].num_computed_tokens) for rid, n in plan.run]
+
+    def fit(self, req: Request, n: int, chunked: bool) -> int:
+        """The most of ``n`` tokens of ``req`` the step can take (0: none)."""
+        if self.cost is None or self.limit is None or n == 0:
+            return n
+        start = req.num_computed_tokens
+        if self.cost.step_time([*self.chunks, (n, start)]) <= self.limit:
+            return n
+        if n == 1 or not chunked:
+            return 0
+        lo, hi = 0, n - 1
+        while lo < hi:  # the largest chunk that fits
+            mid = (lo + hi + 1) // 2
+            if self.cost.step_time([*self.chunks, (mid, start)]) <= self.limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def add(self, req: Request, n: int) -> None:
+        self.chunks.append((n, req.num_computed_tokens))
 
 
 def plan_residents(order: list[Request], plan: StepPlan) -> list[Request]:
