@@ -131,7 +131,7 @@ class CoservePlacement(Placement):
 
     def __init__(
         self,
-        cost: CostModel,
+        cost: CostModel | None,
         *,
         evict_mode: PreemptMode = PreemptMode.SWAP,
         ttft_slo_s: float = 1.5,
@@ -141,6 +141,8 @@ class CoservePlacement(Placement):
         prefetch: bool = False,
         prefetch_blocks: int | None = None,
     ) -> None:
+        if safepoints and cost is None:
+            raise ValueError("the safepoint abort rule predicts step times: it needs a cost model")
         self.cost = cost
         self.evict_mode = evict_mode
         self.ttft_slo_s = ttft_slo_s
@@ -170,6 +172,7 @@ class CoservePlacement(Placement):
             self._prefetch(plan, ranking)
         if self.safepoints and offline_only:
             chunks = [(n, by_id[rid].num_computed_tokens) for rid, n in plan.run]
+            assert self.cost is not None  # NOTE: checked at construction
             plan.abort_when = MissesTTFT(view.now + self.cost.step_time(chunks), self)
         if self.checkpoint:
             self._checkpoint(view, plan, ranking)
@@ -228,7 +231,9 @@ class MissesTTFT:
     def __call__(self, request: Request, now: float) -> bool:
         if not is_online(request) or self.end <= now:
             return False
-        own = self.placement.cost.prefill_time(request.num_prompt_tokens)
+        cost = self.placement.cost
+        assert cost is not None  # NOTE: a placement with safepoints has one
+        own = cost.prefill_time(request.num_prompt_tokens)
         return (self.end - now) + own > ttft_slo(request, self.placement.ttft_slo_s)
 
 
@@ -308,9 +313,9 @@ class CoservePacker(Packer):
             if not self._make_room(req, n, plan, victims, placement):
                 lowest = [r for r in reversed(residents) if _evictable(r, plan) and r is not req]
                 while plan.blocks_to_grow(req, n) > plan.free_device and lowest:
-                    plan.evict(lowest.pop(0), _mode(placement))
+                    plan.evict(lowest.pop(0), placement.evict_mode)
                 if plan.blocks_to_grow(req, n) > plan.free_device:
-                    plan.evict(req, _mode(placement))  # nothing left to take from
+                    plan.evict(req, placement.evict_mode)  # nothing left to take from
                     continue
             plan.run_req(req, n)
         for req in order:
@@ -421,10 +426,6 @@ def plan_residents(order: list[Request], plan: StepPlan) -> list[Request]:
 
 def _evictable(req: Request, plan: StepPlan) -> bool:
     return plan.is_resident(req) and req.request_id not in plan.chosen
-
-
-def _mode(placement: Placement) -> PreemptMode:
-    return placement.evict_mode
 
 
 def _yield(placement: Placement, req: Request, plan: StepPlan) -> PreemptMode:

@@ -339,7 +339,7 @@ def _online_only(config: SchedulerConfig, o: OnlineOnlyOptions) -> dict[str, Sta
     return {
         "lanes": OnlineOnlyLanes(),
         "packer": CoservePacker(config, None),
-        "placement": CoservePlacement(get_profile("a100-opt13b"), evict_mode=mode),
+        "placement": CoservePlacement(None, evict_mode=mode),
     }
 
 
