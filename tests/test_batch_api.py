@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 from quanta.frontends.openai.app import GatewaySettings
+from quanta.frontends.openai.batch_input import parse_batch_file
 from quanta.frontends.openai.batch_runner import BatchRunner
-from quanta.frontends.openai.batch_store import BatchStore, parse_batch_file
+from quanta.frontends.openai.batch_store import BatchStore
 from quanta.frontends.openai.errors import OpenAIError
 from quanta.frontends.openai.server import GatewayServer
 from quanta.frontends.openai.upstream import UpstreamError

@@ -19,15 +19,9 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from quanta.frontends.openai.batch_input import ENDPOINTS, BatchFileError, parse_batch_file
 from quanta.frontends.openai.batch_runner import Answer, BatchRunner
-from quanta.frontends.openai.batch_store import (
-    ACTIVE,
-    ENDPOINTS,
-    BatchFileError,
-    BatchStore,
-    FileRecord,
-    parse_batch_file,
-)
+from quanta.frontends.openai.batch_store import ACTIVE, BatchStore, FileRecord
 from quanta.frontends.openai.errors import OpenAIError, invalid
 
 WINDOWS = {"24h": 24 * 3600}  # completion windows OpenAI offers, in seconds
