@@ -1,6 +1,7 @@
 """The engine's speed paths keep its answers: prepacked oneDNN linears against torch's, bf16
-against HF transformers in bf16 (within a stated tolerance, not bit equality), and the rule
-that picks the default dtype on each machine."""
+against HF transformers in bf16 (within a stated tolerance, not bit equality), the three
+decode-attention kernels against each other (reading only each row's own slots), and the
+rules that pick the default dtype and kernels on each machine."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from quanta.runner import ModelRunner, model_runner
+from quanta.runner import ModelRunner, decode_kernel, model_runner, native_decode
 from quanta.runner import cpu as cpu_module
+from quanta.runner.attention import DecodeBatch, varlen_decode
+from quanta.runner.decode_kernel import row_by_row_decode
 from quanta.runner.linear import PackedLinear, onednn_supports, resolve_kernel
 from runner_helpers import build_hf_checkpoint
 from torch import nn
@@ -104,3 +107,130 @@ def test_linear_kernel_rule():
         resolve_kernel("onednn", torch.float16, cuda)
     if onednn_supports(torch.float32, CPU):
         assert resolve_kernel("auto", torch.float32, CPU) == "onednn"
+
+
+# --- decode attention: the native kernel, SDPA row by row and varlen_decode agree -----------
+
+
+def _decode_case(
+    lens: list[int], heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch]:
+    """Random rows over a NaN-filled cache in which only the rows' own slots hold values, in
+    scattered order, as a paged cache holds them after other requests came and went."""
+    gen = torch.Generator().manual_seed(seed)
+    dim, num_slots = 32, 4 * sum(lens)
+    cache = torch.full((2, num_slots, kv_heads, dim), float("nan"), dtype=dtype)
+    slots = torch.randperm(num_slots, generator=gen)[: sum(lens)]
+    cache[:, slots] = (torch.randn(2, len(slots), kv_heads, dim, generator=gen) * 3).to(dtype)
+    rows = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    lens_t = torch.tensor(lens)
+    batch = DecodeBatch(
+        token_index=torch.arange(len(lens)),
+        slots=slots,
+        owner=torch.arange(len(lens)).repeat_interleave(lens_t),
+        kernel=None,  # type: ignore[arg-type]
+        lens=tuple(lens),
+        bounds=torch.cat((torch.zeros(1, dtype=torch.long), lens_t.cumsum(0))),
+    )
+    return rows, cache, batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+@pytest.mark.parametrize("lens", [[1], [5, 1, 40, 17], [3, 9, 1, 30, 2, 8, 16, 7, 21, 11]])
+def test_decode_kernels_agree_and_read_only_their_slots(lens, heads, kv_heads, dtype):
+    native = native_decode.load()
+    if native is None:
+        pytest.skip("no C compiler here")
+    rows, cache, batch = _decode_case(lens, heads, kv_heads, dtype)
+    with torch.inference_mode():
+        want = varlen_decode(rows, cache[0], cache[1], batch.slots, batch.owner, 0.3).float()
+        sdpa = row_by_row_decode(rows, cache[0], cache[1], batch, 0.3).float()
+        got = native(rows, cache[0], cache[1], batch.slots, batch.bounds, 0.3).float()
+    assert not want.isnan().any(), "a stale (NaN) slot was read"
+    # bf16: the kernels round at different points (SDPA keeps bf16 probabilities), so a few
+    # bf16 steps of the values' scale (about 3 here) apart
+    tolerance = {"atol": 1e-5, "rtol": 1e-5}
+    if dtype == torch.bfloat16:
+        tolerance = {"atol": 3e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(got.to(dtype), want.to(dtype), **tolerance)
+    torch.testing.assert_close(sdpa.to(dtype), want.to(dtype), **tolerance)
+
+
+def test_native_decode_softmax_survives_extreme_scores():
+    """Scores far apart (exp underflows for all but the peak) and a NaN in a row's own value
+    propagate as softmax defines them."""
+    native = native_decode.load()
+    if native is None:
+        pytest.skip("no C compiler here")
+    rows, cache, batch = _decode_case([6, 6], 2, 2, torch.float32, seed=1)
+    rows[0] *= 1e4  # row 0: one slot dominates every other by far more than exp's range
+    with torch.inference_mode():
+        want = varlen_decode(rows, cache[0], cache[1], batch.slots, batch.owner, 1.0)
+        got = native(rows, cache[0], cache[1], batch.slots, batch.bounds, 1.0)
+        assert torch.allclose(got, want, atol=1e-5) and not got.isnan().any()
+        cache[1, batch.slots[7]] = float("nan")  # row 1's own value
+        got = native(rows, cache[0], cache[1], batch.slots, batch.bounds, 1.0)
+    assert got[1].isnan().all() and not got[0].isnan().any()
+
+
+def test_native_decode_refuses_layouts_it_cannot_read():
+    native = native_decode.load()
+    if native is None:
+        pytest.skip("no C compiler here")
+    rows, cache, batch = _decode_case([3, 4], 4, 2, torch.float32)
+    with pytest.raises(ValueError, match="unsupported layout or dtype"):
+        native(rows.double(), cache[0], cache[1], batch.slots, batch.bounds, 1.0)
+    with pytest.raises(ValueError, match="unsupported layout or dtype"):
+        native(rows, cache[0].transpose(1, 2), cache[1], batch.slots, batch.bounds, 1.0)
+
+
+def test_attention_kernel_rule(monkeypatch):
+    monkeypatch.delenv(decode_kernel.ATTENTION_KERNEL_ENV, raising=False)
+    resolve = decode_kernel.resolve_attention_kernel
+    assert resolve("eager", CPU) == "eager"  # explicit wins
+    assert resolve("auto", torch.device("cuda"), torch.float16) == "eager"
+    monkeypatch.setattr(native_decode, "compiler", lambda: "/usr/bin/cc")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert resolve("auto", CPU, torch.bfloat16) == "native"
+    assert resolve("auto", CPU, torch.float16) != "native"  # fp32 and bf16 only
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # native is single-threaded
+    assert resolve("auto", CPU, torch.float32) in ("compiled", "eager")
+    monkeypatch.setenv(decode_kernel.ATTENTION_KERNEL_ENV, "native")
+    assert resolve("auto", CPU) == "native"
+    monkeypatch.setenv(decode_kernel.ATTENTION_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="QUANTA_ATTENTION_KERNEL='fast'"):
+        resolve("auto", CPU)
+
+
+def test_native_kernel_falls_back_without_a_compiler(monkeypatch, caplog):
+    monkeypatch.setattr(native_decode, "compiler", lambda: None)
+    monkeypatch.setattr(decode_kernel, "_compile", _no_compiler)
+    kernel, name = decode_kernel.decode_kernel(
+        "native", heads=4, kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+    assert name == "eager"
+    assert "no C compiler found" in caplog.text
+    rows, cache, batch = _decode_case([2, 9], 4, 2, torch.float32)
+    with torch.inference_mode():
+        got = kernel(rows, cache[0], cache[1], batch, 1.0)
+    assert not got.isnan().any()
+
+
+def _no_compiler() -> None:
+    raise RuntimeError("no C++ compiler")
+
+
+def test_native_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
+    if native_decode.compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv(native_decode.KERNEL_CACHE_ENV, str(tmp_path))
+    assert native_decode.load() is not None
+    built = list(tmp_path.glob("paged_decode-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert native_decode.load() is not None  # found, not built again
+    assert built[0].stat().st_mtime_ns == stamp
+    monkeypatch.setattr(native_decode, "cpu_flags", lambda: frozenset({"another-cpu"}))
+    assert native_decode.load() is not None
+    assert len(list(tmp_path.glob("paged_decode-*.so"))) == 2

@@ -64,14 +64,24 @@ PROMPTS = [list(range(5, 24)), [40, 41, 42], list(range(50, 90))]
 
 
 @pytest.mark.parametrize("family", ["opt", "llama-mha"])
-@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+@pytest.mark.parametrize("kernel", ["eager", "eager-varlen", "compiled-varlen", "native"])
 def test_hidden_cache_greedy_equals_hf_in_a_batch_mixed_with_kv(
-    hf_models: dict[str, tuple[Path, Any]], family: str, kernel: str
+    hf_models: dict[str, tuple[Path, Any]],
+    family: str,
+    kernel: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Every decode-attention kernel ("-varlen": the torch kernels' batched path, which
+    batches this small would otherwise skip for SDPA row by row)."""
+    from quanta.runner import decode_kernel
+
     path, hf = hf_models[family]
+    kernel, _, mode = kernel.partition("-")
+    if mode == "varlen":
+        monkeypatch.setattr(decode_kernel, "ROW_BY_ROW_DECODE_ROWS", 0)
     runner = _runner(path, attention_kernel=kernel)
     if runner.attention_kernel != kernel:
-        pytest.skip("torch.compile cannot build the decode kernel here")
+        pytest.skip(f"the {kernel} decode kernel cannot be built here")
     assert runner.capabilities.hidden_cache
     requests = [
         FakeRequest(f"r{i}", p, 12, chunk_size=7 if i == 2 else None, arrival_step=i)

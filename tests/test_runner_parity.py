@@ -35,13 +35,39 @@ def _compiles() -> bool:
     )
 
 
+def _native_builds() -> bool:
+    """Whether the native decode-attention kernel builds here (a C compiler)."""
+    from quanta.runner import native_decode
+
+    return native_decode.load() is not None
+
+
+# Decode-attention kernels as the tests run them. The torch kernels attend batches of up to
+# ``ROW_BY_ROW_DECODE_ROWS`` rows row by row through SDPA; "-varlen" sends every decode batch
+# through ``varlen_decode`` instead, so that path is checked on the tests' small batches too.
 KERNELS = [
     "eager",
+    "eager-varlen",
     pytest.param(
-        "compiled",
+        "compiled-varlen",
         marks=pytest.mark.skipif(not _compiles(), reason="torch.compile cannot build here"),
     ),
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(not _native_builds(), reason="no C compiler here"),
+    ),
 ]
+
+
+def _kernel(kernel: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The runner's name for a ``KERNELS`` entry, with its row-by-row setting applied."""
+    from quanta.runner import decode_kernel
+
+    name, _, mode = kernel.partition("-")
+    if mode == "varlen":
+        monkeypatch.setattr(decode_kernel, "ROW_BY_ROW_DECODE_ROWS", 0)
+    return name
+
 
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "opt": {"family": "opt"},
@@ -126,11 +152,15 @@ def _mixed_requests(max_new: int = 10) -> list[FakeRequest]:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name", ["opt", "opt350", "llama", "llama3"])
 def test_greedy_generation_matches_hf(
-    checkpoints: dict[str, tuple[Path, Any]], name: str, kernel: str
+    checkpoints: dict[str, tuple[Path, Any]],
+    name: str,
+    kernel: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both decode-attention kernels (the compiled one is the default where a C++ compiler
-    exists; the suite runs eager otherwise)."""
+    """Every decode-attention kernel (native is the default where a C compiler exists and
+    torch runs one thread; the suite runs eager unless a test asks)."""
     path, hf_model = checkpoints[name]
+    kernel = _kernel(kernel, monkeypatch)
     runner = _runner(path, block_size=4, attention_kernel=kernel)
     assert runner.attention_kernel == kernel
     requests = _mixed_requests()
@@ -151,12 +181,12 @@ def _poison_freed_blocks(toy: ToyScheduler, output: SchedulerOutput) -> None:
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_swap_and_shuffled_blocks_give_identical_tokens(
-    checkpoints: dict[str, tuple[Path, Any]], kernel: str
+    checkpoints: dict[str, tuple[Path, Any]], kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, hf_model = checkpoints["llama"]
     baseline = ToyScheduler(_runner(path, block_size=4), _mixed_requests()).run()
 
-    runner = _runner(path, block_size=4, attention_kernel=kernel)
+    runner = _runner(path, block_size=4, attention_kernel=_kernel(kernel, monkeypatch))
     runner.device_kv_cache.fill_(float("nan"))  # no read of a never-written slot may matter
     runner.host_kv_cache.fill_(float("nan"))
     swaps = {6: ("out", "r1"), 7: ("out", "r0"), 9: ("in", "r1"), 12: ("in", "r0")}

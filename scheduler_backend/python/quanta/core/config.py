@@ -14,7 +14,7 @@ GiB = 1 << 30
 # How the engine runs its projections and its decode attention (see quanta.runner.linear and
 # quanta.runner.decode_kernel); one definition for the config, the CLI and the runner.
 LinearKernel = Literal["auto", "torch", "onednn"]
-AttentionKernel = Literal["auto", "eager", "compiled"]
+AttentionKernel = Literal["auto", "eager", "compiled", "native"]
 
 
 class CacheConfig(BaseModel):
@@ -66,8 +66,8 @@ class EngineConfig(BaseModel):
     # How projections run: prepacked oneDNN weights (CPU) or torch's F.linear; auto: oneDNN
     # wherever it runs the dtype (see quanta.runner.linear for the measurements behind it).
     linear_kernel: LinearKernel = "auto"
-    # Decode attention: fused by torch.compile, or eager; auto: compiled on CPU where a C++
-    # compiler is found (see quanta.runner.decode_kernel).
+    # Decode attention: the native C kernel, fused by torch.compile, or eager; auto: native on
+    # CPU with one torch thread where a C compiler is found (see quanta.runner.decode_kernel).
     attention_kernel: AttentionKernel = "auto"
     # Layers between checks of a preemptible step's abort signal (ConServe's safepoints).
     safepoint_interval: int = Field(8, ge=1)

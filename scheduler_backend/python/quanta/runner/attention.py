@@ -49,8 +49,9 @@ class PagedSeq(Protocol):
     def hidden(self) -> bool: ...
 
 
+# (query rows [B, H, D], key cache, value cache [slots, KVH, D], the batch, scale) -> [B, H, D]
 DecodeKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, "DecodeBatch", float], torch.Tensor
 ]
 # (hidden states [P, hidden], layer) -> K and V [P, kv_heads, head_dim] of those tokens
 ProjectKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -74,7 +75,9 @@ class DecodeBatch:
     token_index: torch.Tensor  # [B] rows of the packed batch
     slots: torch.Tensor  # [N] flat cache slots of every row's context, row after row
     owner: torch.Tensor  # [N] which of the B rows each slot belongs to
-    kernel: DecodeKernel  # ``varlen_decode``, eager or compiled (the runner's choice)
+    kernel: DecodeKernel  # the runner's choice (``quanta.runner.decode_kernel``)
+    lens: tuple[int, ...]  # each row's context length (its share of ``slots``)
+    bounds: torch.Tensor  # [B + 1] row b's slots are ``slots[bounds[b]:bounds[b + 1]]``
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +111,14 @@ def build_metadata(
     block_size: int,
     num_blocks: int,
     device: torch.device,
-    decode_kernel: DecodeKernel | None = None,
+    decode_kernel: DecodeKernel,
 ) -> AttentionMetadata:
     """Index tensors for one packed step; raises ValueError on a too-short or bad block table.
 
     Per-token indices (slots of new tokens, decode contexts) are computed with tensor ops
     from the per-block tables, so a step's Python work grows with its blocks, not its tokens.
     """
-    kernel = decode_kernel or varlen_decode
+    kernel = decode_kernel
     kv: list[tuple[int, PagedSeq, list[int]]] = []
     hidden: list[tuple[int, PagedSeq, list[int]]] = []
     offset = 0
@@ -189,12 +192,19 @@ def _kv_metadata(
             slots=ctx[owned].to(device),
             owner=torch.repeat_interleave(torch.arange(len(decode_rows)), ctx_lens).to(device),
             kernel=kernel,
+            lens=tuple(s + 1 for s, n in zip(starts, counts, strict=True) if n == 1),
+            bounds=_bounds(ctx_lens).to(device),
         )
     return AttentionMetadata(
         slot_mapping=slot_table[new].to(device),  # row-major: the packed batch's token order
         prefills=tuple(prefills),
         decode=decode,
     )
+
+
+def _bounds(lens: torch.Tensor) -> torch.Tensor:
+    """``[0, l0, l0 + l1, ...]``: where each row's slots start and end."""
+    return torch.cat((lens.new_zeros(1), lens.cumsum(0)))
 
 
 def _hidden_slots(table: list[int], stop: int, block_size: int, num_blocks: int) -> torch.Tensor:
@@ -262,6 +272,8 @@ def _hidden_metadata(
                 torch.arange(len(decode_rows)), torch.tensor(decode_lens)
             ).to(device),
             kernel=kernel,
+            lens=tuple(decode_lens),
+            bounds=_bounds(torch.tensor(decode_lens)).to(device),
         )
     return HiddenBatch(
         rows=torch.tensor(rows, dtype=torch.long, device=device),
@@ -398,8 +410,7 @@ def _attend_hidden(
         )
     if batch.decode is not None:
         d = batch.decode
-        rows = q.index_select(0, d.token_index)
-        out.index_copy_(0, d.token_index, d.kernel(rows, keys, vals, d.slots, d.owner, scale))
+        out.index_copy_(0, d.token_index, _attend_decode(q, keys, vals, d, scale))
 
 
 def _decode(
@@ -408,8 +419,19 @@ def _decode(
     """Single-token rows against their own slots only. q: [T, H, D] -> [B, H, D]."""
     _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
     flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    return _attend_decode(q, flat[0], flat[1], batch, scale)
+
+
+def _attend_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:
+    """The decode rows of ``q`` ([T, H, D]) against their packed contexts -> [B, H, D]."""
     rows = q.index_select(0, batch.token_index)
-    return batch.kernel(rows, flat[0], flat[1], batch.slots, batch.owner, scale)
+    return batch.kernel(rows, key_cache, value_cache, batch, scale)
 
 
 def varlen_decode(

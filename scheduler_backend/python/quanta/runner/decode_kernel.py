@@ -1,16 +1,21 @@
-"""Which decode-attention kernel runs: ``varlen_decode`` eagerly, or fused by torch.compile.
+"""Which decode-attention kernel runs: the native C kernel, ``varlen_decode`` fused by
+torch.compile, or ``varlen_decode`` eagerly.
 
-Eagerly, the packed decode attention makes one pass over the batch's gathered K/V per op
-(gather, cast, product, sum, exp, weighted sum): at batch 32 on OPT-125M that was about 55% of
-a bf16 decode step. Inductor fuses the ops into one C++ loop per pass and measured 6x faster
-(1.1 ms against 6.8 ms per layer, batch 32, contexts 100-130). It needs a C++ compiler at run
-time and compiles once per process and model shape (about 20 s the first time on this
-machine, seconds once Inductor's on-disk cache has it), so:
+- ``native`` (``quanta.runner.native_decode``) reads each row's slots in place from the paged
+  cache with no per-call set-up beyond a ctypes call. It is single-threaded.
+- ``compiled``: Inductor fuses ``varlen_decode``'s passes into C++ loops (6x eager at batch
+  32), but every call pays Dynamo's guards (~75 us), so batches of up to
+  ``ROW_BY_ROW_DECODE_ROWS`` rows attend row by row through SDPA instead.
+- ``eager`` runs the same ops one by one, and is what any machine can run.
 
-- ``auto`` compiles where a C++ compiler is found and the device is a CPU, else eager;
-- the compile happens at load, on a dummy batch, so no request waits for it, and a failure
-  falls back to eager with a warning rather than failing the model;
-- ``QUANTA_ATTENTION_KERNEL`` (eager|compiled) overrides ``auto``, like the dtype default.
+Measured per layer of OPT-125M, one thread (``docs/benchmarks.md``): the native kernel is the
+fastest at every batch size measured, in fp32 and bf16. So ``auto`` picks ``native`` on CPU
+where a C compiler is found and torch computes on one thread; ``compiled`` where torch runs
+several threads (its loops use them all) and a C++ compiler is found; else ``eager``. A kernel
+that cannot be built falls back down that list with a warning, never failing the model.
+``QUANTA_ATTENTION_KERNEL`` (native|compiled|eager) overrides ``auto``, like the dtype default.
+
+Both torch kernels compile or build at load, on a dummy batch, so no request waits for it.
 """
 
 from __future__ import annotations
@@ -19,50 +24,142 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from quanta.core.config import AttentionKernel
-from quanta.runner.attention import DecodeKernel, varlen_decode
+from quanta.runner import native_decode
+from quanta.runner.attention import DecodeBatch, DecodeKernel, varlen_decode
 
 log = logging.getLogger(__name__)
 
 ATTENTION_KERNEL_ENV = "QUANTA_ATTENTION_KERNEL"
-_compiled: DecodeKernel | None = None
+_KERNELS = ("native", "compiled", "eager")
+_compiled: Callable[..., torch.Tensor] | None = None
+
+# Decode batches of at most this many rows attend row by row through SDPA rather than through
+# ``varlen_decode``. Measured per layer of OPT-125M (contexts of 110, one thread, bf16), the
+# compiled kernel costs 170 us at one row (its Dynamo guards and launch alone ~75 us) where
+# one gather and SDPA take 48 us; the two are even at 8 rows and the kernel wins past them.
+ROW_BY_ROW_DECODE_ROWS = 8
 
 
-def resolve_attention_kernel(kernel: AttentionKernel, device: torch.device) -> str:
-    """``eager`` or ``compiled`` for this device (``auto``: see the module docstring)."""
-    if kernel == "auto":
-        override = os.environ.get(ATTENTION_KERNEL_ENV, "").strip()
-        if override:
-            if override not in ("eager", "compiled"):
-                raise ValueError(f"{ATTENTION_KERNEL_ENV}={override!r}: use eager or compiled")
-            return override
-        compiler = shutil.which("c++") or shutil.which("g++")
-        return "compiled" if device.type == "cpu" and compiler else "eager"
-    return kernel
+def resolve_attention_kernel(
+    kernel: AttentionKernel, device: torch.device, dtype: torch.dtype = torch.float32
+) -> str:
+    """``native``, ``compiled`` or ``eager`` for this device and dtype (``auto``: see the
+    module docstring)."""
+    if kernel != "auto":
+        return kernel
+    override = os.environ.get(ATTENTION_KERNEL_ENV, "").strip()
+    if override:
+        if override not in _KERNELS:
+            raise ValueError(f"{ATTENTION_KERNEL_ENV}={override!r}: use one of {_KERNELS}")
+        return override
+    if device.type != "cpu":
+        return "eager"
+    if (
+        torch.get_num_threads() == 1
+        and native_decode.supports(dtype, device)
+        and native_decode.compiler()
+    ):
+        return "native"
+    return "compiled" if shutil.which("c++") or shutil.which("g++") else "eager"
 
 
 def decode_kernel(
-    kernel: str, *, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    kernel: str,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> tuple[DecodeKernel, str]:
-    """(the kernel, the name of what runs): compiles and warms ``compiled`` up now, or falls
-    back to eager if compiling fails."""
-    if kernel != "compiled":
-        return varlen_decode, "eager"
-    started = time.perf_counter()
-    try:
-        compiled = _compile()
-        _warm_up(compiled, heads, kv_heads, head_dim, dtype)
-    except Exception as exc:  # no working toolchain: slower, never broken
-        log.warning("compiling decode attention failed, running it eagerly: %s", exc)
-        return varlen_decode, "eager"
-    log.info("decode attention compiled in %.1f s", time.perf_counter() - started)
-    return compiled, "compiled"
+    """(the kernel, the name of what runs): builds ``native`` or compiles and warms up
+    ``compiled`` now, falling back to the next kernel down if that fails."""
+    device = device or torch.device("cpu")
+    if kernel == "native":
+        if native_decode.supports(dtype, device):
+            native = native_decode.load()
+            if native is not None:
+                return _native_kernel(native), "native"
+        else:
+            log.warning("native decode attention runs fp32 and bf16 on CPU, not %s", dtype)
+        kernel = "compiled"
+    if kernel == "compiled":
+        started = time.perf_counter()
+        try:
+            compiled = _compile()
+            _warm_up(compiled, heads, kv_heads, head_dim, dtype)
+        except Exception as exc:  # no working toolchain: slower, never broken
+            log.warning("compiling decode attention failed, running it eagerly: %s", exc)
+        else:
+            log.info("decode attention compiled in %.1f s", time.perf_counter() - started)
+            return _torch_kernel(compiled), "compiled"
+    return _torch_kernel(varlen_decode), "eager"
 
 
-def _compile() -> DecodeKernel:
+def _native_kernel(native: native_decode.NativeDecode) -> DecodeKernel:
+    def attend(
+        rows: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        return native(rows, key_cache, value_cache, batch.slots, batch.bounds, scale)
+
+    return attend
+
+
+def _torch_kernel(fn: Callable[..., torch.Tensor]) -> DecodeKernel:
+    def attend(
+        rows: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        if len(batch.lens) <= ROW_BY_ROW_DECODE_ROWS:
+            return row_by_row_decode(rows, key_cache, value_cache, batch, scale)
+        return fn(rows, key_cache, value_cache, batch.slots, batch.owner, scale)
+
+    return attend
+
+
+def row_by_row_decode(
+    rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Few rows: gather every row's own slots once (so, as in ``varlen_decode``, no stale slot
+    is ever read), then one SDPA call per row over its slice."""
+    keys = key_cache.index_select(0, batch.slots).to(rows.dtype).transpose(0, 1)  # [KVH, N, D]
+    vals = value_cache.index_select(0, batch.slots).to(rows.dtype).transpose(0, 1)
+    queries = rows.unsqueeze(2)  # [B, H, 1, D]
+    gqa = rows.shape[1] != keys.shape[0]
+    out = torch.empty_like(rows)
+    start = 0
+    for i, length in enumerate(batch.lens):
+        end = start + length
+        attn = F.scaled_dot_product_attention(
+            queries[i : i + 1],
+            keys[None, :, start:end],
+            vals[None, :, start:end],
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[i] = attn[0, :, 0]
+        start = end
+    return out
+
+
+def _compile() -> Callable[..., torch.Tensor]:
     """One compiled ``varlen_decode`` per process: Dynamo keeps a graph per dtype and
     grouped-query layout, with every size dynamic."""
     global _compiled
@@ -77,7 +174,7 @@ def _compile() -> DecodeKernel:
 
 
 def _warm_up(
-    fn: DecodeKernel, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    fn: Callable[..., torch.Tensor], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     """Run ``fn`` on batches of different sizes, so the compiled graphs are the dynamic ones
     every later step reuses: Dynamo specialises a size it first sees (hence two sizes), and

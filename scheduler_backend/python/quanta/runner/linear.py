@@ -1,4 +1,5 @@
-"""Linear layers through prepacked oneDNN weights on CPU.
+"""Linear layers as the engine runs them: projections fused at load, through prepacked oneDNN
+weights on CPU where that runs the dtype.
 
 torch's ``F.linear`` re-lays the weight out for its GEMM on every call. oneDNN can reorder the
 weight once, at load, into the blocked layout its kernels read (AVX-512, AVX512_BF16 or AMX,
@@ -8,18 +9,30 @@ rows, and never slower at 512 rows. The rule (not a timing at start-up, which wo
 replicas of one model round differently on a noisy machine): ``auto`` packs on CPU whenever
 torch's oneDNN build can run the dtype, and keeps ``F.linear`` elsewhere (CUDA, fp16 on CPU).
 
-Packing replaces each ``nn.Linear`` by a ``PackedLinear`` holding only the packed weight, so
-memory does not double. A head tied to the embedding is the exception: the embedding table
-must stay for the lookup, so the packed head is a second copy (``vocab x hidden``), stated in
-``describe``.
+Projections that read the same input are fused into one product at load (q, k and v; LLaMA's
+gate and up), and the residual add and ReLU ride on the product as oneDNN post-ops: a decode
+step of a small model is dozens of products that each stream their weight once, so fewer,
+wider calls save both the per-call dispatch and a pass over the output (measured in
+``docs/benchmarks.md``). Checkpoints keep HF's separate names; models load them into plain
+``nn.Linear`` modules and ``fuse`` replaces those with ``Projection``s afterwards.
+
+Packing keeps only the packed weight, so memory does not double. A head tied to the embedding
+is the exception: the embedding table must stay for the lookup, so the packed head is a second
+copy (``vocab x hidden``), stated in ``describe``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quanta.core.config import LinearKernel
+
+# Activations a product can apply as a oneDNN post-op, bit-identical to the eager op in fp32.
+_FUSABLE_ACTIVATIONS = ("none", "relu")
 
 
 def onednn_supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -47,31 +60,105 @@ def resolve_kernel(kernel: LinearKernel, dtype: torch.dtype, device: torch.devic
     return kernel
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` in oneDNN's layout; ``x`` is ``[rows, in_features]``."""
+class Projection(nn.Module):
+    """``y = act(x W^T + b)``, and ``add(x, r) = x W^T + b + r`` (the residual add fused where
+    the kernel can); ``x`` is ``[rows, in_features]``."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    in_features: int
+    out_features: int
+    activation: str
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchLinear(Projection):
+    """``F.linear``: the kernel where oneDNN does not run the dtype (CUDA, fp16 on CPU)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = linear.weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.activation = activation
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return torch.relu_(y) if self.activation == "relu" else y
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias).add_(residual)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, torch"
+
+
+class PackedLinear(Projection):
+    """The weight in oneDNN's layout, the activation and residual add as post-ops."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.activation = activation
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
-        bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(
+            x, self.packed_weight, self.bias, self.activation, [], ""
+        )
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        assert self.activation == "none", "a residual projection has no activation"
+        return torch.ops.mkldnn._linear_pointwise.binary(
+            x, residual.contiguous(), self.packed_weight, self.bias, "add"
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many."""
-    replaced = 0
+class ProjectionFactory:
+    """Builds the engine's projections for one kernel: ``make([q, k, v])`` is one product whose
+    output columns are q's, then k's, then v's."""
+
+    def __init__(self, kernel: str) -> None:
+        if kernel not in ("torch", "onednn"):
+            raise ValueError(f"unknown linear kernel {kernel!r}")
+        self.kernel = kernel
+
+    def __call__(self, linears: Sequence[nn.Linear], activation: str = "none") -> Projection:
+        if activation not in _FUSABLE_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} cannot be fused into a product")
+        weights = [lin.weight.detach() for lin in linears]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    b.detach() if b is not None else weight.new_zeros(lin.out_features)
+                    for lin, b in zip(linears, biases, strict=True)
+                ]
+            )
+        cls = PackedLinear if self.kernel == "onednn" else TorchLinear
+        return cls(weight, bias, activation)
+
+
+def fusable_activation(name: str) -> str:
+    """The post-op for an HF activation name, or ``none`` when it must run on its own."""
+    return name if name in _FUSABLE_ACTIVATIONS else "none"
+
+
+def fuse_model(model: nn.Module, kernel: str) -> int:
+    """Fuse the model's projections (its ``fuse``), then turn every linear left (LM head,
+    OPT's project_in/out) into a ``Projection`` of the same kernel; returns how many
+    ``nn.Linear`` modules were replaced."""
+    make = ProjectionFactory(kernel)
+    replaced = model.fuse(make)  # type: ignore[operator]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, make([child]))
                 replaced += 1
     return replaced

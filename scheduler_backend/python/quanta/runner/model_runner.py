@@ -31,7 +31,7 @@ from quanta.core.safepoint import AbortSignal, StepAborted
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
-from quanta.runner.linear import onednn_supports, pack_linears, resolve_kernel
+from quanta.runner.linear import fuse_model, onednn_supports, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
@@ -124,16 +124,16 @@ class ModelRunner:
         self.model = build_model_skeleton(self.model_config)
         load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
         self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
-        if self.linear_kernel == "onednn":
-            pack_linears(self.model)
+        fuse_model(self.model, self.linear_kernel)
         self.model.eval()
         cfg = self.model_config
         self._decode_kernel, self.attention_kernel = decode_kernel(
-            resolve_attention_kernel(attention_kernel, self.device),
+            resolve_attention_kernel(attention_kernel, self.device, self.dtype),
             heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype,
+            device=self.device,
         )
         self.device_kv_cache = self._allocate_kv(num_device_blocks, self.device)
         self.host_kv_cache = self._allocate_kv(
@@ -234,8 +234,12 @@ class ModelRunner:
             return
         rows_at = [batch.last_rows[i] for i in chosen]
         index = torch.tensor(rows_at, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, index))
         rows = [seqs[i] for i in chosen]
+        # NOTE: the sampler casts what it picks from; processing and log-probabilities need
+        # fp32 for every row, so they get it here.
+        if any(row.processing is not None for row in rows):
+            logits = logits.float()
         raw = process_logits(logits, rows)
         tokens = sample(logits, rows)
         for i, token in zip(chosen, tokens, strict=True):

@@ -44,14 +44,17 @@ def token_seed(seed: int, output_index: int) -> int:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-    """One token id per row of ``logits`` ``[N, vocab]``; rows with temperature 0 are greedy."""
+    """One token id per row of ``logits`` ``[N, vocab]`` (any float dtype; picks compute in
+    fp32); rows with temperature 0 are greedy."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
     out = [0] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.temperature <= 0.0]
+    if len(greedy) == len(rows):  # the common case: no row to pick out
+        return greedy_tokens(logits)
     if greedy:
         index = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-        picked = logits.index_select(0, index).argmax(dim=-1).tolist()
+        picked = greedy_tokens(logits.index_select(0, index))
         for i, token in zip(greedy, picked, strict=True):
             out[i] = token
     seeded = [i for i, row in enumerate(rows) if row.temperature > 0.0]
@@ -60,6 +63,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         for j, i in enumerate(seeded):
             out[i] = sample_row(cpu_logits[j], rows[i])
     return out
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The first most likely token of each row, as ``argmax`` defines it.
+
+    Why not ``argmax``: on CPU torch's ``max(dim)`` is 1.6x faster in fp32 (measured at 8-32
+    rows of a 50k vocabulary) and its bf16 ``argmax`` 2x slower again than fp32's; casting to
+    fp32 is exact, so the pick is the same."""
+    return logits.float().max(dim=-1).indices.tolist()
 
 
 def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:

@@ -96,7 +96,7 @@ def serve(
     ] = None,
     attention_kernel: Annotated[
         AttentionKernelOpt | None,
-        typer.Option(help="decode attention: auto, compiled (torch.compile, at load) or eager"),
+        typer.Option(help="decode attention: auto, native (C, built at load), compiled or eager"),
     ] = None,
     safepoint_interval: Annotated[
         int | None,

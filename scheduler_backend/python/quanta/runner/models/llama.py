@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
+from quanta.runner.linear import Projection, ProjectionFactory
 from quanta.runner.models.config import ModelConfig
 from quanta.runner.models.safepoints import Safepoints, walk_layers
 
@@ -62,6 +63,9 @@ class LlamaRMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """Loads HF's q/k/v/o projections; after ``fuse`` q, k and v are one product and the
+    residual add rides on the output projection."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim, bias = config.hidden_size, config.attention_bias
@@ -71,7 +75,23 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(dim, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, dim, bias=bias)
+        self.o_proj: nn.Module = nn.Linear(self.num_heads * self.head_dim, dim, bias=bias)
+        self.qkv_proj: Projection | None = None
+
+    def fuse(self, make: ProjectionFactory) -> int:
+        self.qkv_proj = make([self.q_proj, self.k_proj, self.v_proj])
+        self.o_proj = make([self.o_proj])  # type: ignore[list-item]
+        del self.q_proj, self.k_proj, self.v_proj
+        return 4
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``, k and v ``[T, KVH, D]``: views of the fused product's columns."""
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        tokens = qkv.shape[0]
+        q = qkv[:, :q_width].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_width : q_width + kv_width].view(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_width + kv_width :].view(tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v
 
     def forward(
         self,
@@ -79,23 +99,23 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
+        residual: torch.Tensor,
         past_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        """``residual + attention(x)``."""
+        assert self.qkv_proj is not None, "call fuse() after loading the weights"
+        q, k, v = self._split(self.qkv_proj(x))
         cos, sin = rope  # [T, 1, D], broadcast over heads
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
 
         def project_kv(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """K (rotated to each token's position) and V of cached attention inputs."""
-            assert past_rope is not None
-            shape = (h.shape[0], self.num_kv_heads, self.head_dim)
-            k_past = self.k_proj(h).view(shape)
+            """K (rotated to each token's position) and V of cached attention inputs; the
+            fused product also computes q, which is dropped."""
+            assert past_rope is not None and self.qkv_proj is not None
+            _, k_past, v_past = self._split(self.qkv_proj(h))
             k_past = k_past * past_rope[0] + _rotate_half(k_past) * past_rope[1]
-            return k_past, self.v_proj(h).view(shape)
+            return k_past, v_past
 
         out = paged_attention(
             q,
@@ -107,19 +127,34 @@ class LlamaAttention(nn.Module):
             hidden_input=x,
             project_kv=project_kv,
         )
-        return self.o_proj(out.flatten(1))
+        return self.o_proj.add(out.flatten(1), residual)  # type: ignore[operator]
 
 
 class LlamaMLP(nn.Module):
+    """Loads HF's gate/up/down projections; after ``fuse`` gate and up are one product and
+    the residual add rides on the down projection."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.inner = inner
         self.gate_proj = nn.Linear(dim, inner, bias=bias)
         self.up_proj = nn.Linear(dim, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, dim, bias=bias)
+        self.down_proj: nn.Module = nn.Linear(inner, dim, bias=bias)
+        self.gate_up_proj: Projection | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self, make: ProjectionFactory) -> int:
+        self.gate_up_proj = make([self.gate_proj, self.up_proj])
+        self.down_proj = make([self.down_proj])  # type: ignore[list-item]
+        del self.gate_proj, self.up_proj
+        return 3
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(x)``."""
+        assert self.gate_up_proj is not None, "call fuse() after loading the weights"
+        gate_up = self.gate_up_proj(x)
+        inner = F.silu(gate_up[:, : self.inner]) * gate_up[:, self.inner :]
+        return self.down_proj.add(inner, residual)  # type: ignore[operator]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -130,6 +165,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def fuse(self, make: ProjectionFactory) -> int:
+        return self.self_attn.fuse(make) + self.mlp.fuse(make)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -138,8 +176,9 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         past_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layer_cache, meta, past_rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        x = self.self_attn(h, rope, layer_cache, meta, residual=x, past_rope=past_rope)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):
@@ -190,6 +229,11 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse(self, make: ProjectionFactory) -> int:
+        """Fuse each layer's projections once the weights are loaded (``quanta.runner.linear``);
+        returns how many linears were replaced."""
+        return sum(layer.fuse(make) for layer in self.model.layers)
 
     def is_ignorable_weight(self, name: str) -> bool:
         """A tied head, and the rotary tables some old checkpoints saved (we recompute them)."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
+from quanta.runner.linear import Projection, ProjectionFactory, fusable_activation
 from quanta.runner.models.config import ModelConfig
 from quanta.runner.models.safepoints import Safepoints, walk_layers
 
@@ -29,6 +30,9 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class OPTAttention(nn.Module):
+    """Loads HF's q/k/v/out projections; after ``fuse`` q, k and v are one product and the
+    residual add rides on the output projection."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim, bias = config.hidden_size, config.enable_bias
@@ -37,26 +41,53 @@ class OPTAttention(nn.Module):
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(dim, dim, bias=bias)
         self.v_proj = nn.Linear(dim, dim, bias=bias)
-        self.out_proj = nn.Linear(dim, dim, bias=bias)
+        self.out_proj: nn.Module = nn.Linear(dim, dim, bias=bias)
+        self.qkv_proj: Projection | None = None
+
+    def fuse(self, make: ProjectionFactory) -> int:
+        self.qkv_proj = make([self.q_proj, self.k_proj, self.v_proj])
+        self.out_proj = make([self.out_proj])  # type: ignore[list-item]
+        del self.q_proj, self.k_proj, self.v_proj
+        return 4
 
     def forward(
-        self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
+        """``residual + attention(x)``."""
+        assert self.qkv_proj is not None, "call fuse() after loading the weights"
+        dim = self.num_heads * self.head_dim
         shape = (x.shape[0], self.num_heads, self.head_dim)
-        # NOTE: HF scales q before the product (and runs SDPA with scale 1); same order here so
-        # the rounding matches.
-        q = (self.q_proj(x) * self.head_dim**-0.5).view(shape)
-        k = self.k_proj(x).view(shape)
-        v = self.v_proj(x).view(shape)
+        qkv = self.qkv_proj(x)
+        # NOTE: HF scales q before the product; attention applies the scale instead, which
+        # saves a pass over q per layer and differs from HF only in rounding (fp32: ~1e-7).
+        q = qkv[:, :dim].view(shape)
+        k = qkv[:, dim : 2 * dim].view(shape)
+        v = qkv[:, 2 * dim :].view(shape)
         out = paged_attention(
-            q, k, v, layer_cache, meta, scale=1.0, hidden_input=x, project_kv=self._project_kv
+            q,
+            k,
+            v,
+            layer_cache,
+            meta,
+            scale=self.head_dim**-0.5,
+            hidden_input=x,
+            project_kv=self._project_kv,
         )
-        return self.out_proj(out.flatten(1))
+        return self.out_proj.add(out.flatten(1), residual)  # type: ignore[operator]
 
     def _project_kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of cached attention inputs (hidden-cache sequences)."""
+        """K and V of cached attention inputs (hidden-cache sequences). The fused product
+        also computes q, which is dropped: one wider call instead of a second packed copy
+        of the k and v weights."""
+        assert self.qkv_proj is not None
+        dim = self.num_heads * self.head_dim
         shape = (h.shape[0], self.num_heads, self.head_dim)
-        return self.k_proj(h).view(shape), self.v_proj(h).view(shape)
+        kv = self.qkv_proj(h)
+        return kv[:, dim : 2 * dim].view(shape), kv[:, 2 * dim :].view(shape)
 
 
 class OPTDecoderLayer(nn.Module):
@@ -64,23 +95,32 @@ class OPTDecoderLayer(nn.Module):
         super().__init__()
         dim, affine = config.hidden_size, config.layer_norm_elementwise_affine
         self.pre_norm = config.do_layer_norm_before
+        self.activation_name = config.activation_function
         self.activation = _activation(config.activation_function)
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
-        self.fc1 = nn.Linear(dim, config.intermediate_size, bias=config.enable_bias)
-        self.fc2 = nn.Linear(config.intermediate_size, dim, bias=config.enable_bias)
+        self.fc1: nn.Module = nn.Linear(dim, config.intermediate_size, bias=config.enable_bias)
+        self.fc2: nn.Module = nn.Linear(config.intermediate_size, dim, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
+
+    def fuse(self, make: ProjectionFactory) -> int:
+        post_op = fusable_activation(self.activation_name)
+        if post_op != "none":
+            self.activation = _identity
+        self.fc1 = make([self.fc1], post_op)  # type: ignore[list-item]
+        self.fc2 = make([self.fc2])  # type: ignore[list-item]
+        return self.self_attn.fuse(make) + 2
 
     def forward(
         self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         # Pre-LN (125m, 1.3b, ...) normalises before each block, post-LN (350m) after.
         h = self.self_attn_layer_norm(x) if self.pre_norm else x
-        x = x + self.self_attn(h, layer_cache, meta)
+        x = self.self_attn(h, layer_cache, meta, residual=x)
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre_norm else x
-        x = x + self.fc2(self.activation(self.fc1(h)))
+        x = self.fc2.add(self.activation(self.fc1(h)), x)  # type: ignore[operator]
         if not self.pre_norm:
             x = self.final_layer_norm(x)
         return x
@@ -146,6 +186,11 @@ class OPTForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
+    def fuse(self, make: ProjectionFactory) -> int:
+        """Fuse each layer's projections once the weights are loaded (``quanta.runner.linear``);
+        returns how many linears were replaced."""
+        return sum(layer.fuse(make) for layer in self.model.decoder.layers)
+
     def is_ignorable_weight(self, name: str) -> bool:
         """Checkpoint entries that HF also drops: a tied head, a final norm post-LN never uses."""
         if self.config.tie_word_embeddings and name == "lm_head.weight":
@@ -167,6 +212,10 @@ class OPTForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

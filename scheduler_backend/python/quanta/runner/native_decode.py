@@ -1,0 +1,156 @@
+"""The native decode-attention kernel (``paged_decode.c``): built once per machine with its C
+compiler, loaded through ctypes, called once per layer of a decode step.
+
+It reads each row's slots in place from the paged cache, so a decode step pays neither the
+gather of SDPA row by row nor Dynamo's guards of the compiled kernel (measured in
+``docs/benchmarks.md``). Where no C compiler is found, or the build fails, ``load`` returns
+None and the engine falls back to the compiled or eager kernel with a warning: slower, never
+broken.
+
+The shared object lives in ``QUANTA_KERNEL_CACHE`` (default ``~/.cache/quanta/kernels``),
+named by the hash of the source, the flags, the compiler and this CPU's feature flags, so a
+change to any of them builds anew, and a home directory shared by different CPUs never loads
+a build made for another's instruction set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quanta.runner.cpu import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+KERNEL_CACHE_ENV = "QUANTA_KERNEL_CACHE"
+# -fassociative-math (with the two flags it requires) lets the compiler vectorise the dot
+# products and sums; NaN and infinity keep their meaning (no -ffinite-math-only).
+# -fopenmp-simd honours the source's `omp simd` marks without linking an OpenMP runtime.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fopenmp-simd",
+    "-shared",
+    "-fPIC",
+)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def compiler() -> str | None:
+    """The C compiler the kernel is built with (``CC``, else cc or gcc on PATH)."""
+    named = os.environ.get("CC", "").strip()
+    if named:
+        return shutil.which(named)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in _DTYPE_CODES
+
+
+class NativeDecode:
+    """``(rows [B, H, D], key_cache, value_cache [slots, KVH, D], slots, bounds, scale)``
+    -> ``[B, H, D]``; ``bounds`` ``[B + 1]`` delimits each row's share of ``slots``."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.quanta_paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+        self._fn = fn
+
+    def __call__(
+        self,
+        rows: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        bounds: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        num_rows, heads, dim = rows.shape
+        kv_heads = key_cache.shape[1]
+        if not (
+            rows.dtype == key_cache.dtype == value_cache.dtype
+            and rows.dtype in _DTYPE_CODES
+            and rows.is_contiguous()
+            and key_cache.stride() == value_cache.stride() == (kv_heads * dim, dim, 1)
+            and slots.dtype == bounds.dtype == torch.int64
+            and slots.is_contiguous()
+            and bounds.is_contiguous()
+            and heads % kv_heads == 0
+        ):
+            raise ValueError("native decode attention: unsupported layout or dtype")
+        out = torch.empty_like(rows)
+        status = self._fn(
+            out.data_ptr(),
+            rows.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slots.data_ptr(),
+            bounds.data_ptr(),
+            num_rows,
+            heads,
+            kv_heads,
+            dim,
+            kv_heads * dim,
+            scale,
+            _DTYPE_CODES[rows.dtype],
+        )
+        if status != 0:
+            raise MemoryError("native decode attention could not allocate its scratch space")
+        return out
+
+
+def load() -> NativeDecode | None:
+    """The kernel, built here first if this machine has no build of it yet; None (with a
+    warning) where it cannot be built."""
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler found: native decode attention is unavailable")
+        return None
+    try:
+        return NativeDecode(ctypes.CDLL(str(_build(cc))))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building native decode attention failed: %s", detail)
+        return None
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, " ".join(FLAGS).encode(), cc.encode(), " ".join(sorted(cpu_flags())).encode()]
+        )
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get(KERNEL_CACHE_ENV) or Path.home() / ".cache" / "quanta" / "kernels")
+    target = cache / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load half a file.
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(built, target)
+    log.info("built native decode attention: %s", target)
+    return target
