@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -117,3 +119,38 @@ def test_core_and_policies_do_not_import_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 560), min_size=1, max_size=60),
+    stop=st.sampled_from([(), ("e",), ("the ", "\n")]),
+    family=st.sampled_from(["opt", "llama"]),
+)
+def test_incremental_detokenizer_emits_what_a_full_decode_would(ids, stop, family):
+    """Step by step, the emitted text adds up to the full decode cut at the first stop string,
+    on the project's byte-level tokenizer: ids that split UTF-8 characters, runs of invalid
+    UTF-8 longer than the window, special ids and ids past the vocabulary included."""
+    decode = _byte_level_decode(family)
+    detok = Detokenizer(decode, stop=stop)
+    out, stopped = "", False
+    for n in range(1, len(ids) + 1):
+        text, stopped = detok.update(ids[:n], final=n == len(ids))
+        out += text
+        if stopped:
+            break
+    full = decode(ids)
+    cuts = [i for s in stop if (i := full.find(s)) >= 0]
+    if stopped:
+        assert cuts and out == full[: min(cuts)]
+    else:
+        assert out == full and not cuts
+
+
+@functools.cache
+def _byte_level_decode(family: str) -> Callable[[Sequence[int]], str]:
+    """The decode of the presets' byte-level BPE tokenizer (``quanta make-model``)."""
+    from quanta.build.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(family)  # type: ignore[arg-type]
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from quanta.cli_options import LinearKernelOpt
+from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt
 
 app = typer.Typer(
     help="Quanta: preemptive, fair, SLO-aware LLM serving for Triton.",
@@ -108,6 +108,10 @@ def bench_engine(
     linear_kernel: Annotated[
         LinearKernelOpt, typer.Option(help="projections: auto, onednn (prepacked) or torch")
     ] = LinearKernelOpt.auto,
+    attention_kernel: Annotated[
+        AttentionKernelOpt,
+        typer.Option(help="decode attention: auto, native, compiled or eager"),
+    ] = AttentionKernelOpt.auto,
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer."""
     from quanta.bench.engine import run_engine_bench
@@ -124,6 +128,7 @@ def bench_engine(
         repeat=repeat,
         dtype=dtype,
         linear_kernel=linear_kernel.value,
+        attention_kernel=attention_kernel.value,
     )
 
 

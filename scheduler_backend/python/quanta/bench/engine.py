@@ -19,7 +19,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from quanta.core.config import CacheConfig, EngineConfig, LinearKernel, SchedulerConfig
+from quanta.core.config import (
+    AttentionKernel,
+    CacheConfig,
+    EngineConfig,
+    LinearKernel,
+    SchedulerConfig,
+)
 from quanta.core.request import SamplingParams
 from quanta.frontends.engine import Engine, build_engine
 
@@ -108,6 +114,7 @@ def run_engine_bench(
     repeat: int = 3,
     dtype: str | None = None,
     linear_kernel: LinearKernel = "auto",
+    attention_kernel: AttentionKernel = "auto",
 ) -> list[BenchRow]:
     """Measure every batch size, print a table, optionally write JSON."""
     if threads:
@@ -121,6 +128,7 @@ def run_engine_bench(
             scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max_batch),
             dtype=dtype,
             linear_kernel=linear_kernel,
+            attention_kernel=attention_kernel,
         )
     )
     info = engine.describe()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,16 @@ class NullRunner:
         )
 
 
+def _text_token(decode: Callable[[list[int]], str], vocab_size: int) -> int:
+    """An id that decodes to whole characters, as a model's output mostly does (an id that is
+    half a UTF-8 character would make every step's text a run of replacement characters)."""
+    for token_id in range(min(100, vocab_size - 1), vocab_size):
+        text = decode([token_id])
+        if text.strip() and "\ufffd" not in text:
+            return token_id
+    return min(100, vocab_size - 1)
+
+
 @dataclass(frozen=True, slots=True)
 class LoopOverhead:
     batch: int
@@ -60,7 +71,7 @@ def measure_loop_overhead(
     block_size = 16
     blocks = batch * -(-(prompt_len + gen_len) // block_size) + batch
     loop = EngineLoop(
-        runner=NullRunner(token_id=min(100, tokenizer.vocab_size - 1)),
+        runner=NullRunner(token_id=_text_token(tokenizer.decode, tokenizer.vocab_size)),
         policy=make_policy(policy, SchedulerConfig(max_num_seqs=batch)),
         blocks=BlockManager(block_size, blocks, 0),
         clock=WallClock(),

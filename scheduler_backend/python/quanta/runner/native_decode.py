@@ -123,7 +123,7 @@ def load() -> NativeDecode | None:
         return None
     try:
         return NativeDecode(ctypes.CDLL(str(_build(cc))))
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building native decode attention failed: %s", detail)
         return None
