@@ -1,4 +1,4 @@
-"""Paged attention over block tables, in plain PyTorch (``scaled_dot_product_attention``).
+"""Paged attention over block tables: SDPA for prefill chunks, a decode kernel for the rest.
 
 A KV tier is ONE tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so
 a swap is a single indexed copy over all layers; a layer sees ``cache[layer]``
@@ -6,10 +6,12 @@ a swap is a single indexed copy over all layers; a layer sees ``cache[layer]``
 slot ``block_table[pos // block_size] * block_size + pos % block_size``.
 
 Every step first writes its new K/V through the slot mapping, then attends over the context
-gathered from the cache: one SDPA call per prefill chunk (the causal mask is offset by the
-chunk's start), and for all single-token (decode) rows together a packed, unpadded
-attention: only the slots each row owns are gathered, one flat ``[N, kv_heads, head_dim]``
-buffer for the whole batch, with a segmented softmax over each row's slots. A padded layout
+in the cache: one SDPA call per prefill chunk (the causal mask is offset by the chunk's
+start), and for all single-token (decode) rows together a packed, unpadded attention over
+the slots each row owns (``DecodeBatch``: the flat slots of every row's context, row after
+row), through the kernel the runner chose (``quanta.runner.decode_kernel``: native C reading
+the slots in place, or ``varlen_decode``'s segmented softmax over one gathered
+``[N, kv_heads, head_dim]`` buffer, compiled or eager). A padded layout
 gathered every row up to the longest context and then had to zero the stale slots (a slot
 past a row's context may hold inf/NaN from an earlier owner, and a masked score still
 multiplies its value); that copy and fill were 56% of a batch-32 decode step. Here a stale
@@ -118,7 +120,6 @@ def build_metadata(
     Per-token indices (slots of new tokens, decode contexts) are computed with tensor ops
     from the per-block tables, so a step's Python work grows with its blocks, not its tokens.
     """
-    kernel = decode_kernel
     kv: list[tuple[int, PagedSeq, list[int]]] = []
     hidden: list[tuple[int, PagedSeq, list[int]]] = []
     offset = 0
@@ -128,7 +129,7 @@ def build_metadata(
         table = _checked_table(seq, per_block, num_blocks)
         (hidden if is_hidden else kv).append((offset, seq, table))
         offset += len(seq.token_ids)
-    meta = _kv_metadata(kv, block_size, device, kernel)
+    meta = _kv_metadata(kv, block_size, device, decode_kernel)
     if not hidden:
         return meta
     kv_rows = [o + i for o, seq, _ in kv for i in range(len(seq.token_ids))]
@@ -137,7 +138,7 @@ def build_metadata(
         prefills=meta.prefills,
         decode=meta.decode,
         kv_rows=torch.tensor(kv_rows, dtype=torch.long, device=device),
-        hidden=_hidden_metadata(hidden, block_size, num_blocks, device, kernel),
+        hidden=_hidden_metadata(hidden, block_size, num_blocks, device, decode_kernel),
     )
 
 
@@ -192,7 +193,7 @@ def _kv_metadata(
             slots=ctx[owned].to(device),
             owner=torch.repeat_interleave(torch.arange(len(decode_rows)), ctx_lens).to(device),
             kernel=kernel,
-            lens=tuple(s + 1 for s, n in zip(starts, counts, strict=True) if n == 1),
+            lens=tuple(ctx_lens.tolist()),
             bounds=_bounds(ctx_lens).to(device),
         )
     return AttentionMetadata(

@@ -103,16 +103,9 @@ def decode_kernel(
 
 
 def _native_kernel(native: native_decode.NativeDecode) -> DecodeKernel:
-    def attend(
-        rows: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        batch: DecodeBatch,
-        scale: float,
-    ) -> torch.Tensor:
-        return native(rows, key_cache, value_cache, batch.slots, batch.bounds, scale)
-
-    return attend
+    return lambda rows, keys, values, batch, scale: native(
+        rows, keys, values, batch.slots, batch.bounds, scale
+    )
 
 
 def _torch_kernel(fn: Callable[..., torch.Tensor]) -> DecodeKernel:
