@@ -19,9 +19,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# curl: the health check; libgomp1: torch's OpenMP runtime on slim images.
+# curl: the health check; libgomp1: torch's OpenMP runtime on slim images; gcc and g++: the
+# engine builds its native decode-attention kernel (C) and torch.compile its fused one (C++)
+# at load, and without them decode attention runs eagerly (slower, never broken).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends curl libgomp1 \
+    && apt-get install -y --no-install-recommends curl libgomp1 gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/quanta

@@ -64,6 +64,7 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
                 "prefill_ratio": q.quanta_prefill_tps / v["prefill_tps"],
                 "dtype": q.dtype,
                 "quanta_linear_kernel": q.linear_kernel,
+                "quanta_attention_kernel": q.attention_kernel,
                 "cpu_isa": q.cpu_isa,
             }
         )
