@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -265,16 +266,36 @@ def _walk_cost(runner: ModelRunner, interval: int, rounds: int = 2000) -> float:
     return 1e6 * (best[True] - best[False])
 
 
+_MIN_DRAWS = 60
+_SWITCH_INTERVAL_S = 1e-4
+
+
 def _abort_trials(
     runner: ModelRunner, step: SchedulerOutput, trials: int, step_s: float, rng: random.Random
 ) -> list[tuple[float, bool]]:
     """(ms from the raise until execute ended, whether it stopped at a safepoint) for
     ``trials`` raises at uniform points of a ``step_s`` step; a raise that came after the
-    step ended is drawn again (at most ``3 * trials`` draws)."""
+    step ended is drawn again (at most ``3 * trials`` draws, and at least 60).
+
+    NOTE: the timer thread needs the GIL to raise, and by default waits up to Python's 5 ms
+    switch interval for it, so on a step of a few ms (a tiny model) most raises landed after
+    the step. The trials run with a 0.1 ms interval: what they measure is how soon a raised
+    signal stops the step, not how soon another thread gets the GIL."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
+    try:
+        return _draw_trials(runner, step, trials, step_s, rng)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _draw_trials(
+    runner: ModelRunner, step: SchedulerOutput, trials: int, step_s: float, rng: random.Random
+) -> list[tuple[float, bool]]:
     from quanta.core.safepoint import AbortSignal, StepAborted
 
     out: list[tuple[float, bool]] = []
-    for _ in range(3 * trials):
+    for _ in range(max(3 * trials, _MIN_DRAWS)):
         if len(out) == trials:
             break
         signal, go, raised = AbortSignal(), threading.Event(), list[float]()
