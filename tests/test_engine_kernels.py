@@ -12,8 +12,8 @@ import pytest
 import torch
 from quanta.runner import ModelRunner, decode_kernel, model_runner, native_decode
 from quanta.runner import cpu as cpu_module
-from quanta.runner.attention import DecodeBatch, varlen_decode
-from quanta.runner.decode_kernel import row_by_row_decode
+from quanta.runner.attention import DecodeBatch
+from quanta.runner.decode_kernel import row_by_row_decode, varlen_decode
 from quanta.runner.linear import PackedLinear, onednn_supports, resolve_kernel
 from runner_helpers import build_hf_checkpoint
 from torch import nn

@@ -10,7 +10,7 @@ in the cache: one SDPA call per prefill chunk (the causal mask is offset by the 
 start), and for all single-token (decode) rows together a packed, unpadded attention over
 the slots each row owns (``DecodeBatch``: the flat slots of every row's context, row after
 row), through the kernel the runner chose (``quanta.runner.decode_kernel``: native C reading
-the slots in place, or ``varlen_decode``'s segmented softmax over one gathered
+the slots in place, or ``decode_kernel.varlen_decode``'s segmented softmax over one gathered
 ``[N, kv_heads, head_dim]`` buffer, compiled or eager). A padded layout
 gathered every row up to the longest context and then had to zero the stale slots (a slot
 past a row's context may hold inf/NaN from an earlier owner, and a masked score still
@@ -433,35 +433,3 @@ def _attend_decode(
     """The decode rows of ``q`` ([T, H, D]) against their packed contexts -> [B, H, D]."""
     rows = q.index_select(0, batch.token_index)
     return batch.kernel(rows, key_cache, value_cache, batch, scale)
-
-
-def varlen_decode(
-    rows: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slots: torch.Tensor,
-    owner: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of B query rows ``[B, H, D]`` over their packed contexts: scores per (slot,
-    head), a softmax per row's segment, then the weighted sum of its values. Scores and
-    weights are fp32 whatever the cache dtype. Caches are flat ``[slots, KVH, D]``.
-
-    Written as whole-tensor ops so ``torch.compile`` can fuse it into one loop
-    (``quanta.runner.decode_kernel``); run eagerly it makes one pass per op."""
-    heads, kv_heads = rows.shape[1], key_cache.shape[1]
-    keys = key_cache.index_select(0, slots).float()  # [N, KVH, D]
-    vals = value_cache.index_select(0, slots).float()
-    if heads != kv_heads:  # grouped-query: each KV head serves heads // kv_heads query heads
-        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
-        vals = vals.repeat_interleave(heads // kv_heads, dim=1)
-    queries = rows.float()
-    scores = (queries.index_select(0, owner) * keys).sum(-1) * scale  # [N, H]
-    num_rows = queries.shape[0]
-    peak = torch.full((num_rows, heads), float("-inf"), device=rows.device)
-    peak = peak.scatter_reduce(0, owner[:, None].expand(-1, heads), scores, "amax")
-    weights = torch.exp(scores - peak.index_select(0, owner))
-    total = torch.zeros((num_rows, heads), device=rows.device).index_add(0, owner, weights)
-    out = torch.zeros((num_rows, heads, queries.shape[2]), device=rows.device)
-    out = out.index_add(0, owner, weights[:, :, None] * vals)
-    return (out / total[:, :, None]).to(rows.dtype)

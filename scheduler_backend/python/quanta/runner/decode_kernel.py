@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from quanta.core.config import AttentionKernel
 from quanta.runner import native_decode
-from quanta.runner.attention import DecodeBatch, DecodeKernel, varlen_decode
+from quanta.runner.attention import DecodeBatch, DecodeKernel
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,38 @@ def row_by_row_decode(
         out[i] = attn[0, :, 0]
         start = end
     return out
+
+
+def varlen_decode(
+    rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    owner: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of B query rows ``[B, H, D]`` over their packed contexts: scores per (slot,
+    head), a softmax per row's segment, then the weighted sum of its values. Scores and
+    weights are fp32 whatever the cache dtype. Caches are flat ``[slots, KVH, D]``.
+
+    Written as whole-tensor ops so ``torch.compile`` can fuse it into one loop (``_compile``);
+    run eagerly it makes one pass per op."""
+    heads, kv_heads = rows.shape[1], key_cache.shape[1]
+    keys = key_cache.index_select(0, slots).float()  # [N, KVH, D]
+    vals = value_cache.index_select(0, slots).float()
+    if heads != kv_heads:  # grouped-query: each KV head serves heads // kv_heads query heads
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        vals = vals.repeat_interleave(heads // kv_heads, dim=1)
+    queries = rows.float()
+    scores = (queries.index_select(0, owner) * keys).sum(-1) * scale  # [N, H]
+    num_rows = queries.shape[0]
+    peak = torch.full((num_rows, heads), float("-inf"), device=rows.device)
+    peak = peak.scatter_reduce(0, owner[:, None].expand(-1, heads), scores, "amax")
+    weights = torch.exp(scores - peak.index_select(0, owner))
+    total = torch.zeros((num_rows, heads), device=rows.device).index_add(0, owner, weights)
+    out = torch.zeros((num_rows, heads, queries.shape[2]), device=rows.device)
+    out = out.index_add(0, owner, weights[:, :, None] * vals)
+    return (out / total[:, :, None]).to(rows.dtype)
 
 
 def _compile() -> Callable[..., torch.Tensor]:
