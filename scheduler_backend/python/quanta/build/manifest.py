@@ -84,11 +84,14 @@ class WeightFile(_Frozen):
 
 
 class Source(_Frozen):
-    """The checkpoint the engine was built from: every file's digest and one over all."""
+    """The checkpoint the engine was built from: every file's digest and one over all; for a
+    GGUF file, also the quantization its weights were stored in before dequantizing."""
 
     path: str
     sha256: str
     files: dict[str, str]
+    format: Literal["hf", "gguf"] = "hf"
+    quantization: str | None = None
 
 
 class EngineManifest(_Frozen):

@@ -110,6 +110,12 @@ class PackedLinear(Projection):
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         assert self.activation == "none", "a residual projection has no activation"
+        if self.packed_weight.dtype != torch.float32:
+            # NOTE: in bf16 the product is rounded before the add, as HF and F.linear do.
+            # oneDNN's fused add post-op rounds differently, and on a real model whose residual
+            # stream reaches 10^4 (SmolLM2) that flipped greedy answers against HF's bf16 ones
+            # ("Paris" became noise); in fp32 the post-op is bit-identical and stays fused.
+            return self(x).add_(residual)
         return torch.ops.mkldnn._linear_pointwise.binary(
             x, residual.contiguous(), self.packed_weight, self.bias, "add"
         )

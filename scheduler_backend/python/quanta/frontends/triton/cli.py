@@ -26,8 +26,8 @@ def serve(
     model: Annotated[
         Path | None,
         typer.Argument(
-            help="engine (quanta build) or HF checkpoint directory to serve; without it, the "
-            "model repository"
+            help="engine (quanta build), HF checkpoint directory, LLaMA .gguf file or a "
+            "`quanta fetch-model` catalogue name to serve; without it, the model repository"
         ),
     ] = None,
     model_repository: Annotated[
@@ -144,6 +144,7 @@ def serve(
     ] = 5,
 ) -> None:
     """Serve MODEL, or the model repository, through tritonserver (HTTP, gRPC, metrics)."""
+    from quanta.frontends.openai.server import model_dir_from_repository
     from quanta.frontends.triton.check import check_path
     from quanta.frontends.triton.launcher import LaunchError, ServerOptions, TritonServer
     from quanta.frontends.triton.model_entry import EntryError, served_parameters, write_entry
@@ -176,6 +177,7 @@ def serve(
         if model is not None:
             if model_repository is not None:
                 raise typer.BadParameter("give MODEL or --model-repository, not both")
+            model = _resolve_model(model, dtype)
             try:
                 repo = write_entry(Path(tmp), served, model, flags)
             except EntryError as exc:
@@ -228,7 +230,10 @@ def serve(
                 gateway = _start_gateway(server, repo, host, openai_port, model_name, state_dir)
                 typer.echo(f"OpenAI  {gateway.url}/v1")
             if demo is not None:
-                _demo(server.http_url, model_name, demo)
+                entry = model if model is not None else model_dir_from_repository(repo, model_name)
+                _demo(
+                    server.http_url, model_name, demo, entry, gateway and gateway.url
+                )
                 return
             typer.echo("ready; Ctrl-C stops the server")
             code = supervise(server, max_restarts, ready_timeout)
@@ -305,12 +310,63 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _demo(url: str, model: str, prompt: str) -> None:
+def _resolve_model(model: Path, dtype: str | None) -> Path:
+    """A catalogue name or a ``.gguf`` file becomes its cached engine; a directory stays."""
+    from quanta.build.cli import engine_from_gguf
+    from quanta.build.fetch import CATALOGUE, FetchError, fetch_gguf
+
+    if not model.exists() and str(model) in CATALOGUE:
+        try:
+            model = fetch_gguf(str(model))
+        except FetchError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+    if model.is_file() and model.suffix == ".gguf":
+        typer.echo(f"engine for {model.name} (built once, then cached) ...")
+        return engine_from_gguf(model, dtype)
+    return model
+
+
+def _demo(
+    url: str, model: str, prompt: str, model_dir: Path | None, gateway_url: str | None
+) -> None:
+    """One greedy answer through Triton and, when the gateway runs, one through the OpenAI
+    chat endpoint. A chat model gets its own template on the Triton request too, so both
+    answer the question rather than continue its text."""
+    import json
+    import urllib.request
+
     from quanta.core.request import SamplingParams
+    from quanta.frontends.openai.chat import ChatTemplate
+    from quanta.frontends.openai.protocol import ChatMessage
     from quanta.frontends.triton.client import generate
 
+    template = ChatTemplate.from_model_dir(model_dir) if model_dir is not None else None
+    text = prompt
+    if template is not None and template.has_own_template:
+        text = template.render([ChatMessage(role="user", content=prompt)])
     typer.echo(f"> {prompt}")
-    params = SamplingParams(max_tokens=32, temperature=0.0)
-    for piece in generate(url, prompt, params, model=model, stream=True):
+    params = SamplingParams(max_tokens=_DEMO_TOKENS, temperature=0.0)
+    typer.echo("triton: ", nl=False)
+    for piece in generate(url, text, params, model=model, stream=True):
         typer.echo(piece, nl=False)
     typer.echo()
+    if gateway_url is None:
+        return
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": _DEMO_TOKENS,
+        "temperature": 0.0,
+    }
+    request = urllib.request.Request(
+        f"{gateway_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.loads(response.read())
+    typer.echo(f"openai: {answer['choices'][0]['message']['content']}")
+
+
+_DEMO_TOKENS = 48

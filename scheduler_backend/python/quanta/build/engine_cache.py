@@ -1,0 +1,48 @@
+"""Engines built on demand from GGUF files, kept in the cache and reused.
+
+Why: ``quanta serve MODEL.gguf`` and ``quanta fetch-model`` should cost a dequantization once,
+not at every start. An engine is keyed by the GGUF file's digest and the serving dtype, so a
+changed file or another dtype builds anew and a matching engine is reused as it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from quanta.build.engine_build import BuildOptions, Progress, build_engine_dir
+from quanta.build.fetch import cache_dir
+from quanta.build.manifest import read_manifest, sha256_file
+from quanta.runner.model_runner import resolve_dtype
+
+
+def engine_for_gguf(
+    gguf: Path,
+    *,
+    dtype: str | None = None,
+    cache: Path | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """The engine directory for ``gguf`` in ``dtype`` (default: the machine's fastest),
+    built the first time and found in the cache afterwards."""
+    gguf = Path(gguf)
+    digest = sha256_file(gguf)
+    dtype_name = str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
+    out = (cache or cache_dir()) / "engines" / f"{gguf.stem}-{dtype_name}-{digest[:12]}"
+    if _matches(out, digest, dtype_name):
+        return out
+    options = BuildOptions(name=gguf.stem, dtype=dtype_name)  # type: ignore[arg-type]
+    try:
+        build_engine_dir(gguf, out, options, overwrite=True, progress=progress)
+    except FileExistsError:
+        if not _matches(out, digest, dtype_name):  # another process built it meanwhile
+            raise
+    return out
+
+
+def _matches(engine: Path, digest: str, dtype: str) -> bool:
+    if not engine.is_dir():
+        return False
+    manifest = read_manifest(engine)
+    return manifest is not None and manifest.source.sha256 == digest and manifest.dtype == dtype
