@@ -14,9 +14,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf_helpers import permute_rope_rows, write_gguf
 from quanta.build.checkpoint import make_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
+from quanta.build.gguf_export import permute_rope_rows, write_gguf
 from quanta.build.gguf_import import gguf_to_checkpoint, unpermute_rope_rows
 from quanta.build.manifest import read_manifest
 from quanta.core.request import SamplingParams
@@ -147,9 +147,7 @@ def test_a_transformers_5_checkpoint_with_rope_parameters_loads(tmp_path):
     if "rope_parameters" not in raw:
         pytest.skip("the installed transformers writes the 4.x layout")
     assert "rope_theta" not in raw and "rope_scaling" not in raw
-    runner = ModelRunner(
-        tmp_path / "ck", num_device_blocks=16, num_host_blocks=0, dtype="float32"
-    )
+    runner = ModelRunner(tmp_path / "ck", num_device_blocks=16, num_host_blocks=0, dtype="float32")
     prompt = list(range(3, 90))
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]

@@ -1,8 +1,10 @@
 """Write a GGUF file from an HF-layout LLaMA checkpoint, the way llama.cpp's converter does.
 
-The tests need GGUF files whose every byte they know: the q/k rows are permuted with
-llama.cpp's own formula, the tokenizer goes in as token list, token types and merges, and
-tensors are stored as F32 or quantized with the ``gguf`` library's reference quantizer.
+Why Quanta writes GGUF at all: to hand llama.cpp exactly the weights Quanta serves (the quality
+and speed benchmarks run llama.cpp at F16 on a dequantized model), and to give the import tests
+files whose every byte is known. The q/k rows are permuted with llama.cpp's own formula, the
+tokenizer goes in as token list, token types and merges, and tensors are stored as F32, F16 or
+quantized with the ``gguf`` library's reference quantizer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 from safetensors.numpy import load_file
+
+from quanta.runner.models.loader import checkpoint_files
 
 _NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -64,15 +68,21 @@ def write_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     arch: str = "llama",
     tokenizer_model: str = "gpt2",
-    pre: str = "gpt-2",
+    pre: str | None = None,
     chat_template: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``checkpoint`` as GGUF to ``out``; returns the HF-named float32 arrays a correct
-    reader must recover (after quantization, in HF's row order)."""
+    reader must recover (after quantization, in HF's row order). ``pre`` defaults to what
+    the checkpoint's tokenizer.json splits like; ``arch``, ``tokenizer_model`` and ``pre``
+    may name what Quanta cannot read, for the tests of its refusals."""
     config = json.loads((checkpoint / "config.json").read_text())
-    tensors = load_file(str(checkpoint / "model.safetensors"))
+    tensors: dict[str, np.ndarray] = {}
+    for path in checkpoint_files(checkpoint):
+        tensors |= {k: v.astype(np.float32) for k, v in load_file(str(path)).items()}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), arch)
+    file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{qtype.name}"
+    writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -82,12 +92,14 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
     _add_tokenizer(writer, checkpoint, config, tokenizer_model, pre)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    template = chat_template or _checkpoint_template(checkpoint)
+    if template is not None:
+        writer.add_chat_template(template)
     expected: dict[str, np.ndarray] = {}
     for name, array in sorted(tensors.items()):
-        array = array.astype(np.float32)
         if name.endswith("q_proj.weight"):
             array_gguf = permute_rope_rows(array, heads)
         elif name.endswith("k_proj.weight"):
@@ -106,8 +118,23 @@ def write_gguf(
     return expected
 
 
+def _checkpoint_template(checkpoint: Path) -> str | None:
+    path = checkpoint / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    template = config.get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _pre_name(spec: dict) -> str:
+    """llama.cpp's name for the split tokenizer.json's pre-tokenizer makes."""
+    text = json.dumps(spec.get("pre_tokenizer"))
+    if '"Digits"' in text:
+        return "smollm"
+    return "llama-bpe" if '"Split"' in text else "gpt-2"
+
+
 def _add_tokenizer(
-    writer: gguf.GGUFWriter, checkpoint: Path, config: dict, model: str, pre: str
+    writer: gguf.GGUFWriter, checkpoint: Path, config: dict, model: str, pre: str | None
 ) -> None:
     spec = json.loads((checkpoint / "tokenizer.json").read_text())
     vocab: dict[str, int] = spec["model"]["vocab"]
@@ -115,10 +142,16 @@ def _add_tokenizer(
     specials = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     writer.add_tokenizer_model(model)
-    writer.add_tokenizer_pre(pre)
+    writer.add_tokenizer_pre(pre or _pre_name(spec))
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in specials else 1 for t in tokens])
     writer.add_token_merges(merges)
     writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_add_bos_token(True)
+    writer.add_eos_token_id(_first(config["eos_token_id"]))
+    tok_config_path = checkpoint / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token", True)))
+
+
+def _first(value: int | list[int]) -> int:
+    return value[0] if isinstance(value, list) else value
