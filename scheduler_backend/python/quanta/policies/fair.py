@@ -25,10 +25,9 @@ from quanta.core.decision import Decision
 from quanta.core.output import RunnerOutput
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
+from quanta.policies.common import QUEUE_RANK
 from quanta.policies.interactions import InteractionTracker, ServiceCounters
 from quanta.policies.stages import Ordering, Ranking
-
-_GROUP = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
 
 
 class _CounterOrder(Ordering):
@@ -53,7 +52,7 @@ class _CounterOrder(Ordering):
         return Ranking(order, {r.request_id: float(i // seats) for i, r in enumerate(order)})
 
     def _rank_key(self, r: Request, now: float) -> tuple[float, ...]:
-        group = _GROUP[r.status]
+        group = QUEUE_RANK[r.status]
         if group == 0:
             return (0, 0, 0.0, r.arrival_time)
         return (group, *self._key(r, now), r.arrival_time)

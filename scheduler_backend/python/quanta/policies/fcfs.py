@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
-from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
+from quanta.policies.common import arrival_key
 from quanta.policies.stages import Ordering, Placement, Ranking
-
-_GROUP = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
 
 
 class ArrivalOrder(Ordering):
@@ -27,7 +25,7 @@ class ArrivalOrder(Ordering):
         self.cost = cost
 
     def rank(self, view: SchedulerView) -> Ranking:
-        order = sorted(view.candidates, key=_key)
+        order = sorted(view.candidates, key=arrival_key)
         q = self.cost.min_iteration_time if self.cost is not None else 1.0
         seats = self.config.max_num_seqs
         return Ranking(order, {r.request_id: (i // seats) * q for i, r in enumerate(order)})
@@ -38,7 +36,3 @@ class ReactivePreemption(Placement):
 
     def __init__(self, *, allow_swap: bool = True) -> None:
         self.evict_mode = PreemptMode.SWAP if allow_swap else PreemptMode.RECOMPUTE
-
-
-def _key(req: Request) -> tuple[int, float, str]:
-    return (_GROUP[req.status], req.arrival_time, req.request_id)

@@ -16,13 +16,9 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.costmodel import PRESETS, CostModel, get_profile, load_profile
 from quanta.policies.adaptive import AdaptivePacker, CacheMode, Fallback
-from quanta.policies.coserve import (
-    ClassLanes,
-    ClassOrder,
-    CoservePacker,
-    CoservePlacement,
-    OnlineOnlyLanes,
-)
+from quanta.policies.coserve import ClassLanes, ClassOrder, OnlineOnlyLanes
+from quanta.policies.coserve_packer import CoservePacker
+from quanta.policies.coserve_placement import CoservePlacement
 from quanta.policies.fair import VTCOrder, WSCOrder
 from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
 from quanta.policies.interactions import InteractionTracker
@@ -319,8 +315,8 @@ def _apt(config: SchedulerConfig, o: AptOptions) -> dict[str, Stage]:
 def _conserve(config: SchedulerConfig, o: ConserveOptions) -> dict[str, Stage]:
     cost = o.cost()
     return {
-        "lanes": ClassLanes(),
-        "packer": CoservePacker(config, cost, tpot_slo_s=o.tpot_slo_s),
+        "lanes": ClassLanes(config, cost, tpot_slo_s=o.tpot_slo_s),
+        "packer": CoservePacker(config, cost),
         "placement": CoservePlacement(
             cost,
             evict_mode=PreemptMode.SWAP if o.allow_swap else PreemptMode.RECOMPUTE,
@@ -337,7 +333,7 @@ def _conserve(config: SchedulerConfig, o: ConserveOptions) -> dict[str, Stage]:
 def _online_only(config: SchedulerConfig, o: OnlineOnlyOptions) -> dict[str, Stage]:
     mode = PreemptMode.SWAP if o.allow_swap else PreemptMode.RECOMPUTE
     return {
-        "lanes": OnlineOnlyLanes(),
+        "lanes": OnlineOnlyLanes(config),
         "packer": CoservePacker(config, None),
         "placement": CoservePlacement(None, evict_mode=mode),
     }
