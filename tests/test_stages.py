@@ -30,7 +30,7 @@ from quanta.policies.mlfq import SkipJoinMLFQ
 from quanta.policies.mlfq_memory import ProactiveSwap
 from quanta.policies.packers import InOrderPacker, PriorityPacker
 from quanta.policies.stages import Admission, Lane, Observer, Placement, Ranking, Stage
-from quanta.policies.systems import System, SystemOptions
+from quanta.policies.systems import Stages, System, SystemOptions
 
 
 def request(rid: str, prompt: int, out: int = 8, t: float = 0.0) -> Request:
@@ -281,19 +281,13 @@ class _Hidden(Stage):
 COUNTERS: list[_Count] = []
 
 
-def _gate_stages(config: SchedulerConfig, o: _GateOptions) -> dict[str, Stage]:
+def _gate_stages(config: SchedulerConfig, o: _GateOptions) -> Stages:
     COUNTERS.append(_Count())
-    return {"admission": _Gate(), "observer": COUNTERS[-1]}
+    return Stages(admission=_Gate(), observers=(COUNTERS[-1],))
 
 
-register_system(
-    System("test-gate", _GateOptions, _gate_stages, frozenset({"admission", "observer"}))
-)
-register_system(
-    System(
-        "test-hidden", SystemOptions, lambda c, o: {"observer": _Hidden()}, frozenset({"observer"})
-    )
-)
+register_system(System("test-gate", _GateOptions, _gate_stages))
+register_system(System("test-hidden", SystemOptions, lambda c, o: Stages(observers=(_Hidden(),))))
 
 
 def test_two_systems_that_supply_the_same_stage_are_refused():

@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import Field
+
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.output import RunnerCapabilities
@@ -31,9 +33,11 @@ from quanta.core.request import CacheKind, Request
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.common import residents
+from quanta.policies.fcfs import ReactivePreemption
 from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack
 from quanta.policies.packers import chunk
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
+from quanta.policies.systems import ProfileOptions, Stages, System
 
 CacheMode = Literal["hybrid", "kv", "hidden"]
 Fallback = Literal["zero", "decay"]
@@ -233,3 +237,52 @@ class _Step:
 
 def _pending(queue: list[Request], now: float) -> float:
     return sum(r.pending_time(now) for r in queue)
+
+
+class AptOptions(ProfileOptions):
+    """Apt-Serve: the hybrid cache, the SLOs its values fall back past, and rho."""
+
+    cache: CacheMode = Field(
+        "hybrid", description="hybrid: KV or hidden per request; kv: KV only; hidden: hidden only"
+    )
+    rho: float | None = Field(
+        None,
+        ge=0,
+        description="extra step seconds per KV block of a hidden request's context "
+        "(default: the profile's)",
+    )
+    ttft_slo_s: float | None = Field(1.0, gt=0, description="default TTFT SLO (None: none)")
+    tbt_slo_s: float | None = Field(
+        1.0, gt=0, description="default time-between-tokens SLO (None: none)"
+    )
+    fallback: Fallback = Field(
+        "zero", description="a request past its SLO: zero: worth ~0; decay: worth decay x"
+    )
+    decay: float = Field(0.4, gt=0, le=1)
+    allow_swap: bool = Field(
+        False, description="evict to host when it has room (else recompute, as Apt-Serve)"
+    )
+
+
+def _apt(config: SchedulerConfig, o: AptOptions) -> Stages:
+    packer = AdaptivePacker(
+        config,
+        o.cost(),
+        cache=o.cache,
+        ttft_slo_s=o.ttft_slo_s,
+        tbt_slo_s=o.tbt_slo_s,
+        fallback=o.fallback,
+        decay=o.decay,
+        rho=o.rho,
+    )
+    return Stages(packer=packer, placement=ReactivePreemption(allow_swap=o.allow_swap))
+
+
+SYSTEMS = [
+    System(
+        "apt",
+        AptOptions,
+        _apt,
+        doc="Apt-Serve: adaptive scheduling with a hybrid KV / hidden cache",
+    )
+]

@@ -20,13 +20,21 @@ The two baselines of the paper's experiments share the lanes:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+
+from pydantic import Field
 
 from quanta.core.config import SchedulerConfig
+from quanta.core.decision import PreemptMode
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.common import OFFLINE, ONLINE, arrival_key, is_online, largest
+from quanta.policies.coserve_packer import CoservePacker
+from quanta.policies.coserve_placement import CoservePlacement
+from quanta.policies.fcfs import FCFSOptions, fcfs_stages
 from quanta.policies.stages import Lane, Lanes, Ordering, Ranking
+from quanta.policies.systems import ProfileOptions, Stages, System, SystemOptions
 
 
 def tpot_slo(req: Request, default: float) -> float:
@@ -125,3 +133,85 @@ class OnlineOnlyLanes(ClassLanes):
 
     def hold(self, online: list[Request], offline: list[Request]) -> list[Request]:
         return [] if online else offline
+
+
+# -- the systems ---------------------------------------------------------------------------
+class ConserveOptions(ProfileOptions):
+    """ConServe: the SLOs the online budget keeps, and the ways offline work yields."""
+
+    ttft_slo_s: float = Field(1.5, gt=0, description="default online TTFT SLO (P99, seconds)")
+    tpot_slo_s: float = Field(0.11, gt=0, description="default online TPOT SLO (seconds)")
+    safepoints: bool = Field(
+        True, description="stop offline-only steps at layer safepoints for online arrivals"
+    )
+    checkpoint: bool = Field(True, description="copy offline KV to host incrementally")
+    checkpoint_threshold: float = Field(
+        0.5, gt=0, le=1, description="free device fraction below which checkpointing starts"
+    )
+    prefetch: bool = Field(True, description="swap preempted offline work back in, ahead")
+    prefetch_blocks: int | None = Field(
+        None, ge=1, description="blocks prefetched per step (default: an eighth of the pool)"
+    )
+    allow_swap: bool = Field(
+        True, description="offline work without a full checkpoint yields by swap (else recompute)"
+    )
+
+
+class OnlineOnlyOptions(SystemOptions):
+    allow_swap: bool = Field(True, description="evict to host when it has room (else recompute)")
+
+
+def _mode(allow_swap: bool) -> PreemptMode:
+    return PreemptMode.SWAP if allow_swap else PreemptMode.RECOMPUTE
+
+
+def _conserve(config: SchedulerConfig, o: ConserveOptions) -> Stages:
+    cost = o.cost()
+    return Stages(
+        lanes=ClassLanes(config, cost, tpot_slo_s=o.tpot_slo_s),
+        packer=CoservePacker(config, cost),
+        placement=CoservePlacement(
+            cost,
+            evict_mode=_mode(o.allow_swap),
+            ttft_slo_s=o.ttft_slo_s,
+            safepoints=o.safepoints,
+            checkpoint=o.checkpoint,
+            checkpoint_threshold=o.checkpoint_threshold,
+            prefetch=o.prefetch,
+            prefetch_blocks=o.prefetch_blocks,
+        ),
+    )
+
+
+def _online_only(config: SchedulerConfig, o: OnlineOnlyOptions) -> Stages:
+    return Stages(
+        lanes=OnlineOnlyLanes(config),
+        packer=CoservePacker(config, None),
+        placement=CoservePlacement(None, evict_mode=_mode(o.allow_swap)),
+    )
+
+
+def _class_priority(config: SchedulerConfig, o: FCFSOptions) -> Stages:
+    return replace(fcfs_stages(config, o), ordering=ClassOrder(config))
+
+
+SYSTEMS = [
+    System(
+        "conserve",
+        ConserveOptions,
+        _conserve,
+        doc="ConServe: online under an SLO budget, preemptible offline work",
+    ),
+    System(
+        "online-only",
+        OnlineOnlyOptions,
+        _online_only,
+        doc="offline work held back while online work is in flight",
+    ),
+    System(
+        "priority",
+        FCFSOptions,
+        _class_priority,
+        doc="online first in the queue, no preemption for newcomers (vLLM's priority)",
+    ),
+]

@@ -9,12 +9,16 @@ arrival order; the first that does not fit blocks the queue (strict FCFS).
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.common import arrival_key
+from quanta.policies.packers import InOrderPacker
 from quanta.policies.stages import Ordering, Placement, Ranking
+from quanta.policies.systems import Stages, System, SystemOptions
 
 
 class ArrivalOrder(Ordering):
@@ -36,3 +40,18 @@ class ReactivePreemption(Placement):
 
     def __init__(self, *, allow_swap: bool = True) -> None:
         self.evict_mode = PreemptMode.SWAP if allow_swap else PreemptMode.RECOMPUTE
+
+
+class FCFSOptions(SystemOptions):
+    allow_swap: bool = Field(True, description="evict to host when it has room (else recompute)")
+
+
+def fcfs_stages(config: SchedulerConfig, o: FCFSOptions) -> Stages:
+    return Stages(
+        ordering=ArrivalOrder(config),
+        packer=InOrderPacker(config),
+        placement=ReactivePreemption(allow_swap=o.allow_swap),
+    )
+
+
+SYSTEMS = [System("fcfs", FCFSOptions, fcfs_stages, doc="vLLM's FCFS")]

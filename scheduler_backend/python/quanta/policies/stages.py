@@ -31,8 +31,6 @@ from quanta.core.plan import StepPlan
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 
-STAGES = ("admission", "ordering", "lanes", "packer", "placement", "observer")
-
 
 class Stage:
     """Base of every stage: the events a stage may learn from (all no-ops here)."""
