@@ -312,6 +312,28 @@ def test_a_stack_takes_each_stage_from_its_system_and_routes_options():
         parse_policy("sj-mlfq", {"starve_limit": -1})
 
 
+class _ShapeOptions(SystemOptions):
+    gate: bool = False
+
+
+register_system(
+    System(
+        "test-shape-shifter",
+        _ShapeOptions,
+        lambda c, o: Stages(admission=_Gate()) if o.gate else Stages(ordering=ArrivalOrder(c)),
+    )
+)
+
+
+def test_a_systems_slots_are_what_its_builder_returns_whatever_its_options():
+    assert parse_policy("test-gate").parts[0].system.slots == {"admission"}
+    assert parse_policy("sj-mlfq").parts[0].system.slots == {"ordering", "packer", "placement"}
+    with pytest.raises(ValueError, match="both supply the ordering stage"):
+        parse_policy("test-shape-shifter+fcfs")
+    with pytest.raises(ValueError, match="slots must not depend on its options"):
+        make_policy("test-shape-shifter", SchedulerConfig(), gate=True)
+
+
 def test_a_stacked_admission_stage_throttles_and_every_event_reaches_the_observer(make_loop):
     loop = make_loop(policy="test-gate+sj-mlfq")
     ok, blocked = make_requests(2, max_tokens=3)
