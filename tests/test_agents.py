@@ -17,7 +17,7 @@ from quanta.core.view import SchedulerView
 from quanta.costmodel import PRESETS
 from quanta.policies import register_system
 from quanta.policies.stages import Admission
-from quanta.policies.systems import System, SystemOptions
+from quanta.policies.systems import Stages, System, SystemOptions
 from quanta.sim import SimSetup, simulate, summarize
 from quanta.sim.fairness import fairness
 from quanta.workloads import (
@@ -51,8 +51,7 @@ register_system(
     System(
         "test-refuse-bad",
         SystemOptions,
-        lambda config, o: {"admission": _RefuseStageOneOfBad()},
-        frozenset({"admission"}),
+        lambda config, o: Stages(admission=_RefuseStageOneOfBad()),
     )
 )
 

@@ -17,7 +17,8 @@ from quanta.core.loop import EngineLoop
 from quanta.core.request import Request, RequestMetadata, RequestStatus, SamplingParams
 from quanta.costmodel import get_profile
 from quanta.policies import make_policy
-from quanta.policies.coserve import CoservePlacement, MissesTTFT, slo_token_budget
+from quanta.policies.coserve import slo_token_budget
+from quanta.policies.coserve_placement import CoservePlacement, MissesTTFT
 
 COST = get_profile("a100-opt13b")
 

@@ -26,7 +26,7 @@ from quanta.core.view import SchedulerView
 from quanta.policies import register_system
 from quanta.policies.packers import chunk
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
-from quanta.policies.systems import System, SystemOptions
+from quanta.policies.systems import Stages, System, SystemOptions
 from quanta.runner import ModelRunner
 from runner_helpers import FakeRequest, ToyScheduler, build_hf_checkpoint, hf_greedy
 
@@ -226,12 +226,12 @@ class _KindPacker(Packer):
 PACKERS: list[_KindPacker] = []
 
 
-def _kind_stages(config: SchedulerConfig, o: _KindOptions) -> dict[str, Any]:
+def _kind_stages(config: SchedulerConfig, o: _KindOptions) -> Stages:
     PACKERS.append(_KindPacker(config, o))
-    return {"packer": PACKERS[-1]}
+    return Stages(packer=PACKERS[-1])
 
 
-register_system(System("test-cache-kinds", _KindOptions, _kind_stages, frozenset({"packer"})))
+register_system(System("test-cache-kinds", _KindOptions, _kind_stages))
 
 
 @pytest.fixture(scope="module")

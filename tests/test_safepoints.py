@@ -258,6 +258,9 @@ class Wrapped:
     def on_finish(self, request: Request) -> None:
         self.inner.on_finish(request)
 
+    def on_abort(self, decision: Decision) -> None:
+        self.inner.on_abort(decision)
+
 
 def _online_stops_it(request: Request, now: float) -> bool:
     return request.metadata.priority_class == "online"

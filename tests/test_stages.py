@@ -30,7 +30,7 @@ from quanta.policies.mlfq import SkipJoinMLFQ
 from quanta.policies.mlfq_memory import ProactiveSwap
 from quanta.policies.packers import InOrderPacker, PriorityPacker
 from quanta.policies.stages import Admission, Lane, Observer, Placement, Ranking, Stage
-from quanta.policies.systems import System, SystemOptions
+from quanta.policies.systems import Stages, System, SystemOptions
 
 
 def request(rid: str, prompt: int, out: int = 8, t: float = 0.0) -> Request:
@@ -281,19 +281,13 @@ class _Hidden(Stage):
 COUNTERS: list[_Count] = []
 
 
-def _gate_stages(config: SchedulerConfig, o: _GateOptions) -> dict[str, Stage]:
+def _gate_stages(config: SchedulerConfig, o: _GateOptions) -> Stages:
     COUNTERS.append(_Count())
-    return {"admission": _Gate(), "observer": COUNTERS[-1]}
+    return Stages(admission=_Gate(), observers=(COUNTERS[-1],))
 
 
-register_system(
-    System("test-gate", _GateOptions, _gate_stages, frozenset({"admission", "observer"}))
-)
-register_system(
-    System(
-        "test-hidden", SystemOptions, lambda c, o: {"observer": _Hidden()}, frozenset({"observer"})
-    )
-)
+register_system(System("test-gate", _GateOptions, _gate_stages))
+register_system(System("test-hidden", SystemOptions, lambda c, o: Stages(observers=(_Hidden(),))))
 
 
 def test_two_systems_that_supply_the_same_stage_are_refused():
@@ -316,6 +310,28 @@ def test_a_stack_takes_each_stage_from_its_system_and_routes_options():
         parse_policy("test-gate+sj-mlfq", {"nonsense": 1})
     with pytest.raises(ValueError, match="starve_limit: Input should be greater than 0"):
         parse_policy("sj-mlfq", {"starve_limit": -1})
+
+
+class _ShapeOptions(SystemOptions):
+    gate: bool = False
+
+
+register_system(
+    System(
+        "test-shape-shifter",
+        _ShapeOptions,
+        lambda c, o: Stages(admission=_Gate()) if o.gate else Stages(ordering=ArrivalOrder(c)),
+    )
+)
+
+
+def test_a_systems_slots_are_what_its_builder_returns_whatever_its_options():
+    assert parse_policy("test-gate").parts[0].system.slots == {"admission"}
+    assert parse_policy("sj-mlfq").parts[0].system.slots == {"ordering", "packer", "placement"}
+    with pytest.raises(ValueError, match="both supply the ordering stage"):
+        parse_policy("test-shape-shifter+fcfs")
+    with pytest.raises(ValueError, match="slots must not depend on its options"):
+        make_policy("test-shape-shifter", SchedulerConfig(), gate=True)
 
 
 def test_a_stacked_admission_stage_throttles_and_every_event_reaches_the_observer(make_loop):

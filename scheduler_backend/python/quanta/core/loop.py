@@ -279,9 +279,7 @@ class EngineLoop:
         if raised is not None:
             self.last_abort = (raised, self.clock.now())
         log.info("step of %d requests stopped at a safepoint", len(decision.run))
-        on_abort = getattr(self.policy, "on_abort", None)  # NOTE: optional in the protocol
-        if on_abort is not None:
-            on_abort(decision)
+        self.policy.on_abort(decision)
         self._stats = self._snapshot()
 
     def _count_preemptions(self, decision: Decision) -> None:

@@ -44,6 +44,12 @@ class Policy(Protocol):
         per request, whatever way it ended)."""
         ...
 
+    def on_abort(self, decision: Decision) -> None:
+        """A preemptible step was stopped at a layer safepoint: none of ``decision``'s runs
+        happened (its preemptions and swap-ins did). Called only for steps the policy marked
+        preemptible (``Decision.abort_when``)."""
+        ...
+
 
 def missing_capabilities(required: RunnerCapabilities, offered: RunnerCapabilities) -> list[str]:
     """The capability names ``required`` asks for and ``offered`` lacks."""

@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import Field
+
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.output import RunnerCapabilities
@@ -30,9 +32,12 @@ from quanta.core.plan import StepPlan
 from quanta.core.request import CacheKind, Request
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
+from quanta.policies.common import residents
+from quanta.policies.fcfs import ReactivePreemption
 from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack
 from quanta.policies.packers import chunk
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
+from quanta.policies.systems import ProfileOptions, Stages, System
 
 CacheMode = Literal["hybrid", "kv", "hidden"]
 Fallback = Literal["zero", "decay"]
@@ -93,10 +98,10 @@ class AdaptivePacker(Packer):
         waiting = [
             r for r in lane.order if not plan.is_resident(r) and r.request_id not in plan.moved
         ]
-        running = [r for r in lane.order if plan.is_resident(r) and r.request_id not in plan.chosen]
+        running = residents(lane.order, plan)
         live = len(view.waiting) + len(view.swapped) + len(view.running)
         rho = self.rho if self.rho is not None else self.cost.rho(view.block_size)
-        step = _Step(view, plan, lane.max_tokens, live * rho, self.config.enable_chunked_prefill)
+        step = _Step(view, plan, lane, live * rho, self.config.enable_chunked_prefill)
         prefill_first = bool(waiting) and _pending(waiting, view.now) >= _pending(running, view.now)
         phases = [(self._prefill, waiting), (self._decode, running)]
         for phase, queue in phases if prefill_first else phases[::-1]:
@@ -118,7 +123,6 @@ class AdaptivePacker(Packer):
             n = step.chunk(req)
             if n and plan.has_room(n) and plan.blocks_to_grow(req, n, kind) <= plan.free_device:
                 plan.take(req, n, kind)
-                step.spend(n)
                 self._pinned.discard(req.request_id)
 
     def _decode(self, queue: list[Request], step: _Step, placement: Placement) -> None:
@@ -195,7 +199,7 @@ class AdaptivePacker(Packer):
             plan.preempt_req(req, PreemptMode.RECOMPUTE)
             self._pinned.add(req.request_id)
         else:
-            plan.evict(req, placement.evict_mode)
+            plan.evict(req, placement.yield_mode(req, plan))
 
     @staticmethod
     def _run(req: Request, n: int, step: _Step) -> bool:
@@ -204,31 +208,25 @@ class AdaptivePacker(Packer):
         if not n or not plan.has_room(n) or plan.blocks_to_grow(req, n) > plan.free_device:
             return False
         plan.run_req(req, n)
-        step.spend(n)
         return True
 
 
 @dataclass
 class _Step:
-    """One step's shared state: the ledger, the tokens left to the lane, the factor."""
+    """One step's shared state: the ledger, the lane it packs, the factor."""
 
     view: SchedulerView
     plan: StepPlan
-    cap: int | None  # the lane's tokens left (None: only the step's budget)
+    lane: Lane
     factor: float  # (|W| + |R|) * rho
     chunked: bool
 
     def tokens(self) -> int | None:
-        limits = [x for x in (self.plan.budget, self.cap) if x is not None]
-        return min(limits) if limits else None
+        return self.lane.tokens_left(self.plan)
 
     def chunk(self, req: Request) -> int:
         left = self.tokens()
         return chunk(req, req.num_uncomputed_tokens if left is None else left, self.chunked)
-
-    def spend(self, n: int) -> None:
-        if self.cap is not None:
-            self.cap -= n
 
     def greedy(self, items: list[Item], memory: int) -> dict[int, CacheKind]:
         seats, tokens = self.plan.seats, self.tokens()
@@ -239,3 +237,52 @@ class _Step:
 
 def _pending(queue: list[Request], now: float) -> float:
     return sum(r.pending_time(now) for r in queue)
+
+
+class AptOptions(ProfileOptions):
+    """Apt-Serve: the hybrid cache, the SLOs its values fall back past, and rho."""
+
+    cache: CacheMode = Field(
+        "hybrid", description="hybrid: KV or hidden per request; kv: KV only; hidden: hidden only"
+    )
+    rho: float | None = Field(
+        None,
+        ge=0,
+        description="extra step seconds per KV block of a hidden request's context "
+        "(default: the profile's)",
+    )
+    ttft_slo_s: float | None = Field(1.0, gt=0, description="default TTFT SLO (None: none)")
+    tbt_slo_s: float | None = Field(
+        1.0, gt=0, description="default time-between-tokens SLO (None: none)"
+    )
+    fallback: Fallback = Field(
+        "zero", description="a request past its SLO: zero: worth ~0; decay: worth decay x"
+    )
+    decay: float = Field(0.4, gt=0, le=1)
+    allow_swap: bool = Field(
+        False, description="evict to host when it has room (else recompute, as Apt-Serve)"
+    )
+
+
+def _apt(config: SchedulerConfig, o: AptOptions) -> Stages:
+    packer = AdaptivePacker(
+        config,
+        o.cost(),
+        cache=o.cache,
+        ttft_slo_s=o.ttft_slo_s,
+        tbt_slo_s=o.tbt_slo_s,
+        fallback=o.fallback,
+        decay=o.decay,
+        rho=o.rho,
+    )
+    return Stages(packer=packer, placement=ReactivePreemption(allow_swap=o.allow_swap))
+
+
+SYSTEMS = [
+    System(
+        "apt",
+        AptOptions,
+        _apt,
+        doc="Apt-Serve: adaptive scheduling with a hybrid KV / hidden cache",
+    )
+]

@@ -20,15 +20,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pydantic import Field
+
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision
 from quanta.core.output import RunnerOutput
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
+from quanta.policies.common import QUEUE_RANK
 from quanta.policies.interactions import InteractionTracker, ServiceCounters
 from quanta.policies.stages import Ordering, Ranking
-
-_GROUP = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
+from quanta.policies.systems import Stages, System, SystemOptions
+from quanta.policies.throttle import OITAdmission
 
 
 class _CounterOrder(Ordering):
@@ -53,7 +56,7 @@ class _CounterOrder(Ordering):
         return Ranking(order, {r.request_id: float(i // seats) for i, r in enumerate(order)})
 
     def _rank_key(self, r: Request, now: float) -> tuple[float, ...]:
-        group = _GROUP[r.status]
+        group = QUEUE_RANK[r.status]
         if group == 0:
             return (0, 0, 0.0, r.arrival_time)
         return (group, *self._key(r, now), r.arrival_time)
@@ -208,3 +211,79 @@ def _pooled(means: list[_Mean]) -> _Mean | None:
         out.system += m.system * m.n / total
         out.output += m.output * m.n / total
     return out
+
+
+# -- the systems ---------------------------------------------------------------------------
+class VTCOptions(SystemOptions):
+    input_weight: float = Field(1.0, ge=0, description="counter per prompt token at admission")
+    output_weight: float = Field(2.0, ge=0, description="counter per generated token")
+    weights: dict[str, float] = Field(default_factory=dict, description="tenant -> weight w")
+
+
+class WSCOptions(SystemOptions):
+    alpha: float = Field(1.0, ge=0, description="weight of input tokens")
+    beta: float = Field(2.0, ge=0, description="weight of system-prompt tokens")
+    gamma: float = Field(1.0, ge=0, description="weight of output tokens")
+    priorities: dict[str, float] = Field(
+        default_factory=dict, description="tenant -> priority factor E (default 1)"
+    )
+    prior_weight: float = Field(1000.0, gt=0, description="w_aj before any call finished")
+    stage_weights: dict[str, list[float]] = Field(
+        default_factory=dict, description="app -> w_aj per stage, used until history exists"
+    )
+    interaction_timeout_s: float = Field(
+        30.0, gt=0, description="an interaction with no last call ends after this idle time"
+    )
+
+
+class FairOptions(WSCOptions):
+    user_limit: int = Field(20, ge=1, description="requests per user per window, in overload")
+    app_limit: int = Field(200, ge=1, description="requests per app per window, in overload")
+    window_s: float = Field(60.0, gt=0)
+    overload_watermark: float = Field(
+        0.9, gt=0, le=1, description="device pool fraction in use that, with a queue, is overload"
+    )
+
+
+def _wsc_order(config: SchedulerConfig, o: WSCOptions, tracker: InteractionTracker) -> WSCOrder:
+    return WSCOrder(
+        config,
+        tracker,
+        alpha=o.alpha,
+        beta=o.beta,
+        gamma=o.gamma,
+        priorities=o.priorities,
+        prior_weight=o.prior_weight,
+        stage_weights=o.stage_weights,
+    )
+
+
+def _wsc(config: SchedulerConfig, o: WSCOptions) -> Stages:
+    tracker = InteractionTracker(o.interaction_timeout_s)
+    return Stages(ordering=_wsc_order(config, o, tracker), observers=(tracker,))
+
+
+def _fair(config: SchedulerConfig, o: FairOptions) -> Stages:
+    tracker = InteractionTracker(o.interaction_timeout_s)
+    admission = OITAdmission(
+        tracker,
+        user_limit=o.user_limit,
+        app_limit=o.app_limit,
+        window_s=o.window_s,
+        watermark=o.overload_watermark,
+    )
+    return Stages(admission, _wsc_order(config, o, tracker), observers=(tracker,))
+
+
+def _vtc(config: SchedulerConfig, o: VTCOptions) -> Stages:
+    order = VTCOrder(
+        config, input_weight=o.input_weight, output_weight=o.output_weight, weights=o.weights
+    )
+    return Stages(ordering=order)
+
+
+SYSTEMS = [
+    System("fair", FairOptions, _fair, doc="FairServe: WSC ordering and OIT throttling"),
+    System("wsc", WSCOptions, _wsc, doc="FairServe without throttling (the paper's FS (W))"),
+    System("vtc", VTCOptions, _vtc, doc="virtual token counter"),
+]

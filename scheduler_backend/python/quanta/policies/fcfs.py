@@ -9,14 +9,16 @@ arrival order; the first that does not fit blocks the queue (strict FCFS).
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
-from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
+from quanta.policies.common import arrival_key
+from quanta.policies.packers import InOrderPacker
 from quanta.policies.stages import Ordering, Placement, Ranking
-
-_GROUP = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
+from quanta.policies.systems import Stages, System, SystemOptions
 
 
 class ArrivalOrder(Ordering):
@@ -27,7 +29,7 @@ class ArrivalOrder(Ordering):
         self.cost = cost
 
     def rank(self, view: SchedulerView) -> Ranking:
-        order = sorted(view.candidates, key=_key)
+        order = sorted(view.candidates, key=arrival_key)
         q = self.cost.min_iteration_time if self.cost is not None else 1.0
         seats = self.config.max_num_seqs
         return Ranking(order, {r.request_id: (i // seats) * q for i, r in enumerate(order)})
@@ -40,5 +42,16 @@ class ReactivePreemption(Placement):
         self.evict_mode = PreemptMode.SWAP if allow_swap else PreemptMode.RECOMPUTE
 
 
-def _key(req: Request) -> tuple[int, float, str]:
-    return (_GROUP[req.status], req.arrival_time, req.request_id)
+class FCFSOptions(SystemOptions):
+    allow_swap: bool = Field(True, description="evict to host when it has room (else recompute)")
+
+
+def fcfs_stages(config: SchedulerConfig, o: FCFSOptions) -> Stages:
+    return Stages(
+        ordering=ArrivalOrder(config),
+        packer=InOrderPacker(config),
+        placement=ReactivePreemption(allow_swap=o.allow_swap),
+    )
+
+
+SYSTEMS = [System("fcfs", FCFSOptions, fcfs_stages, doc="vLLM's FCFS")]

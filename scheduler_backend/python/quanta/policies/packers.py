@@ -21,6 +21,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
+from quanta.policies.common import evictable, residents
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
 
 
@@ -32,20 +33,11 @@ def chunk(req: Request, budget: int, chunked: bool) -> int:
     return budget if chunked else 0
 
 
-class _LaneBudget:
-    """The tokens a lane may still take: its own cap and the step's budget."""
-
-    def __init__(self, lane: Lane, plan: StepPlan) -> None:
-        self.cap = lane.max_tokens
-        self.plan = plan
-
-    def left(self) -> int:
-        limits = [x for x in (self.plan.budget, self.cap) if x is not None]
-        return min(limits) if limits else sys.maxsize
-
-    def spend(self, n: int) -> None:
-        if self.cap is not None:
-            self.cap -= n
+def tokens_left(lane: Lane, plan: StepPlan) -> int:
+    """The tokens ``lane`` may still add to ``plan`` (``Lane.tokens_left``; no limit at all
+    reads as ``sys.maxsize``)."""
+    left = lane.tokens_left(plan)
+    return sys.maxsize if left is None else left
 
 
 class InOrderPacker(Packer):
@@ -60,40 +52,34 @@ class InOrderPacker(Packer):
         ranking: Ranking,
         placement: Placement,
     ) -> None:
-        budget = _LaneBudget(lane, plan)
-        residents = [
-            r for r in lane.order if plan.is_resident(r) and r.request_id not in plan.chosen
-        ]
+        queue = residents(lane.order, plan)
         others = [
             r for r in lane.order if not plan.is_resident(r) and r.request_id not in plan.moved
         ]
-        if not self._continue(residents, plan, budget, placement):
+        if not self._continue(queue, plan, lane, placement):
             return
         for req in others:
-            n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
+            n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
             if n == 0 or not plan.has_room(n) or plan.blocks_to_grow(req, n) > plan.free_device:
                 return
             plan.take(req, n)
-            budget.spend(n)
 
     @staticmethod
-    def _continue(
-        queue: list[Request], plan: StepPlan, budget: _LaneBudget, placement: Placement
-    ) -> bool:
+    def _continue(queue: list[Request], plan: StepPlan, lane: Lane, placement: Placement) -> bool:
         """Residents continue; False when someone had to be evicted (start nothing new)."""
         evicted = False
-        while queue and budget.left() > 0 and plan.has_room():
+        while queue and tokens_left(lane, plan) > 0 and plan.has_room():
             req = queue.pop(0)
-            n = min(req.num_uncomputed_tokens, budget.left())
+            n = min(req.num_uncomputed_tokens, tokens_left(lane, plan))
             need = plan.blocks_to_grow(req, n)
             while need > plan.free_device and queue:
-                plan.evict(queue.pop(), placement.evict_mode)  # the lowest-ranked resident
+                victim = queue.pop()  # the lowest-ranked resident
+                plan.evict(victim, placement.yield_mode(victim, plan))
                 evicted = True
             if need > plan.free_device:
-                plan.evict(req, placement.evict_mode)  # nothing left to take from
+                plan.evict(req, placement.yield_mode(req, plan))  # nothing left to take from
                 return False
             plan.run_req(req, n)
-            budget.spend(n)
         return not evicted
 
 
@@ -128,7 +114,6 @@ class PriorityPacker(Packer):
         ranking: Ranking,
         placement: Placement,
     ) -> None:
-        budget = _LaneBudget(lane, plan)
         pos = ranking.position()
         victims = placement.victims(ranking, plan)
         # NOTE: headroom is for residents to grow; with none, a job may use the whole pool
@@ -137,18 +122,18 @@ class PriorityPacker(Packer):
         keep = int(self.headroom * view.total_device_blocks) if in_use else 0
         seats = plan.seats if plan.seats is not None else len(lane.order)
         # NOTE: blocks held by evictable residents ranked below the walk's position.
-        below = sum(plan.held(r) for r in lane.order if _evictable(r, plan))
+        below = sum(plan.held(r) for r in lane.order if evictable(r, plan))
         prefills: list[Request] = []
         for req in lane.order:
-            if _evictable(req, plan):
+            if evictable(req, plan):
                 below -= plan.held(req)
-            if seats <= 0 or budget.left() == 0:
+            if seats <= 0 or tokens_left(lane, plan) == 0:
                 break
             if req.request_id in plan.chosen or (
                 req.request_id in plan.moved and not plan.is_resident(req)
             ):
                 continue
-            n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
+            n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
             if n > 1 and self.decode_first:
                 if self._could_fit(req, n, plan, keep, below):
                     prefills.append(req)  # claims its seat now, its tokens after the decodes
@@ -156,18 +141,16 @@ class PriorityPacker(Packer):
             elif n and self._could_fit(req, n, plan, keep, below):
                 below -= self._evict_for(req, n, pos, victims, plan, placement)
                 plan.take(req, n)
-                budget.spend(n)
                 seats -= 1
         for req in prefills:
-            n = chunk(req, budget.left(), self.config.enable_chunked_prefill)
+            n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
             i = pos[req.request_id]
             room = sum(
-                plan.held(v) for v in victims if pos[v.request_id] > i and _evictable(v, plan)
+                plan.held(v) for v in victims if pos[v.request_id] > i and evictable(v, plan)
             )
             if n and plan.has_room(n) and self._could_fit(req, n, plan, keep, room):
                 self._evict_for(req, n, pos, victims, plan, placement)
                 plan.take(req, n)
-                budget.spend(n)
 
     def _could_fit(self, req: Request, n: int, plan: StepPlan, keep: int, room: int) -> bool:
         """``n`` tokens of ``req`` fit in free blocks, or (when it may evict) in free blocks
@@ -192,11 +175,7 @@ class PriorityPacker(Packer):
         for victim in victims:
             if need <= plan.free_device:
                 break
-            if pos[victim.request_id] > i and _evictable(victim, plan):
+            if pos[victim.request_id] > i and evictable(victim, plan):
                 freed += plan.held(victim)
-                plan.evict(victim, placement.evict_mode)
+                plan.evict(victim, placement.yield_mode(victim, plan))
         return freed
-
-
-def _evictable(req: Request, plan: StepPlan) -> bool:
-    return plan.is_resident(req) and req.request_id not in plan.chosen

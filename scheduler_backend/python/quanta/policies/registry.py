@@ -1,9 +1,11 @@
 """Scheduling systems by name, their typed options, and stacks of them.
 
 A *system* (``fcfs``, ``sj-mlfq``, ...) contributes stages to the pipeline of
-``quanta.policies.stages``. ``--policy`` names one system or a ``+``-joined stack
-(``fair+conserve``); every slot a stack leaves empty takes FCFS's stage, and two systems that
-fill the same slot are refused (observers add up instead). Options are one flat
+``quanta.policies.stages``; each policy module declares its own in a ``SYSTEMS`` list, which
+this module collects (tests and plug-ins add more with ``register_system``). ``--policy``
+names one system or a ``+``-joined stack (``fair+conserve``); every slot a stack leaves
+empty takes FCFS's stage, and two systems that fill the same slot are refused (observers add
+up instead). Options are one flat
 ``KEY=VALUE`` dict, as ``--policy-option`` and ``policy_options=`` give them: each key goes
 to every system of the stack whose options model has that field, and is validated there by
 pydantic once, when the spec is parsed, so a typo or a bad value is a clear ``ValueError``
@@ -12,8 +14,11 @@ before anything runs.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -21,31 +26,34 @@ from pydantic import ValidationError
 from quanta.core.config import SchedulerConfig
 from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
 from quanta.policies.packers import InOrderPacker
-from quanta.policies.stages import (
-    STAGES,
-    Admission,
-    Lanes,
-    Ordering,
-    Packer,
-    Placement,
-    Stage,
-    StagedPolicy,
-)
-from quanta.policies.systems import PriorityOptions, System, SystemOptions, builtin
+from quanta.policies.stages import Admission, Lanes, Stage, StagedPolicy
+from quanta.policies.systems import Stages, System, SystemOptions
 
 S = TypeVar("S", bound=Stage)
+T = TypeVar("T")
 
 _SYSTEMS: dict[str, System] = {}
 
 
 def register_system(system: System) -> None:
-    """Make a system available to ``--policy`` (names are unique; slots must be known)."""
-    unknown = set(system.slots) - set(STAGES)
-    if unknown:
-        raise ValueError(f"system {system.name!r} fills unknown stages {sorted(unknown)}")
+    """Make a system available to ``--policy`` (names are unique and contain no '+')."""
     if system.name in _SYSTEMS or "+" in system.name:
         raise ValueError(f"system name {system.name!r} is taken or contains '+'")
     _SYSTEMS[system.name] = system
+
+
+def builtin() -> list[System]:
+    """The systems the modules of ``quanta.policies`` declare in their ``SYSTEMS`` lists.
+
+    They are found by scanning the package, so a further system is a module beside
+    ``fcfs.py`` (or an entry in one); nothing here changes."""
+    found: list[System] = []
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.name == "registry" or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        found.extend(getattr(module, "SYSTEMS", ()))
+    return found
 
 
 def available_policies() -> list[str]:
@@ -92,36 +100,47 @@ class PolicySpec:
         return out
 
     def build(self, config: SchedulerConfig) -> StagedPolicy:
-        slots: dict[str, Stage] = {}
-        observers: list[Stage] = []
+        """Build every system's stages and stack them; FCFS's fill the slots none takes."""
+        stack = Stages()
         for p in self.parts:
             stages = p.system.build(config, p.options)
-            for slot, stage in stages.items():
-                if slot == "observer":
-                    observers.append(stage)  # NOTE: any stage may observe
-                else:
-                    slots[slot] = stage
-        costs = [p.options.cost() for p in self.parts if isinstance(p.options, PriorityOptions)]
+            if stages.slots() != p.system.slots:
+                raise ValueError(
+                    f"system {p.system.name!r} fills {sorted(stages.slots())} with these "
+                    f"options but {sorted(p.system.slots)} by default; a system's slots "
+                    "must not depend on its options"
+                )
+            stack = _stack(stack, stages)
+        costs = [p.options.cost() for p in self.parts]
+        cost = next((c for c in costs if c is not None), None)
         return StagedPolicy(
             self.name,
             config,
-            admission=_slot(slots, "admission", Admission, Admission()),
-            ordering=_slot(
-                slots, "ordering", Ordering, ArrivalOrder(config, next(iter(costs), None))
-            ),
-            lanes=_slot(slots, "lanes", Lanes, Lanes()),
-            packer=_slot(slots, "packer", Packer, InOrderPacker(config)),
-            placement=_slot(slots, "placement", Placement, ReactivePreemption()),
-            observers=observers,
+            admission=_or(stack.admission, Admission()),
+            ordering=_or(stack.ordering, ArrivalOrder(config, cost)),
+            lanes=_or(stack.lanes, Lanes()),
+            packer=_or(stack.packer, InOrderPacker(config)),
+            placement=_or(stack.placement, ReactivePreemption()),
+            observers=stack.observers,
         )
 
 
-def _slot(slots: Mapping[str, Stage], name: str, kind: type[S], default: S) -> S:
-    """The stage a system put in slot ``name`` (checked to be a ``kind``), or FCFS's."""
-    stage = slots.get(name, default)
-    if not isinstance(stage, kind):
-        raise TypeError(f"the {name} stage must be a {kind.__name__}, got {type(stage).__name__}")
-    return stage
+def _stack(below: Stages, above: Stages) -> Stages:
+    """``below`` with the slots ``above`` fills, and the observers of both. NOTE: the two
+    fill different slots (``parse_policy`` refused the stack otherwise)."""
+    return Stages(
+        _or(above.admission, below.admission),
+        _or(above.ordering, below.ordering),
+        _or(above.lanes, below.lanes),
+        _or(above.packer, below.packer),
+        _or(above.placement, below.placement),
+        below.observers + above.observers,
+    )
+
+
+def _or(stage: S | None, other: T) -> S | T:
+    """The stage a system put in a slot, else ``other`` (another system's, or FCFS's)."""
+    return other if stage is None else stage
 
 
 def parse_policy(name: str, options: Mapping[str, Any] | None = None) -> PolicySpec:
@@ -169,7 +188,7 @@ def _validate(name: str, system: System, values: Mapping[str, Any]) -> SystemOpt
 def _refuse_clashes(name: str, chosen: list[System]) -> None:
     owner: dict[str, str] = {}
     for s in chosen:
-        for slot in s.slots - {"observer"}:
+        for slot in s.slots:
             if slot in owner:
                 raise ValueError(
                     f"policy {name!r}: {owner[slot]} and {s.name} both supply the {slot} stage; "

@@ -7,9 +7,10 @@ forwards every event to every stage so the ones that learn (service counters, qu
 - admission: accept or refuse a new request, with a reason the client sees;
 - ordering: rank the live requests, highest priority first, with each one's estimated next
   scheduled time (FastServe's ENST; placement moves KV by it);
-- lanes: split the ranking into classes, each with its own token budget;
+- lanes: split the ranking into classes, each with its own limits (a token budget, a step
+  time), so the packer reads everything it needs from the lane it is packing;
 - packer: fill the step from the lanes within the token budget, the seats and the blocks,
-  evicting residents in the order placement gives;
+  evicting residents in the order placement gives and the way it says each one leaves;
 - placement: how evicted KV leaves (swap or recompute) and the moves made around the batch
   (proactive swap-out to keep a reserve, prefetch);
 - observer: anything else that learns from each step.
@@ -29,8 +30,6 @@ from quanta.core.output import RunnerCapabilities, RunnerOutput
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
-
-STAGES = ("admission", "ordering", "lanes", "packer", "placement", "observer")
 
 
 class Stage:
@@ -66,12 +65,26 @@ class Ranking:
 
 @dataclass(frozen=True, slots=True)
 class Lane:
-    """One class of requests packed together; ``max_tokens`` caps what the lane may take of
-    the step's token budget (None: all that is left)."""
+    """One class of requests packed together, with the limits the lanes stage sets for it.
+
+    ``max_tokens`` is the step's token budget while this lane packs: the lane adds tokens only
+    as far as the step's total (every lane's so far) stays within it; None leaves the
+    configured budget. ``max_step_time`` is the predicted step time the lane's runs must keep
+    the step within (None: no limit); only packers that predict step times can honour it.
+    Both are the lane's own, so a packer needs to remember nothing from one lane to the next.
+    """
 
     name: str
     order: list[Request]
     max_tokens: int | None = None
+    max_step_time: float | None = None
+
+    def tokens_left(self, plan: StepPlan) -> int | None:
+        """The tokens this lane may still add to ``plan`` (None: no limit at all)."""
+        if self.max_tokens is None:
+            return plan.budget
+        mine = max(0, self.max_tokens - sum(n for _, n in plan.run))
+        return mine if plan.budget is None else min(plan.budget, mine)
 
 
 class Admission(Stage):
@@ -102,6 +115,11 @@ class Placement(Stage):
     def victims(self, ranking: Ranking, plan: StepPlan) -> list[Request]:
         """Residents in the order a packer may evict them: lowest priority first."""
         return [r for r in reversed(ranking.order) if plan.is_resident(r)]
+
+    def yield_mode(self, req: Request, plan: StepPlan) -> PreemptMode:
+        """How ``req`` leaves when a packer evicts it (the placement's mode, unless the
+        placement knows a cheaper way for this request)."""
+        return self.evict_mode
 
     def after_batch(self, view: SchedulerView, plan: StepPlan, ranking: Ranking) -> None:
         """Moves made once the batch is chosen (none: purely reactive)."""

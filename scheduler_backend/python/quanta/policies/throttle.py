@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from collections import deque
 
+from pydantic import Field
+
+from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.stages import Admission
+from quanta.policies.systems import Stages, System, SystemOptions
 
 
 class _Windows:
@@ -106,3 +110,15 @@ class OITAdmission(Admission):
                 f"(limit {self.app_limit}) while the server is overloaded; retry after {window}"
             )
         return None
+
+
+class RPMOptions(SystemOptions):
+    rpm_limit: int = Field(20, ge=1, description="requests per user per window")
+    window_s: float = Field(60.0, gt=0)
+
+
+def _rpm(config: SchedulerConfig, o: RPMOptions) -> Stages:
+    return Stages(admission=RPMAdmission(limit=o.rpm_limit, window_s=o.window_s))
+
+
+SYSTEMS = [System("rpm", RPMOptions, _rpm, doc="requests per minute")]
