@@ -4,7 +4,8 @@ The browser test starts ``quanta serve --openai-port`` on the tiny random-weight
 the page in the system's Chromium through Playwright (its own browser download is never
 needed), asks a question and reads the streamed answer with its TTFT and tokens/s. It skips,
 saying why, where Playwright or a Chromium binary is missing (Debian: ``apt-get install
-chromium``). ``QUANTA_CHAT_SCREENSHOT`` names a PNG file to keep a screenshot of the page.
+chromium``). ``QUANTA_CHAT_SCREENSHOTS`` names a folder to keep a screenshot of the page as
+each browser test leaves it (``<test name>.png``), to look at how it reads.
 """
 
 from __future__ import annotations
@@ -65,13 +66,16 @@ def live(tmp_path_factory):
 
 
 @pytest.fixture
-def page(browser, live):
+def page(browser, live, request):
     context = browser.new_context(viewport={"width": 1100, "height": 760})
     opened = context.new_page()
     errors: list[str] = []
     opened.on("pageerror", lambda exc: errors.append(str(exc)))
     opened.goto(live.openai_url.removesuffix("/v1") + "/")
     yield opened
+    shots = os.environ.get("QUANTA_CHAT_SCREENSHOTS")
+    if shots:
+        opened.screenshot(path=str(Path(shots) / f"{request.node.name}.png"), full_page=True)
     context.close()
     assert not errors, errors  # no uncaught script error on the way
 
@@ -118,9 +122,6 @@ def test_a_streamed_answer_with_its_ttft_and_tokens_per_second(page, live):
     ask(page, "And why does it help?")  # the conversation goes on with the history
     answer(page, 2)
     assert page.evaluate("messages.length") == 4
-    shot = os.environ.get("QUANTA_CHAT_SCREENSHOT")
-    if shot:
-        page.screenshot(path=str(Path(shot)), full_page=True)
 
 
 @pytest.mark.slow
@@ -128,8 +129,9 @@ def test_an_error_is_shown_and_the_question_left_out(page):
     ready(page)
     page.fill("#max-tokens", "600")  # more than the tiny model's context
     ask(page, "Hello")
-    message, _ = answer(page, 1)
+    message, stats = answer(page, 1)
     assert "maximum length" in message.locator(".error").inner_text()
+    assert "finish error" in stats.inner_text()
     assert page.evaluate("messages.length") == 0
     assert page.locator("#send").is_enabled()
 
