@@ -38,6 +38,7 @@ def test_the_wheel_holds_the_backend_build_scripts_and_no_tests(wheel):
     for needed in (
         "quanta/frontends/triton/backend_model.py",
         "quanta/build/engine_build.py",
+        "quanta/frontends/openai/static/chat.html",
         "build_scripts/opt.py",
         "build_scripts/llama.py",
     ):

@@ -115,21 +115,26 @@ def bench_engine(
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer."""
     from quanta.bench.engine import run_engine_bench
+    from quanta.build.manifest import EngineManifestError
 
     sizes = [int(b) for b in batch.split(",") if b.strip()]
-    run_engine_bench(
-        model,
-        sizes,
-        prompt_len,
-        gen_len,
-        compare_hf=compare_hf,
-        threads=threads,
-        output=output,
-        repeat=repeat,
-        dtype=dtype,
-        linear_kernel=linear_kernel.value,
-        attention_kernel=attention_kernel.value,
-    )
+    try:
+        run_engine_bench(
+            model,
+            sizes,
+            prompt_len,
+            gen_len,
+            compare_hf=compare_hf,
+            threads=threads,
+            output=output,
+            repeat=repeat,
+            dtype=dtype,
+            linear_kernel=linear_kernel.value,
+            attention_kernel=attention_kernel.value,
+        )
+    except EngineManifestError as exc:  # the engine cannot run this benchmark as asked
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 @bench_app.command("loop")

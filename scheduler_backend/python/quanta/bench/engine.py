@@ -4,7 +4,8 @@ Both engines get the same checkpoint, dtype, thread count and token ids; the tab
 JSON say which dtype, linear kernel and CPU instruction set ran. Quanta runs through
 its full loop (scheduling, block tables, paged attention), so the number is what a server
 gets, not a bare forward pass. Decode throughput is measured as the extra time a run with
-``gen_len`` tokens takes over a prefill-only run.
+``gen_len`` tokens takes over a prefill-only run. Against a built engine the run fits itself
+to the limits the engine was built for (``fit_to_engine``) and says what it changed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from quanta.build.manifest import EngineManifestError, read_manifest
 from quanta.core.config import (
     AttentionKernel,
     CacheConfig,
@@ -43,6 +45,59 @@ class BenchRow:
     # below fp32: share of greedy tokens equal to an fp32 engine's at the same position
     greedy_agreement_fp32: float | None = None
     attention_kernel: str = "eager"
+
+
+STEP_TOKENS = 4096  # tokens per step on a plain checkpoint: a batch's prompts in few steps
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPlan:
+    """What one run measures: batch sizes and the step token budget, with a note per change
+    made to fit an engine's build limits."""
+
+    batches: list[int]
+    max_num_batched_tokens: int
+    notes: tuple[str, ...] = ()
+
+
+def fit_to_engine(model_dir: Path, batches: list[int], prompt_len: int, gen_len: int) -> BenchPlan:
+    """The run ``batches`` ask for, within the limits of the engine at ``model_dir``.
+
+    Why clamp rather than refuse: an engine is built for its serving load, and a benchmark of
+    it should measure what it can serve; batch sizes over ``max_batch_size`` become that size
+    and the step budget becomes ``max_num_tokens`` (longer prefills run in chunks, as served).
+    A request longer than ``max_seq_len`` cannot be shortened without changing what is
+    measured, so that raises ``EngineManifestError`` naming the ``quanta build`` option.
+    """
+    manifest = read_manifest(model_dir)
+    if manifest is None:
+        return BenchPlan(list(batches), STEP_TOKENS)
+    where, limits = f"engine {manifest.name!r}", manifest.limits
+    if prompt_len + gen_len > limits.max_seq_len:
+        raise EngineManifestError(
+            f"--prompt-len {prompt_len} + --gen-len {gen_len} exceed the max_seq_len "
+            f"{limits.max_seq_len} {where} was built for: shorten them or rebuild with "
+            f"--max-seq-len {prompt_len + gen_len}"
+        )
+    notes = []
+    over = [b for b in batches if b > limits.max_batch_size]
+    fitted = [b for b in batches if b <= limits.max_batch_size]
+    if over:
+        fitted += [] if limits.max_batch_size in fitted else [limits.max_batch_size]
+        notes.append(
+            f"batch {', '.join(map(str, over))} is over the max_batch_size "
+            f"{limits.max_batch_size} {where} was built for: measuring "
+            f"{', '.join(map(str, fitted))} (rebuild with --max-batch-size {max(over)} "
+            "to measure it)"
+        )
+    tokens = min(STEP_TOKENS, limits.max_num_tokens)
+    if max(fitted) * prompt_len > tokens:
+        notes.append(
+            f"step budget {tokens} tokens, the max_num_tokens {where} was built for: "
+            f"batch {max(fitted)} prefills in chunks (rebuild with --max-num-tokens "
+            f"{max(fitted) * prompt_len} to prefill it in one step)"
+        )
+    return BenchPlan(fitted, tokens, tuple(notes))
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -116,16 +171,25 @@ def run_engine_bench(
     linear_kernel: LinearKernel = "auto",
     attention_kernel: AttentionKernel = "auto",
 ) -> list[BenchRow]:
-    """Measure every batch size, print a table, optionally write JSON."""
+    """Measure every batch size, print a table, optionally write JSON.
+
+    Against a built engine the batch sizes and step budget are fitted to its limits first,
+    and each change is printed (``fit_to_engine``)."""
     if threads:
         torch.set_num_threads(threads)
+    plan = fit_to_engine(model_dir, batches, prompt_len, gen_len)
+    for note in plan.notes:
+        Console(stderr=True).print(f"note: {note}", highlight=False)
+    batches = plan.batches
     max_batch = max(batches)
     tokens = max_batch * (prompt_len + gen_len)
     engine = build_engine(
         EngineConfig(
             model=str(model_dir),
             cache=CacheConfig(num_device_blocks=tokens // 16 + 2 * max_batch, num_host_blocks=0),
-            scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max_batch),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=plan.max_num_batched_tokens, max_num_seqs=max_batch
+            ),
             dtype=dtype,
             linear_kernel=linear_kernel,
             attention_kernel=attention_kernel,
@@ -136,7 +200,7 @@ def run_engine_bench(
     hf = _load_hf(model_dir, engine.runner.dtype) if compare_hf else None
     reference = None
     if engine.runner.dtype != torch.float32:  # report what the faster dtype changes
-        reference = build_engine(engine.config.model_copy(update={"dtype": "float32"}))
+        reference = _fp32_reference(engine.config, model_dir)
     rows = []
     for b in batches:
         prompts = _prompts(b, prompt_len, vocab)
@@ -164,6 +228,23 @@ def run_engine_bench(
     if output is not None:
         output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
+
+
+def _fp32_reference(config: EngineConfig, model_dir: Path) -> Engine | None:
+    """An fp32 engine of the same model, or None (with a note) where none can be had.
+
+    An engine directory holds its weights in its own dtype only, so for one the reference is
+    built from the checkpoint it was built from, while that is still where the manifest says.
+    """
+    manifest = read_manifest(model_dir)
+    source = model_dir if manifest is None else Path(manifest.source.path)
+    try:
+        return build_engine(config.model_copy(update={"dtype": "float32", "model": str(source)}))
+    except (OSError, EngineManifestError) as exc:
+        Console(stderr=True).print(
+            f"note: no fp32 reference, so no greedy agreement with fp32: {exc}", highlight=False
+        )
+        return None
 
 
 def _load_hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:

@@ -28,6 +28,7 @@ from quanta.frontends.openai.batch_routes import BatchService
 from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.errors import OpenAIError, classify, invalid
 from quanta.frontends.openai.logprobs import output_logprobs, prompt_logprobs
+from quanta.frontends.openai.page import router as chat_page
 from quanta.frontends.openai.protocol import (
     FINISH_REASONS,
     ChatCompletionRequest,
@@ -87,6 +88,7 @@ def create_app(
 
     app = FastAPI(title="Quanta OpenAI-compatible gateway", lifespan=lifespan)
     app.include_router(batches.router)
+    app.include_router(chat_page)
     app.post("/v1/completions", response_model=None)(gateway.completions)
     app.post("/v1/chat/completions", response_model=None)(gateway.chat_completions)
     app.get("/v1/models")(gateway.models)
