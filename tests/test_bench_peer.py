@@ -213,3 +213,48 @@ def test_side_by_side_table_and_max_rate(model_dir, tmp_path):
     assert "| quanta-fcfs | 1 | 40/40 | 500 |" in markdown
     assert "| 1 (1.11) |" in markdown
     assert "TTFT <= 2000 ms" in markdown
+
+
+def test_engine_figures_take_each_peer_and_render_a_column_pair_per_peer(model_dir, tmp_path):
+    """vLLM at every batch, llama.cpp (one column per GGUF file) at batch 1 only; the peer
+    scripts are stood in for by an interpreter that prints their JSON line."""
+    from quanta.bench.peer.checkpoint import engine_ratio
+
+    fake = tmp_path / "fake-python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$1" == *llama_cpp_engine.py ]]; then\n'
+        '  echo \'{"rows": [{"batch": 1, "decode_tps": 10.0, "prefill_tps": 100.0}]}\'\n'
+        "else\n"
+        "  echo 'vLLM says hello'\n"
+        '  echo \'{"rows": [{"batch": 1, "decode_tps": 20.0, "prefill_tps": 200.0},'
+        ' {"batch": 2, "decode_tps": 40.0, "prefill_tps": 400.0}]}\'\n'
+        "fi\n"
+    )
+    fake.chmod(0o755)
+    gguf = tmp_path / "model.Q4_1.gguf"
+    gguf.write_bytes(b"")
+    setup = PeerSetup(
+        model_dir=model_dir,
+        vllm_python=fake,
+        out_dir=tmp_path,
+        engine_batches=(1, 2),
+        engine_prompt_len=8,
+        engine_gen_len=4,
+        engine_repeat=1,
+        llama_cpp_python=fake,
+        llama_cpp_gguf=(gguf,),
+    )
+    lines: list[str] = []
+    engine = engine_ratio(setup, lines.append)
+    first, second = engine["rows"]
+    assert set(first["peers"]) == {"vllm", "llama.cpp Q4_1"}
+    assert set(second["peers"]) == {"vllm"}
+    peer = first["peers"]["llama.cpp Q4_1"]
+    assert peer["decode_ratio"] == pytest.approx(first["quanta_decode_tps"] / 10.0)
+    assert first["decode_ratio"] == first["peers"]["vllm"]["decode_ratio"]  # earlier keys kept
+    assert any("Quanta/llama.cpp Q4_1" in line for line in lines)
+    setup_json = {"slo": {"ttft_s": 2.0, "tpot_s": 0.3, "tbt_s": 1.0}, "slo_goal": 0.9}
+    markdown = render_markdown({"table": [], "setup": setup_json, "engine": engine})
+    assert "llama.cpp Q4_1 decode" in markdown and "vllm decode" in markdown
+    assert "| 2 |" in markdown and "- | - | - | - |" in markdown

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 
 from quanta.runner.models.loader import checkpoint_files
 
@@ -77,8 +77,8 @@ def write_gguf(
     may name what Quanta cannot read, for the tests of its refusals."""
     config = json.loads((checkpoint / "config.json").read_text())
     tensors: dict[str, np.ndarray] = {}
-    for path in checkpoint_files(checkpoint):
-        tensors |= {k: v.astype(np.float32) for k, v in load_file(str(path)).items()}
+    for path in checkpoint_files(checkpoint):  # torch reads bf16, which numpy cannot
+        tensors |= {k: v.float().numpy() for k, v in load_file(str(path)).items()}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), arch)
     file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{qtype.name}"

@@ -20,61 +20,109 @@ from quanta.bench.peer.servers import vllm_env
 
 
 def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any]:
-    """Decode (and prefill) tokens/s of both engines on identical token ids."""
+    """Decode (and prefill) tokens/s of Quanta's engine and its peers on identical token ids:
+    vLLM at every batch, llama.cpp (one GGUF file each) at batch 1."""
     from quanta.bench.engine import _prompts, run_engine_bench
 
     vocab = min(_vocab_sizes(setup.model_dir))
     prompts = {str(b): _prompts(b, setup.engine_prompt_len, vocab) for b in setup.engine_batches}
     prompt_file = setup.out_dir / "engine_prompts.json"
     prompt_file.write_text(json.dumps(prompts))
-    script = Path(__file__).resolve().parents[5] / "bench" / "peer" / "vllm_engine.py"
-    if not script.is_file():
-        script = Path("bench/peer/vllm_engine.py")
-    cmd = [
-        str(setup.vllm_python), str(script), "--model", str(setup.model_dir.resolve()),
-        "--prompts", str(prompt_file), "--gen-len", str(setup.engine_gen_len),
-        "--kv-cache-bytes", str(setup.kv_cache_bytes), "--repeat", str(setup.engine_repeat),
-        "--dtype", setup.dtype,
-    ]  # fmt: skip
-    log = setup.out_dir / "logs" / "vllm_engine.log"
     load_before = os.getloadavg()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env={**os.environ, **vllm_env(setup.threads)})  # fmt: skip
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM engine bench failed (see {log}):\n{proc.stderr[-2000:]}")
-    # NOTE: vLLM logs to stdout too (also after our line, at shutdown): find the result.
-    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith('{"rows"'))
-    vllm_rows = json.loads(line)
+    meta: dict[str, Any] = {}
+    peers: dict[str, dict[int, dict[str, float]]] = {}
+    if setup.vllm_python is not None:
+        cmd = [
+            str(setup.vllm_python), str(_script("vllm_engine.py")),
+            "--model", str(setup.model_dir.resolve()), "--prompts", str(prompt_file),
+            "--gen-len", str(setup.engine_gen_len), "--kv-cache-bytes", str(setup.kv_cache_bytes),
+            "--repeat", str(setup.engine_repeat), "--dtype", setup.dtype,
+        ]  # fmt: skip
+        result = _peer_rows(cmd, setup, "vllm_engine", vllm_env(setup.threads))
+        peers["vllm"] = {r["batch"]: r for r in result.pop("rows")}
+        meta["vllm_meta"] = result
+    for gguf in setup.llama_cpp_gguf:
+        assert setup.llama_cpp_python is not None, "llama.cpp files need its venv"
+        label = f"llama.cpp {_gguf_label(gguf)}"
+        cmd = [
+            str(setup.llama_cpp_python), str(_script("llama_cpp_engine.py")),
+            "--gguf", str(gguf), "--prompts", str(prompt_file),
+            "--gen-len", str(setup.engine_gen_len), "--repeat", str(setup.engine_repeat),
+            "--threads", str(setup.threads),
+        ]  # fmt: skip
+        result = _peer_rows(cmd, setup, f"llama_cpp_{_gguf_label(gguf)}", {})
+        peers[label] = {r["batch"]: r for r in result.pop("rows")}
+        meta[f"{label} meta"] = result
     quanta_rows = run_engine_bench(
         setup.model_dir, list(setup.engine_batches), setup.engine_prompt_len,
         setup.engine_gen_len, compare_hf=False, threads=setup.threads, repeat=setup.engine_repeat,
         dtype=setup.dtype,
     )  # fmt: skip
     rows = []
-    for q, v in zip(quanta_rows, vllm_rows["rows"], strict=True):
-        rows.append(
-            {
-                "batch": q.batch,
-                "quanta_decode_tps": q.quanta_decode_tps,
-                "vllm_decode_tps": v["decode_tps"],
-                "decode_ratio": q.quanta_decode_tps / v["decode_tps"],
-                "quanta_prefill_tps": q.quanta_prefill_tps,
-                "vllm_prefill_tps": v["prefill_tps"],
-                "prefill_ratio": q.quanta_prefill_tps / v["prefill_tps"],
-                "dtype": q.dtype,
-                "quanta_linear_kernel": q.linear_kernel,
-                "quanta_attention_kernel": q.attention_kernel,
-                "cpu_isa": q.cpu_isa,
+    for q in quanta_rows:
+        row: dict[str, Any] = {
+            "batch": q.batch,
+            "quanta_decode_tps": q.quanta_decode_tps,
+            "quanta_prefill_tps": q.quanta_prefill_tps,
+            "dtype": q.dtype,
+            "quanta_linear_kernel": q.linear_kernel,
+            "quanta_attention_kernel": q.attention_kernel,
+            "cpu_isa": q.cpu_isa,
+            "peers": {},
+        }
+        for name, by_batch in peers.items():
+            if q.batch in by_batch:
+                peer = by_batch[q.batch]
+                row["peers"][name] = {
+                    "decode_tps": peer["decode_tps"],
+                    "prefill_tps": peer["prefill_tps"],
+                    "decode_ratio": q.quanta_decode_tps / peer["decode_tps"],
+                    "prefill_ratio": q.quanta_prefill_tps / peer["prefill_tps"],
+                }
+                echo(
+                    f"engine batch {q.batch}: decode Quanta/{name} = "
+                    f"{row['peers'][name]['decode_ratio']:.2f}"
+                )
+        if "vllm" in row["peers"]:  # the keys earlier reports used
+            vllm = row["peers"]["vllm"]
+            row |= {
+                "vllm_decode_tps": vllm["decode_tps"],
+                "decode_ratio": vllm["decode_ratio"],
+                "vllm_prefill_tps": vllm["prefill_tps"],
+                "prefill_ratio": vllm["prefill_ratio"],
             }
-        )
-        echo(f"engine batch {q.batch}: decode Quanta/vLLM = {rows[-1]['decode_ratio']:.2f}")
+        rows.append(row)
     return {
         "rows": rows,
-        "vllm_meta": {k: v for k, v in vllm_rows.items() if k != "rows"},
+        **meta,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
     }
+
+
+def _script(name: str) -> Path:
+    script = Path(__file__).resolve().parents[5] / "bench" / "peer" / name
+    return script if script.is_file() else Path("bench/peer") / name
+
+
+def _peer_rows(cmd: list[str], setup: PeerSetup, name: str, env: dict[str, str]) -> dict[str, Any]:
+    """Run one peer's engine script; its result is the last stdout line that starts with
+    ``{"rows"`` (vLLM logs to stdout too, even after it)."""
+    log = setup.out_dir / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                          env={**os.environ, **env})  # fmt: skip
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} engine bench failed (see {log}):\n{proc.stderr[-2000:]}")
+    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith('{"rows"'))
+    return json.loads(line)
+
+
+def _gguf_label(gguf: Path) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``Q4_1``: the quantization its name states."""
+    stem = gguf.stem
+    return stem.rsplit(".", 1)[-1] if "." in stem else stem
 
 
 def full_vocab_checkpoint(model_dir: Path, dest: Path) -> Path:

@@ -18,9 +18,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
 
 def bench_peer(
-    model: Annotated[Path, typer.Option(help="HF checkpoint dir both servers load")] = Path(
-        "engines/opt-125m"
-    ),
+    model: Annotated[
+        Path,
+        typer.Option(
+            help="HF checkpoint or engine dir both servers load, or a quanta fetch-model "
+            "catalogue name (its engine in --dtype)"
+        ),
+    ] = Path("engines/opt-125m"),
     vllm_venv: Annotated[
         Path,
         typer.Option(
@@ -52,6 +56,20 @@ def bench_peer(
     sj_profile: Annotated[
         Path | None, typer.Option(help="cost profile JSON for sj-mlfq (default: fit one)")
     ] = None,
+    no_vllm: Annotated[
+        bool, typer.Option("--no-vllm", help="no vLLM: engine-only figures of the other peers")
+    ] = False,
+    llama_cpp_venv: Annotated[
+        Path | None,
+        typer.Option(help="virtual env with llama-cpp-python: llama.cpp's batch-1 engine figures"),
+    ] = None,
+    llama_cpp_gguf: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="GGUF file llama.cpp runs (repeat the option; 'f16' writes an F16 file of the "
+            "model's weights; default with --llama-cpp-venv: the catalogue model's file and f16)"
+        ),
+    ] = None,
     vllm_priority: Annotated[
         str,
         typer.Option(
@@ -72,11 +90,17 @@ def bench_peer(
         choices = ", ".join(VLLM_PRIORITIES)
         raise typer.BadParameter(f"one of {choices}", param_hint="--vllm-priority")
 
-    python = vllm_venv / "bin" / "python"
-    if not python.is_file():
+    python: Path | None = vllm_venv / "bin" / "python"
+    if no_vllm:
+        if any(s.startswith("vllm") for s in systems.split(",")):
+            raise typer.BadParameter("--no-vllm runs no vllm-* system", param_hint="--systems")
+        python = None
+    elif not python.is_file():
         raise typer.BadParameter(
             f"no {python}; run bench/peer/setup_vllm.sh", param_hint="--vllm-venv"
         )
+    model, gguf = _resolve_model(model, dtype)
+    llama_python, llama_files = _llama_cpp(llama_cpp_venv, llama_cpp_gguf, gguf, model, out)
     if not (model / "config.json").is_file():
         raise typer.BadParameter(
             f"no checkpoint at {model}; quanta make-model opt-125m --out {model}",
@@ -103,9 +127,53 @@ def bench_peer(
         vllm_bench=vllm_bench,
         sj_profile=sj_profile,
         vllm_priority=vllm_priority,
+        llama_cpp_python=llama_python,
+        llama_cpp_gguf=llama_files,
     )
     report = run_peer(setup, typer.echo)
     typer.echo(render_markdown(report))
     for note in report["notes"]:
         typer.echo(f"note: {note}", err=True)
     typer.echo(f"wrote {out / 'peer.json'} and {out / 'peer.md'} (load {os.getloadavg()[0]:.1f})")
+
+
+def _resolve_model(model: Path, dtype: str) -> tuple[Path, Path | None]:
+    """A catalogue name becomes its engine in ``dtype``; returns (model dir, its GGUF file)."""
+    from quanta.build.cli import engine_from_gguf
+    from quanta.build.fetch import CATALOGUE, FetchError, fetch_gguf
+
+    if model.exists() or str(model) not in CATALOGUE:
+        return model, None
+    try:
+        gguf = fetch_gguf(str(model))
+    except FetchError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    return engine_from_gguf(gguf, dtype), gguf
+
+
+def _llama_cpp(
+    venv: Path | None, files: list[Path] | None, gguf: Path | None, model: Path, out: Path
+) -> tuple[Path | None, tuple[Path, ...]]:
+    """llama.cpp's interpreter and the GGUF files it runs; ``f16`` is written on demand."""
+    if venv is None:
+        if files:
+            raise typer.BadParameter("needs --llama-cpp-venv", param_hint="--llama-cpp-gguf")
+        return None, ()
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise typer.BadParameter(f"no {python}", param_hint="--llama-cpp-venv")
+    wanted = list(files or ([gguf, Path("f16")] if gguf is not None else [Path("f16")]))
+    resolved: list[Path] = []
+    for path in wanted:
+        if str(path) == "f16":
+            import gguf as gguf_lib
+
+            from quanta.build.gguf_export import write_gguf
+
+            path = out / "model.F16.gguf"
+            out.mkdir(parents=True, exist_ok=True)
+            write_gguf(model, path, qtype=gguf_lib.GGMLQuantizationType.F16)
+        elif not path.is_file():
+            raise typer.BadParameter(f"no file {path}", param_hint="--llama-cpp-gguf")
+        resolved.append(path)
+    return python, tuple(resolved)

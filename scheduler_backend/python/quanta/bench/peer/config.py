@@ -30,7 +30,7 @@ class PeerSetup:
     """Everything a comparison run holds fixed."""
 
     model_dir: Path
-    vllm_python: Path
+    vllm_python: Path | None  # None: no vLLM (llama.cpp's engine-only figures alone)
     out_dir: Path
     rates: tuple[float, ...] = (0.5, 1.0, 2.0)
     num_requests: int = 40
@@ -56,3 +56,5 @@ class PeerSetup:
     sj_profile: Path | None = None  # cost profile for sj-mlfq (default: measured here)
     vllm_priority: str = "prompt-length"  # a key of VLLM_PRIORITIES
     ready_timeout_s: float = 600.0
+    llama_cpp_python: Path | None = None  # llama-cpp-python's venv interpreter
+    llama_cpp_gguf: tuple[Path, ...] = ()  # GGUF files llama.cpp runs (batch 1, engine only)

