@@ -51,6 +51,7 @@ FRAGMENTS = {
 FASTER = {
     "quanta simulate validate": "--calibration-seconds 0.2 --repeats 1",
     "quanta bench policies": "--calibration-seconds 0.2",
+    "quanta bench quality": "--max-tokens 4 --no-bf16",
 }
 
 
