@@ -258,3 +258,17 @@ def test_engine_figures_take_each_peer_and_render_a_column_pair_per_peer(model_d
     markdown = render_markdown({"table": [], "setup": setup_json, "engine": engine})
     assert "llama.cpp Q4_1 decode" in markdown and "vllm decode" in markdown
     assert "| 2 |" in markdown and "- | - | - | - |" in markdown
+
+
+def test_chat_prompts_are_real_questions_answered_until_eos(model_dir, tmp_path):
+    from quanta.bench.quality_data import CHAT_QUESTIONS
+
+    setup = setup_for(model_dir, tmp_path, chat_prompts=True, num_requests=30)
+    first, again = workload_for(setup, 1.0), workload_for(setup, 2.0)
+    assert [r.prompt for r in first] == [r.prompt for r in again]  # same seed, same questions
+    asked = {q for q in CHAT_QUESTIONS for r in first if q in (r.prompt or "")}
+    assert len(asked) == len(CHAT_QUESTIONS)  # every question, each in the model's template
+    assert all(r.output_tokens == setup.output_tokens[1] for r in first)
+    assert all(r.prompt_tokens < 64 for r in first)  # the real length, not the synthetic one
+    requests = to_client_requests(first)
+    assert all(isinstance(r.prompt, str) for r in requests)

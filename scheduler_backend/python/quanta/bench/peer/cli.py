@@ -56,6 +56,13 @@ def bench_peer(
     sj_profile: Annotated[
         Path | None, typer.Option(help="cost profile JSON for sj-mlfq (default: fit one)")
     ] = None,
+    chat_prompts: Annotated[
+        bool,
+        typer.Option(
+            help="send real chat questions through the model's template, answered until EOS "
+            "(--output-tokens' upper bound caps them), instead of length-only token ids"
+        ),
+    ] = False,
     no_vllm: Annotated[
         bool, typer.Option("--no-vllm", help="no vLLM: engine-only figures of the other peers")
     ] = False,
@@ -127,6 +134,7 @@ def bench_peer(
         vllm_bench=vllm_bench,
         sj_profile=sj_profile,
         vllm_priority=vllm_priority,
+        chat_prompts=chat_prompts,
         llama_cpp_python=llama_python,
         llama_cpp_gguf=llama_files,
     )

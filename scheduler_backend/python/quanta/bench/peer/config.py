@@ -56,5 +56,6 @@ class PeerSetup:
     sj_profile: Path | None = None  # cost profile for sj-mlfq (default: measured here)
     vllm_priority: str = "prompt-length"  # a key of VLLM_PRIORITIES
     ready_timeout_s: float = 600.0
+    chat_prompts: bool = False  # real chat questions that end at EOS, not length-only prompts
     llama_cpp_python: Path | None = None  # llama-cpp-python's venv interpreter
     llama_cpp_gguf: tuple[Path, ...] = ()  # GGUF files llama.cpp runs (batch 1, engine only)

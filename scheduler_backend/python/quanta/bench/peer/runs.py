@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -39,10 +40,25 @@ _VLLM_BENCH = (
 
 
 def workload_for(setup: PeerSetup, rate: float) -> list[WorkloadRequest]:
-    """The same seed at every rate: same lengths, arrival times scaled by the rate."""
+    """The same seed at every rate: same lengths, arrival times scaled by the rate. With
+    ``chat_prompts`` each request is a real chat question through the model's template, its
+    length the model's own (it ends at EOS, ``output_tokens``' upper bound a cap)."""
     lengths = UniformLengths(setup.prompt_tokens, setup.output_tokens)
-    return synthesize(setup.num_requests, arrivals=rate, lengths=lengths, seed=setup.seed,
-                      id_prefix=f"s{setup.seed}-r")  # fmt: skip
+    requests = synthesize(setup.num_requests, arrivals=rate, lengths=lengths, seed=setup.seed,
+                          id_prefix=f"s{setup.seed}-r")  # fmt: skip
+    if not setup.chat_prompts:
+        return requests
+    from quanta.bench.quality import chat_prompts
+    from quanta.frontends.tokenizer import load_tokenizer
+
+    texts = chat_prompts(setup.model_dir)
+    counts = [len(load_tokenizer(setup.model_dir).encode(t)) for t in texts]
+    order = random.Random(setup.seed).sample(range(len(texts)), len(texts))
+    picks = [order[i % len(texts)] for i in range(len(requests))]
+    return [
+        replace(r, prompt=texts[k], prompt_tokens=counts[k], output_tokens=setup.output_tokens[1])
+        for r, k in zip(requests, picks, strict=True)
+    ]
 
 
 def _target(server: Server, *, timeout_s: float = 900.0) -> Any:
@@ -69,7 +85,11 @@ def request_priority(server: Server) -> Callable[[WorkloadRequest], int] | None:
 def replay_workload(server: Server, workload: Sequence[WorkloadRequest]) -> list[Any]:
     from quanta.bench.client import replay, to_client_requests
 
-    requests = to_client_requests(workload, priority=request_priority(server))
+    # NOTE: text prompts are chat questions, answered until EOS; length-only ones ignore it.
+    ignore_eos = not any(r.prompt is not None for r in workload)
+    requests = to_client_requests(
+        workload, ignore_eos=ignore_eos, priority=request_priority(server)
+    )
     return asyncio.run(replay(requests, _target(server)))
 
 
