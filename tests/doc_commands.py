@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROGRAMS = ("quanta", "locust", "curl", "bash", "source", "bench/peer/setup_vllm.sh")
+PROGRAMS = (
+    "quanta",
+    "locust",
+    "curl",
+    "bash",
+    "source",
+    "bench/peer/setup_vllm.sh",
+    "bench/lm_eval/run.sh",
+)
 SHELL_FENCES = ("", "bash", "sh", "shell", "console")
 _INLINE = re.compile(r"`((?:quanta|locust) [^`]+)`")
 _PLACEHOLDER = re.compile(r"\b[A-Z]{3,}\b|\.\.\.")

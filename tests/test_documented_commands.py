@@ -38,6 +38,8 @@ NOT_RUN = {
     "source .venv/bin/activate": "a shell built-in; these tests already run inside the venv",
     "bench/peer/setup_vllm.sh": "installs vLLM's CPU build (GBs from the network), by hand",
     "quanta bench peer": "needs the vLLM venv above; tests/test_bench_peer.py covers the harness",
+    "bench/lm_eval/run.sh": "installs lm-evaluation-harness (network) and evaluates a real "
+    "model twice (minutes); tests/test_bench_lm_eval.py covers its data and report",
     "docker ": "no container engine on the test machines; tests/test_packaging.py runs the "
     "image's steps",
     "bash loadtests/genai_perf.sh": "installs genai-perf and perf_analyzer's libraries (network); "

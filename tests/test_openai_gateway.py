@@ -245,7 +245,6 @@ BAD = {
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
     "n=0": ({"n": 0}, "n", "greater than or equal to 1"),
     "n=17": ({"n": 17}, "n", "less than or equal to 16"),
-    "echo of token ids": ({"echo": True, "prompt": [1, 2]}, "echo", "echo needs a text prompt"),
     "logprobs 21": ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     "repetition penalty 0": (
         {"extra_body": {"repetition_penalty": 0}},
@@ -397,6 +396,29 @@ def test_echo_with_logprobs_reports_the_prompts_tokens_first(client, llm, stream
     assert all(len(d) == 1 for d in tops[1:])
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     assert "".join(c.text for c in choices).startswith("Hello there")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_of_token_ids_scores_the_prompt_as_its_text_does(client, llm, stream):
+    """What lm-evaluation-harness's ``local-completions`` sends to score a continuation: the
+    prompt as token ids (in a batch of one), ``echo``, ``logprobs=1``, ``max_tokens=1``."""
+    prompt_ids = llm.tokenizer.encode("Hello there")
+
+    def scored(prompt: object) -> tuple[str, list[str], list[float | None]]:
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+            seed=1234, stream=stream,
+        )  # fmt: skip
+        choices = [c for chunk in out for c in chunk.choices] if stream else out.choices
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+        values = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+        return "".join(c.text for c in choices), tokens, values
+
+    text, tokens, values = scored("Hello there")
+    ids_text, ids_tokens, ids_values = scored([prompt_ids])
+    assert ids_text == text and text.startswith(llm.tokenizer.decode(prompt_ids))
+    assert ids_tokens == tokens and len(tokens) == len(prompt_ids) + 1
+    assert ids_values[0] is None and ids_values[1:] == pytest.approx(values[1:], abs=1e-5)
 
 
 def test_chat_logprobs_with_top_logprobs(client, llm):
@@ -574,6 +596,23 @@ def test_triton_error_messages_map_to_http_codes():
     # Untagged messages come from Triton itself; only its known phrases are classified.
     assert classify("request throttled: tenant over its share").status == 500
     assert classify("something broke").status == 500
+
+
+def test_echo_of_token_ids_without_a_tokenizer_is_400():
+    """A gateway that does not know the tokenizer cannot write the prompt's text back."""
+    from quanta.frontends.openai.server import start_gateway
+
+    gateway = start_gateway(
+        f"127.0.0.1:{free_port()}", host="127.0.0.1", port=free_port(), model_name=MODEL
+    )
+    try:
+        c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="-", max_retries=0)
+        with c, pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1, echo=True)
+        assert info.value.response.json()["error"]["param"] == "echo"
+        assert "needs the model's tokenizer" in info.value.response.json()["error"]["message"]
+    finally:
+        gateway.stop()
 
 
 def test_unreachable_triton_is_503():

@@ -185,6 +185,17 @@ class Gateway:
                 "logprobs need the model's tokenizer: start the gateway with --model-dir",
                 "logprobs",
             )
+        if (
+            isinstance(body, CompletionRequest)
+            and body.echo
+            and not isinstance(body.single_prompt(), str)
+            and self.template.decode is None
+        ):
+            raise invalid(
+                "echo of a prompt given as token ids needs the model's tokenizer: start the "
+                "gateway with --model-dir",
+                "echo",
+            )
 
     async def _generate(
         self,
@@ -220,7 +231,7 @@ class Gateway:
         try:
             firsts = [await _next(stream) for stream in streams]  # errors before any header
             if body.stream and watcher is not None:
-                chunks = self._all_chunks(rid, body, firsts, streams, _echo(body, prompt))
+                chunks = self._all_chunks(rid, body, firsts, streams, self._echo(body, prompt))
                 sse = _sse(chunks, cancel, watcher)
                 owned = False
                 return StreamingResponse(sse, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -234,7 +245,7 @@ class Gateway:
                     watcher.stop()
                 cancel()
         top = body.top_logprobs_wanted
-        echo = _echo(body, prompt)
+        echo = self._echo(body, prompt)
         choices = []
         for index, events in enumerate(runs):
             text = echo + "".join(e.get("text_output", "") for e in events)
@@ -284,6 +295,16 @@ class Gateway:
             else:
                 yield completion_body(rid, body.model, "", None, use, chunk=True)
 
+    def _echo(self, body: Body, prompt: str | list[int]) -> str:
+        """The prompt a completion with ``echo`` repeats before its text; token ids are
+        decoded (scoring clients such as lm-evaluation-harness send their prompts as ids)."""
+        if not (isinstance(body, CompletionRequest) and body.echo):
+            return ""
+        if isinstance(prompt, str):
+            return prompt
+        assert self.template.decode is not None  # checked in _check
+        return self.template.decode(prompt)
+
     def _token_text(self) -> Callable[[int], str]:
         text = self.template.token_text
         assert text is not None  # checked in _check
@@ -305,7 +326,7 @@ class Gateway:
             yield _indexed(chat_chunk(rid, body.model, {"role": "assistant", "content": ""}), index)
         top = body.top_logprobs_wanted
         offset = 0
-        if echo and not chat:
+        if isinstance(body, CompletionRequest) and body.echo and (echo or top is not None):
             prompt = None if top is None else prompt_logprobs(first, top, self._token_text())
             logprobs = None if prompt is None else completion_logprobs(prompt, top or 0)
             chunk = completion_body(
@@ -338,15 +359,6 @@ class Gateway:
             if stream.done:
                 break
             event = await _next(stream)
-
-
-def _echo(body: Body, prompt: str | list[int]) -> str:
-    """The prompt a completion with ``echo`` repeats before its text (checked to be text)."""
-    return (
-        prompt
-        if isinstance(body, CompletionRequest) and body.echo and isinstance(prompt, str)
-        else ""
-    )
 
 
 def _usage(runs: list[list[dict[str, Any]]]) -> dict[str, int]:

@@ -39,12 +39,15 @@ class ChatTemplate:
         eos_token: str = "",
         count_tokens: Callable[[str], int] | None = None,
         token_text: Callable[[int], str] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.source = source
         # The checkpoint's tokenizer as the gateway needs it: token counts of system
-        # messages, and the text of each token that logprobs name.
+        # messages, the text of each token that logprobs name, and the text of a prompt given
+        # as token ids that ``echo`` repeats.
         self.count_tokens = count_tokens
         self.token_text = token_text
+        self.decode = decode
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
         self._template: Any = None
         if source is not None:
@@ -62,22 +65,24 @@ class ChatTemplate:
         tokenizer = _tokenizer(Path(model_dir))
         count = None if tokenizer is None else (lambda text: len(tokenizer.encode(text)))
         text = None if tokenizer is None else (lambda token: tokenizer.decode([token]))
+        decode = None if tokenizer is None else tokenizer.decode
         path = Path(model_dir) / "tokenizer_config.json"
         if not path.is_file():
-            return cls(count_tokens=count, token_text=text)
+            return cls(count_tokens=count, token_text=text, decode=decode)
         config = json.loads(path.read_text(encoding="utf-8"))
         source = config.get("chat_template")
         if isinstance(source, list):  # HF's named templates: take "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
         if not isinstance(source, str):
-            return cls(count_tokens=count, token_text=text)
+            return cls(count_tokens=count, token_text=text, decode=decode)
         return cls(
             source,
             bos_token=_token(config, "bos_token"),
             eos_token=_token(config, "eos_token"),
             count_tokens=count,
             token_text=text,
+            decode=decode,
         )
 
     @classmethod

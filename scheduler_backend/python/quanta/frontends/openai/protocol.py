@@ -1,13 +1,12 @@
 """OpenAI request models, their translation to Quanta's sampling settings, and response bodies.
 
 Requests are pydantic models that forbid unknown fields, so a typo is a 400 naming the field
-rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``echo``
-with logprobs, ``best_of``, ``logit_bias``, tools, ...) are rejected with a message that says
-so. Scheduling metadata are extra top-level fields (``tenant``, ``app``, ``interaction_id``,
-``interaction_stage``, ``interaction_last``, ``system_tokens``, ``priority_class``,
-``ttft_slo_ms``, ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless
-``tenant`` is given. Sampling values are validated by Quanta's own ``SamplingParams``, so the
-gateway's messages are the backend's.
+rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``best_of``,
+``logit_bias``, tools, ...) are rejected with a message that says so. Scheduling metadata are
+extra top-level fields (``tenant``, ``app``, ``interaction_id``, ``interaction_stage``,
+``interaction_last``, ``system_tokens``, ``priority_class``, ``ttft_slo_ms``,
+``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless ``tenant`` is given. Sampling values
+are validated by Quanta's own ``SamplingParams``, so the gateway's messages are the backend's.
 """
 
 from __future__ import annotations
@@ -194,8 +193,6 @@ class CompletionRequest(_GenerationRequest):
         return self.echo and self.logprobs is not None
 
     def unsupported(self) -> OpenAIError | None:
-        if self.echo and not isinstance(self.single_prompt(), str):
-            return invalid("echo needs a text prompt (not token ids)", "echo")
         if self.suffix:
             return invalid("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
@@ -334,7 +331,7 @@ def completion_body(
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice] if text or finish or not chunk else [],
+        "choices": [choice] if text or finish or logprobs or not chunk else [],
     }
     if use is not None or not chunk:
         body["usage"] = use
