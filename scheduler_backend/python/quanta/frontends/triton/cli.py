@@ -231,9 +231,7 @@ def serve(
                 typer.echo(f"OpenAI  {gateway.url}/v1")
             if demo is not None:
                 entry = model if model is not None else model_dir_from_repository(repo, model_name)
-                _demo(
-                    server.http_url, model_name, demo, entry, gateway and gateway.url
-                )
+                _demo(server.http_url, model_name, demo, entry, gateway and gateway.url)
                 return
             typer.echo("ready; Ctrl-C stops the server")
             code = supervise(server, max_restarts, ready_timeout)
