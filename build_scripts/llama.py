@@ -1,4 +1,7 @@
-"""LLaMA 1/2/3 and lookalikes: RoPE (default, linear, llama3 scaling), RMSNorm, SwiGLU, GQA."""
+"""LLaMA 1/2/3 and lookalikes: RoPE (default, linear, llama3 scaling), RMSNorm, SwiGLU, GQA.
+
+LLaMA's spec (``quanta.families.llama``) names this class as the family's builder.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +24,3 @@ class LlamaBuilder(FamilyBuilder):
             )
         if raw.get("sliding_window"):
             raise BuildError("sliding-window attention is not served (a Mistral checkpoint?)")
-
-
-BUILDERS = [LlamaBuilder()]

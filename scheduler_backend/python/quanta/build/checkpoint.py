@@ -2,10 +2,11 @@
 
 Why: real weights cannot be downloaded here, yet the runner, the parity tests against HF
 transformers and the benchmarks all need checkpoints. The directory written here is exactly what
-`save_pretrained` produces for OPTForCausalLM / LlamaForCausalLM (config.json,
+`save_pretrained` produces for the family's *ForCausalLM class (config.json,
 generation_config.json, model.safetensors with HF parameter names) plus tokenizer files, so the
 code that loads it is the code that loads a real checkpoint. It is built without transformers so
-that building never depends on a test-only package.
+that building never depends on a test-only package. What differs per family (its config keys,
+tensor layout and special tokens) comes from its spec in ``quanta.families``.
 
 The files are a pure function of (preset, seed, dtype): weights come from a seeded
 `torch.Generator` in a fixed order, JSON is written with sorted keys, and the tokenizer trains
@@ -22,27 +23,24 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors.torch import save_file
 
 from quanta.build.presets import ModelPreset, get_preset
 from quanta.build.tokenizer import special_token_ids, write_tokenizer
+from quanta.families import get_family
+from quanta.families.spec import INIT_STD, TensorSpec
 
 # NOTE: config files follow the layout of real hub checkpoints (`torch_dtype`, `rope_theta`),
 # which every transformers version and vLLM read; this version string says which layout.
 HF_LAYOUT_VERSION = "4.46.0"
-INIT_STD = 0.02
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
 PRESET_FILE = "quanta_preset.json"
-
-Init = Literal["normal", "ones", "zeros"]
-TensorSpec = tuple[str, tuple[int, ...], Init]
 
 
 def make_checkpoint(
@@ -113,91 +111,23 @@ def hf_config(spec: ModelPreset, dtype: str = "float32") -> dict[str, object]:
         "use_cache": True,
         "vocab_size": spec.vocab_size,
     }
-    if spec.family == "opt":
-        return common | {
-            "_remove_final_layer_norm": False,
-            "activation_dropout": 0.0,
-            "activation_function": "relu",
-            "architectures": ["OPTForCausalLM"],
-            "do_layer_norm_before": True,
-            "dropout": 0.1,
-            "enable_bias": True,
-            "ffn_dim": spec.intermediate_size,
-            "init_std": INIT_STD,
-            "layer_norm_elementwise_affine": True,
-            "layerdrop": 0.0,
-            "model_type": "opt",
-            "prefix": "</s>",
-            "tie_word_embeddings": True,
-            "word_embed_proj_dim": spec.word_embed_proj_dim,
-        }
-    return common | {
-        "architectures": ["LlamaForCausalLM"],
-        "attention_bias": False,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "initializer_range": INIT_STD,
-        "intermediate_size": spec.intermediate_size,
-        "mlp_bias": False,
-        "model_type": "llama",
-        "num_key_value_heads": spec.num_key_value_heads,
-        "pretraining_tp": 1,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "rope_scaling": None,
-        "rope_theta": spec.rope_theta,
-        "tie_word_embeddings": False,
-    }
+    return common | get_family(spec.family).hf_config(spec)
 
 
 def tensor_specs(spec: ModelPreset) -> list[TensorSpec]:
     """Every stored tensor in HF names, with its shape and HF's initialisation.
 
-    OPT ties lm_head to embed_tokens, so (as in HF's save_pretrained) lm_head is not stored.
+    A tied LM head (OPT's) is not stored, as in HF's save_pretrained.
     """
-    h, f, v, n = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.num_hidden_layers
-    out: list[TensorSpec] = []
-    if spec.family == "opt":
-        e = spec.word_embed_proj_dim or h
-        p = "model.decoder."
-        out += [(p + "embed_tokens.weight", (v, e), "normal")]
-        # OPT's learned positions are offset by 2, so the table has 2 extra rows.
-        out += [(p + "embed_positions.weight", (spec.max_position_embeddings + 2, h), "normal")]
-        if e != h:
-            out += [(p + "project_in.weight", (h, e), "normal")]
-            out += [(p + "project_out.weight", (e, h), "normal")]
-        for i in range(n):
-            lp = f"{p}layers.{i}."
-            for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):
-                out += _linear(f"{lp}self_attn.{proj}", h, h, bias=True)
-            out += _layer_norm(f"{lp}self_attn_layer_norm", h)
-            out += _linear(f"{lp}fc1", f, h, bias=True)
-            out += _linear(f"{lp}fc2", h, f, bias=True)
-            out += _layer_norm(f"{lp}final_layer_norm", h)
-        out += _layer_norm(p + "final_layer_norm", h)
-        return out
-    out += [("model.embed_tokens.weight", (v, h), "normal")]
-    kv = spec.kv_heads * spec.head_dim
-    for i in range(n):
-        lp = f"model.layers.{i}."
-        out += _linear(lp + "self_attn.q_proj", h, h)
-        out += _linear(lp + "self_attn.k_proj", kv, h)
-        out += _linear(lp + "self_attn.v_proj", kv, h)
-        out += _linear(lp + "self_attn.o_proj", h, h)
-        out += _linear(lp + "mlp.gate_proj", f, h)
-        out += _linear(lp + "mlp.up_proj", f, h)
-        out += _linear(lp + "mlp.down_proj", h, f)
-        out += [(lp + "input_layernorm.weight", (h,), "ones")]
-        out += [(lp + "post_attention_layernorm.weight", (h,), "ones")]
-    out += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (v, h), "normal")]
-    return out
+    return get_family(spec.family).tensor_specs(spec)
 
 
 def random_weights(spec: ModelPreset, seed: int, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """The checkpoint's tensors: normal(0, 0.02) matrices, unit norm weights, zero biases.
 
     Sampled in float32 in tensor_specs order from one seeded generator, then cast, so the bytes
-    depend only on (spec, seed, dtype). OPT's padding row of embed_tokens is zero, as HF's
-    nn.Embedding(padding_idx=pad_token_id) initialises it.
+    depend only on (spec, seed, dtype). The padding row of the family's ``pad_embedding`` (OPT's
+    embed_tokens) is zero, as HF's nn.Embedding(padding_idx=pad_token_id) initialises it.
     """
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -207,19 +137,11 @@ def random_weights(spec: ModelPreset, seed: int, dtype: str = "float32") -> dict
         else:
             t = torch.ones(shape) if init == "ones" else torch.zeros(shape)
         tensors[name] = t.to(DTYPES[dtype])
+    pad_embedding = get_family(spec.family).pad_embedding
     pad_id = special_token_ids(spec.family)["pad_token_id"]
-    if spec.family == "opt" and pad_id is not None:
-        tensors["model.decoder.embed_tokens.weight"][pad_id].zero_()
+    if pad_embedding is not None and pad_id is not None:
+        tensors[pad_embedding][pad_id].zero_()
     return tensors
-
-
-def _linear(prefix: str, rows: int, cols: int, *, bias: bool = False) -> list[TensorSpec]:
-    weight: TensorSpec = (f"{prefix}.weight", (rows, cols), "normal")
-    return [weight, (f"{prefix}.bias", (rows,), "zeros")] if bias else [weight]
-
-
-def _layer_norm(prefix: str, width: int) -> list[TensorSpec]:
-    return [(f"{prefix}.weight", (width,), "ones"), (f"{prefix}.bias", (width,), "zeros")]
 
 
 def _write_checkpoint(spec: ModelPreset, out: Path, *, seed: int, dtype: str) -> None:

@@ -14,11 +14,12 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from quanta.families import known_family
 
 MANIFEST_FILE = "quanta_engine.json"
 ENGINE_FORMAT = 1
@@ -37,7 +38,7 @@ class _Frozen(BaseModel):
 class ModelShape(_Frozen):
     """The architecture, as the runner reads it from ``config.json``."""
 
-    family: Literal["opt", "llama"]
+    family: Annotated[str, AfterValidator(known_family)]
     architecture: str
     vocab_size: int
     hidden_size: int

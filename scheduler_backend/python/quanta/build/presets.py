@@ -9,11 +9,12 @@ memory footprint of real models for benchmarks.
 
 from __future__ import annotations
 
-from typing import Literal, Self
+import math
+from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-Family = Literal["opt", "llama"]
+from quanta.families import get_family, known_family
 
 # NOTE: the size the tokenizer trainer reaches with TOKENIZER_VOCAB_TARGET on the embedded corpus
 # (tests assert this). Tiny presets use it so that every model row is a real token.
@@ -24,14 +25,14 @@ class ModelPreset(BaseModel):
     """One decoder-only model shape, in family-neutral names.
 
     `intermediate_size` is OPT's `ffn_dim` or LLaMA's `intermediate_size`. Fields that only one
-    family has are `None` for the other (validated), so a preset cannot describe a shape the
-    family's HF config could not express.
+    family has are `None` for the other (its spec's `check_preset` says so), so a preset cannot
+    describe a shape the family's HF config could not express.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    family: Family
+    family: Annotated[str, AfterValidator(known_family)]
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     num_hidden_layers: int = Field(gt=0)
@@ -49,20 +50,7 @@ class ModelPreset(BaseModel):
     def _check_shape(self) -> Self:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
-        if self.family == "llama":
-            if self.num_key_value_heads is None or self.rope_theta is None:
-                raise ValueError("llama presets need num_key_value_heads and rope_theta")
-            if self.rms_norm_eps is None:
-                raise ValueError("llama presets need rms_norm_eps")
-            if self.num_attention_heads % self.num_key_value_heads:
-                raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-            if self.word_embed_proj_dim is not None:
-                raise ValueError("word_embed_proj_dim is an OPT field")
-        else:
-            if self.word_embed_proj_dim is None:
-                raise ValueError("opt presets need word_embed_proj_dim")
-            if (self.num_key_value_heads, self.rope_theta, self.rms_norm_eps) != (None,) * 3:
-                raise ValueError("num_key_value_heads, rope_theta, rms_norm_eps are LLaMA fields")
+        get_family(self.family).check_preset(self)
         return self
 
     @property
@@ -75,25 +63,9 @@ class ModelPreset(BaseModel):
         return self.num_key_value_heads or self.num_attention_heads
 
     def num_parameters(self) -> int:
-        """Parameters the shape implies, counting a tied LM head once (OPT ties, LLaMA not)."""
-        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        kv = self.kv_heads * self.head_dim
-        if self.family == "opt":
-            e = self.word_embed_proj_dim or h
-            attn = 2 * h * h + 2 * h * kv + 2 * h + 2 * kv  # q, k, v, out with biases
-            mlp = 2 * h * f + f + h
-            layer = attn + mlp + 4 * h  # two LayerNorms
-            proj = 2 * e * h if e != h else 0
-            return (
-                v * e
-                + (self.max_position_embeddings + 2) * h
-                + proj
-                + self.num_hidden_layers * layer
-                + 2 * h
-            )
-        attn = 2 * h * h + 2 * h * kv
-        layer = attn + 3 * h * f + 2 * h
-        return 2 * v * h + self.num_hidden_layers * layer + h
+        """Parameters the shape implies: the family's stored tensors, so a tied LM head
+        (OPT's; LLaMA's is not tied) counts once."""
+        return sum(math.prod(shape) for _, shape, _ in get_family(self.family).tensor_specs(self))
 
 
 PRESETS: dict[str, ModelPreset] = {

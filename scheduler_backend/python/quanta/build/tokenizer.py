@@ -4,8 +4,8 @@ Why train one: real tokenizers cannot be downloaded here, and a checkpoint is on
 end (text in, text out) with one. Byte-level BPE round-trips any UTF-8 text, so prompts in tests
 and benchmarks never hit an unknown token. Training is deterministic (fixed corpus, fixed
 settings; the `tokenizers` trainer breaks ties by token id), so the same files come out on every
-run. Special tokens sit at the ids the real families use, so code that hard-codes or reads them
-from config.json behaves as it would with a real OPT or LLaMA checkpoint.
+run. Special tokens sit at the ids the real families use (each family spec's ``tokens``), so code
+that hard-codes or reads them from config.json behaves as it would with a real checkpoint.
 """
 
 from __future__ import annotations
@@ -16,40 +16,24 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from quanta.build.corpus import CORPUS
-from quanta.build.presets import Family
+from quanta.families import get_family
 
 TOKENIZER_VOCAB_TARGET = 512
 
-# Special tokens in id order, and the token each family prepends as BOS. HF's OPT tokenizer
-# prepends `</s>` (id 2), not `<s>`; LLaMA prepends `<s>` (id 1).
-SPECIAL_TOKENS: dict[Family, tuple[str, ...]] = {
-    "opt": ("<s>", "<pad>", "</s>", "<unk>"),
-    "llama": ("<unk>", "<s>", "</s>"),
-}
-BOS_TOKEN: dict[Family, str] = {"opt": "</s>", "llama": "<s>"}
-EOS_TOKEN = "</s>"
-PAD_TOKEN: dict[Family, str | None] = {"opt": "<pad>", "llama": None}
-UNK_TOKEN = "<unk>"
 
-
-def special_token_ids(family: Family) -> dict[str, int | None]:
+def special_token_ids(family: str) -> dict[str, int | None]:
     """bos/eos/pad ids as config.json and generation_config.json name them."""
-    specials = SPECIAL_TOKENS[family]
-    pad = PAD_TOKEN[family]
-    return {
-        "bos_token_id": specials.index(BOS_TOKEN[family]),
-        "eos_token_id": specials.index(EOS_TOKEN),
-        "pad_token_id": specials.index(pad) if pad is not None else None,
-    }
+    return get_family(family).tokens.ids()
 
 
-def build_tokenizer(family: Family, vocab_size: int = TOKENIZER_VOCAB_TARGET) -> Tokenizer:
+def build_tokenizer(family: str, vocab_size: int = TOKENIZER_VOCAB_TARGET) -> Tokenizer:
     """Train the family's byte-level BPE tokenizer on the embedded corpus.
 
     The result has exactly `vocab_size` tokens when the corpus allows that many merges (it does
     for the default target); `get_vocab_size()` is the truth either way.
     """
-    specials = SPECIAL_TOKENS[family]
+    tokens = get_family(family).tokens
+    specials = tokens.tokens
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -60,7 +44,7 @@ def build_tokenizer(family: Family, vocab_size: int = TOKENIZER_VOCAB_TARGET) ->
         show_progress=False,
     )
     tokenizer.train_from_iterator([CORPUS], trainer=trainer)
-    bos = BOS_TOKEN[family]
+    bos = tokens.bos
     bos_id = specials.index(bos)
     if tokenizer.token_to_id(bos) != bos_id:
         raise AssertionError(f"{bos} trained to id {tokenizer.token_to_id(bos)}, not {bos_id}")
@@ -72,22 +56,23 @@ def build_tokenizer(family: Family, vocab_size: int = TOKENIZER_VOCAB_TARGET) ->
     return tokenizer
 
 
-def tokenizer_config(family: Family, model_max_length: int) -> dict[str, object]:
+def tokenizer_config(family: str, model_max_length: int) -> dict[str, object]:
     """The tokenizer_config.json HF's fast tokenizer loader needs to match our post-processor."""
+    tokens = get_family(family).tokens
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": True,
         "add_eos_token": False,
-        "bos_token": BOS_TOKEN[family],
-        "eos_token": EOS_TOKEN,
-        "unk_token": UNK_TOKEN,
-        "pad_token": PAD_TOKEN[family],
+        "bos_token": tokens.bos,
+        "eos_token": tokens.eos,
+        "unk_token": tokens.unk,
+        "pad_token": tokens.pad,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
 
 
-def write_tokenizer(family: Family, out_dir: Path, model_max_length: int) -> Tokenizer:
+def write_tokenizer(family: str, out_dir: Path, model_max_length: int) -> Tokenizer:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
     tokenizer = build_tokenizer(family)
     config = tokenizer_config(family, model_max_length)

@@ -4,7 +4,8 @@ Why a wrapper and not transformers' AutoTokenizer: the serving path must not dep
 transformers (a test-only package here), and it needs only encode, decode and a few special ids.
 This reads the same files HF does: tokenizer.json when present, otherwise the vocab.json +
 merges.txt pair that real OPT/GPT-2 checkpoints ship, and tokenizer_config.json /
-special_tokens_map.json / config.json for the special tokens and whether to prepend BOS.
+special_tokens_map.json / config.json for the special tokens and whether to prepend BOS (with
+the family's own rule, from its spec, where the files say nothing).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
+
+from quanta.families import FAMILIES
 
 # Tokens treated as special when a vocab.json + merges.txt checkpoint does not list its own.
 _KNOWN_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<|endoftext|>")
@@ -91,7 +94,8 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     tok_config = _read_json(model_dir / "tokenizer_config.json")
     special_map = _read_json(model_dir / "special_tokens_map.json")
     model_config = _read_json(model_dir / "config.json")
-    is_opt = model_config.get("model_type") == "opt"
+    family = FAMILIES.get(str(model_config.get("model_type")))
+    rules = family.tokens if family is not None else None
 
     if (model_dir / "tokenizer.json").is_file():
         tokenizer = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -104,11 +108,13 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
     bos_id = _special_id(tokenizer, "bos_token", tok_config, special_map, model_config)
     eos_id = _special_id(tokenizer, "eos_token", tok_config, special_map, model_config)
-    if is_opt and bos_id is None:
-        bos_id = tokenizer.token_to_id("</s>")  # HF's OPT tokenizer prepends </s> as BOS
     add_bos = tok_config.get("add_bos_token")
-    if add_bos is None and is_opt:
-        add_bos = True  # HF's OPT tokenizer always prepends BOS
+    if rules is not None and rules.always_adds_bos:
+        # Where the files are silent, do as the family's HF tokenizer: OPT's prepends </s>.
+        if bos_id is None:
+            bos_id = tokenizer.token_to_id(rules.bos)
+        if add_bos is None:
+            add_bos = True
     return Tokenizer(tokenizer, bos_token_id=bos_id, eos_token_id=eos_id, add_bos=add_bos)
 
 

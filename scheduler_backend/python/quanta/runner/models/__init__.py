@@ -1,5 +1,8 @@
 """Our own model implementations (not transformers'), keyed by HF ``model_type``.
 
+Each family's spec (``quanta.families``) names its model class; it is imported only when a
+model is built, so reading a config never loads the other families' model code.
+
 Every model exposes ``forward(input_ids [T], positions [T], kv_cache, meta) -> hidden [T, d]``,
 ``compute_logits(hidden) -> [N, vocab]``, ``tie_weights()`` and ``is_ignorable_weight(name)``.
 """
@@ -12,20 +15,20 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from quanta.families import FAMILIES
 from quanta.runner.models.config import ModelConfig, load_model_config, parse_model_config
-from quanta.runner.models.llama import LlamaForCausalLM
-from quanta.runner.models.opt import OPTForCausalLM
-
-_MODELS: dict[str, type[nn.Module]] = {"opt": OPTForCausalLM, "llama": LlamaForCausalLM}
 
 
 def build_model_skeleton(config: ModelConfig) -> nn.Module:
     """The model with every parameter on the meta device: shapes only, no memory, so the
     loader can fill in each tensor straight in the target dtype and device."""
-    if config.family not in _MODELS:
+    spec = FAMILIES.get(config.family)
+    if spec is None:
         raise ValueError(f"no model implementation for family {config.family!r}")
+    model_class = spec.model_class()
     with torch.device("meta"), _no_init():
-        return _MODELS[config.family](config)
+        model: nn.Module = model_class(config)
+    return model
 
 
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")

@@ -1,0 +1,50 @@
+"""The model families Quanta serves, one ``FamilySpec`` each, keyed by HF ``model_type``.
+
+Adding a family: its model module under ``quanta/runner/models/`` and a spec module here
+(parser, special tokens, preset check, checkpoint layout, builder), listed in ``FAMILIES``;
+``tests/test_families.py`` then checks the spec's parts against each other. Pure Python: no
+torch until a spec's ``model_class()`` or ``builder_class()`` is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from quanta.families.config import ModelConfig, RopeScaling
+from quanta.families.llama import LLAMA
+from quanta.families.opt import OPT
+from quanta.families.spec import FamilySpec, SpecialTokens, TensorSpec
+
+FAMILIES: Mapping[str, FamilySpec] = MappingProxyType({spec.name: spec for spec in (OPT, LLAMA)})
+
+
+def family_names() -> tuple[str, ...]:
+    """Registered family names, in registration order."""
+    return tuple(FAMILIES)
+
+
+def get_family(name: str) -> FamilySpec:
+    """The spec of ``name``; ValueError naming the known families when there is none."""
+    spec = FAMILIES.get(name)
+    if spec is None:
+        raise ValueError(f"unknown model family {name!r}; known families: {family_names()}")
+    return spec
+
+
+def known_family(name: str) -> str:
+    """``name`` when it is a registered family (a pydantic validator for ``family`` fields)."""
+    return get_family(name).name
+
+
+__all__ = [
+    "FAMILIES",
+    "FamilySpec",
+    "ModelConfig",
+    "RopeScaling",
+    "SpecialTokens",
+    "TensorSpec",
+    "family_names",
+    "get_family",
+    "known_family",
+]
