@@ -137,6 +137,19 @@ def bench_engine(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("decode-profile")
+def bench_decode_profile(
+    model: Annotated[Path, typer.Option(help="checkpoint or engine dir")],
+    dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16")] = None,
+    context: Annotated[int, typer.Option(min=1, help="tokens of context before the step")] = 96,
+    repeat: Annotated[int, typer.Option(min=1, help="runs per timing; the best counts")] = 20,
+) -> None:
+    """Where a batch-1 decode step's time goes, per layer, against the bandwidth bound."""
+    from quanta.bench.decode_profile import print_profile, profile_decode
+
+    print_profile(profile_decode(model, dtype or "auto", context, repeat))
+
+
 @bench_app.command("loop")
 def bench_loop(
     model: Annotated[Path, typer.Option(help="checkpoint dir (its tokenizer detokenizes)")],

@@ -11,6 +11,7 @@ to the limits the engine was built for (``fit_to_engine``) and says what it chan
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ from quanta.core.config import (
 )
 from quanta.core.request import SamplingParams
 from quanta.frontends.engine import Engine, build_engine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -341,6 +341,17 @@ def paged_attention(
         k_new, v_new = k.index_select(0, meta.kv_rows), v.index_select(0, meta.kv_rows)
     flat[0].index_copy_(0, meta.slot_mapping, k_new.to(layer_cache.dtype))
     flat[1].index_copy_(0, meta.slot_mapping, v_new.to(layer_cache.dtype))
+    decode = meta.decode
+    if (
+        decode is not None
+        and not meta.prefills
+        and meta.hidden is None
+        and len(decode.lens) == q.shape[0]
+        and q.is_contiguous()
+    ):
+        # Every row decodes, in order: the kernel's output is the whole step's, with no row
+        # gather or scatter (two operators and a copy per layer at batch 1).
+        return decode.kernel(q, flat[0], flat[1], decode, scale)
     out = torch.empty_like(q)
     for chunk in meta.prefills:
         keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]

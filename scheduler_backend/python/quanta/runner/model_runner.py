@@ -31,6 +31,7 @@ from quanta.core.safepoint import AbortSignal, StepAborted
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
+from quanta.runner.layer_ops import layer_ops
 from quanta.runner.linear import fuse_model, onednn_supports, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
@@ -126,6 +127,9 @@ class ModelRunner:
         self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
         fuse_model(self.model, self.linear_kernel)
         self.model.eval()
+        use_layer_ops = getattr(self.model, "use_layer_ops", None)
+        if use_layer_ops is not None:  # models whose layers run through quanta.runner.layer_ops
+            use_layer_ops(layer_ops(self.device))
         cfg = self.model_config
         self._decode_kernel, self.attention_kernel = decode_kernel(
             resolve_attention_kernel(attention_kernel, self.device, self.dtype),

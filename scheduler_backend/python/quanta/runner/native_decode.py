@@ -130,14 +130,20 @@ def load() -> NativeDecode | None:
 
 
 def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes()
+    return build(SOURCE, FLAGS, cc)
+
+
+def build(source_path: Path, flags: tuple[str, ...], cc: str) -> Path:
+    """The shared object of ``source_path`` built with ``flags`` (cached, see the module
+    docstring); raises ``OSError`` or ``subprocess.SubprocessError`` when it cannot be built."""
+    source = source_path.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
-            [source, " ".join(FLAGS).encode(), cc.encode(), " ".join(sorted(cpu_flags())).encode()]
+            [source, " ".join(flags).encode(), cc.encode(), " ".join(sorted(cpu_flags())).encode()]
         )
     ).hexdigest()[:16]
     cache = Path(os.environ.get(KERNEL_CACHE_ENV) or Path.home() / ".cache" / "quanta" / "kernels")
-    target = cache / f"paged_decode-{key}.so"
+    target = cache / f"{source_path.stem}-{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -145,12 +151,12 @@ def _build(cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            [cc, *flags, "-o", str(built), str(source_path), "-lm"],
             check=True,
             capture_output=True,
             text=True,
             timeout=120,
         )
         os.replace(built, target)
-    log.info("built native decode attention: %s", target)
+    log.info("built %s: %s", source_path.name, target)
     return target

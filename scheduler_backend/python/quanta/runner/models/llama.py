@@ -1,9 +1,14 @@
 """LLaMA (RMSNorm, rotary positions, SwiGLU, grouped-query attention) for packed batches.
 
 Module and parameter names copy HF's ``LlamaForCausalLM``.  Projections and the MLP run once
-over all ``[T, hidden]`` tokens of the step; rotary cos/sin are computed once per step from the
-absolute positions, so a prefill chunk or a decode token gets exactly the angles it would get
-in a full-sequence forward.
+over all ``[T, hidden]`` tokens of the step; rotary cos/sin come from a table of every
+position computed as HF computes them, so a prefill chunk or a decode token gets exactly the
+angles it would get in a full-sequence forward.
+
+Layers pass ``(output, residual)`` as vLLM's do: each RMSNorm first adds the previous block's
+output into the residual stream, so the add and the norm are one operation
+(``quanta.runner.layer_ops``), like the rotary embedding and SiLU * up. At batch 1 a decode
+step is dominated by such small operations' dispatch once the weights stream fast.
 """
 
 from __future__ import annotations
@@ -11,10 +16,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
+from quanta.runner.layer_ops import TorchLayerOps
 from quanta.runner.linear import Projection, ProjectionFactory
 from quanta.runner.models.config import ModelConfig
 from quanta.runner.models.safepoints import Safepoints, walk_layers
@@ -44,27 +49,22 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LlamaRMSNorm(nn.Module):
+    """``weight * normalise(x)``, or with ``residual``: ``residual += x`` in place, then
+    ``weight * normalise(residual)`` (the block's residual add and the next norm, fused)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: TorchLayerOps = TorchLayerOps()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalise in fp32 and cast back before the weight, exactly like HF.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
-    """Loads HF's q/k/v/o projections; after ``fuse`` q, k and v are one product and the
-    residual add rides on the output projection."""
+    """Loads HF's q/k/v/o projections; after ``fuse`` q, k and v are one product."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -77,6 +77,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj: nn.Module = nn.Linear(self.num_heads * self.head_dim, dim, bias=bias)
         self.qkv_proj: Projection | None = None
+        self.ops: TorchLayerOps = TorchLayerOps()
 
     def fuse(self, make: ProjectionFactory) -> int:
         self.qkv_proj = make([self.q_proj, self.k_proj, self.v_proj])
@@ -84,13 +85,19 @@ class LlamaAttention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         return 4
 
-    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, H, D]``, k and v ``[T, KVH, D]``: views of the fused product's columns."""
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        tokens = qkv.shape[0]
-        q = qkv[:, :q_width].view(tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_width : q_width + kv_width].view(tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_width + kv_width :].view(tokens, self.num_kv_heads, self.head_dim)
+    def _rotated(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``, k and v ``[T, KVH, D]`` of ``x``, q and k rotated: views of the
+        fused product's columns, rotated in place (q's and k's heads in one call)."""
+        assert self.qkv_proj is not None, "call fuse() after loading the weights"
+        qkv = self.qkv_proj(x)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        tokens, q_width, kv_width = qkv.shape[0], heads * dim, kv_heads * dim
+        self.ops.rope_(qkv[:, : q_width + kv_width].view(tokens, heads + kv_heads, dim), *rope)
+        q = qkv[:, :q_width].view(tokens, heads, dim)
+        k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, dim)
+        v = qkv[:, q_width + kv_width :].view(tokens, kv_heads, dim)
         return q, k, v
 
     def forward(
@@ -99,22 +106,17 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
-        residual: torch.Tensor,
         past_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``residual + attention(x)``."""
-        assert self.qkv_proj is not None, "call fuse() after loading the weights"
-        q, k, v = self._split(self.qkv_proj(x))
-        cos, sin = rope  # [T, 1, D], broadcast over heads
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        """``attention(x)``, its output projection included (the residual add is the next
+        norm's)."""
+        q, k, v = self._rotated(x, rope)
 
         def project_kv(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """K (rotated to each token's position) and V of cached attention inputs; the
             fused product also computes q, which is dropped."""
-            assert past_rope is not None and self.qkv_proj is not None
-            _, k_past, v_past = self._split(self.qkv_proj(h))
-            k_past = k_past * past_rope[0] + _rotate_half(k_past) * past_rope[1]
+            assert past_rope is not None
+            _, k_past, v_past = self._rotated(h, past_rope)
             return k_past, v_past
 
         out = paged_attention(
@@ -127,21 +129,20 @@ class LlamaAttention(nn.Module):
             hidden_input=x,
             project_kv=project_kv,
         )
-        return self.o_proj.add(out.flatten(1), residual)  # type: ignore[operator]
+        return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
-    """Loads HF's gate/up/down projections; after ``fuse`` gate and up are one product and
-    the residual add rides on the down projection."""
+    """Loads HF's gate/up/down projections; after ``fuse`` gate and up are one product."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.inner = inner
         self.gate_proj = nn.Linear(dim, inner, bias=bias)
         self.up_proj = nn.Linear(dim, inner, bias=bias)
         self.down_proj: nn.Module = nn.Linear(inner, dim, bias=bias)
         self.gate_up_proj: Projection | None = None
+        self.ops: TorchLayerOps = TorchLayerOps()
 
     def fuse(self, make: ProjectionFactory) -> int:
         self.gate_up_proj = make([self.gate_proj, self.up_proj])
@@ -149,12 +150,10 @@ class LlamaMLP(nn.Module):
         del self.gate_proj, self.up_proj
         return 3
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + mlp(x)``."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``mlp(x)`` (the residual add is the next norm's)."""
         assert self.gate_up_proj is not None, "call fuse() after loading the weights"
-        gate_up = self.gate_up_proj(x)
-        inner = F.silu(gate_up[:, : self.inner]) * gate_up[:, self.inner :]
-        return self.down_proj.add(inner, residual)  # type: ignore[operator]
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -171,14 +170,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         past_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        x = self.self_attn(h, rope, layer_cache, meta, residual=x, past_rope=past_rope)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``. ``x`` is the previous layer's MLP output, added
+        into ``residual`` in place; with ``residual`` None (the first layer) ``x`` is the
+        stream itself."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        attn = self.self_attn(h, rope, layer_cache, meta, past_rope=past_rope)
+        return self.mlp(self.post_attention_layernorm(attn, residual)), residual
 
 
 class LlamaModel(nn.Module):
@@ -190,6 +196,7 @@ class LlamaModel(nn.Module):
         # A plain attribute, not a buffer: weights are loaded onto a meta-built module and
         # buffers would stay on meta; the table is tiny and moved per step.
         self.inv_freq = rope_inv_freq(config)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -203,16 +210,31 @@ class LlamaModel(nn.Module):
         rope = self._rope(positions, x.dtype)
         # Hidden-cache sequences' past tokens get their rotations once per step, not per layer.
         past_rope = self._rope(meta.hidden.past_positions, x.dtype) if meta.hidden else None
+        residual: torch.Tensor | None = None
         for i, layer in walk_layers(self.layers, safepoints):
-            x = layer(x, rope, kv_cache[i], meta, past_rope)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache[i], meta, past_rope)
+        return self.norm(x, residual)
 
     def _rope(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D]`` of ``positions`` (broadcast over heads)."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        """cos and sin ``[T, D]`` of ``positions``: rows of a table of every position so far
+        (grown to the next power of two when a step reaches past it), computed in fp32 and
+        cast as HF computes them per step."""
+        table = self._rope_table
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if table is None or table[0].shape[0] < needed or table[0].dtype != dtype:
+            table = self._rope_table = self._rope_rows(
+                1 << (needed - 1).bit_length(), dtype, positions.device
+            )
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+    def _rope_rows(
+        self, length: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(length, device=device)
+        freqs = positions.float()[:, None] * self.inv_freq.to(device)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -234,6 +256,13 @@ class LlamaForCausalLM(nn.Module):
         """Fuse each layer's projections once the weights are loaded (``quanta.runner.linear``);
         returns how many linears were replaced."""
         return sum(layer.fuse(make) for layer in self.model.layers)
+
+    def use_layer_ops(self, ops: TorchLayerOps) -> None:
+        """Run the layers' small operations (norms, rotary embedding, SiLU * up) through
+        ``ops`` (``quanta.runner.layer_ops``)."""
+        for module in self.modules():
+            if isinstance(module, LlamaRMSNorm | LlamaAttention | LlamaMLP):
+                module.ops = ops
 
     def is_ignorable_weight(self, name: str) -> bool:
         """A tied head, and the rotary tables some old checkpoints saved (we recompute them)."""
