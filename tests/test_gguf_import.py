@@ -152,3 +152,24 @@ def test_a_transformers_5_checkpoint_with_rope_parameters_loads(tmp_path):
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
     assert (runner.forward_logits(prompt) - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0])
+def test_import_agrees_with_transformers_own_gguf_reader(checkpoint, tmp_path, qtype):
+    """transformers dequantizes and un-permutes a GGUF file with code of its own: an
+    independent reading of the same bytes."""
+    pytest.importorskip("accelerate", reason="transformers reads GGUF only with accelerate")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "m.gguf"
+    write_gguf(checkpoint, path, qtype=qtype)
+    out = tmp_path / "hf"
+    out.mkdir()
+    gguf_to_checkpoint(path, out)
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).state_dict()
+    for name, array in ours.items():
+        assert np.array_equal(theirs[name].numpy(), array), name
