@@ -48,7 +48,16 @@ def _read(path: str) -> str:
 def setup_dict(setup: PeerSetup) -> dict[str, Any]:
     d = asdict(setup)
     d["slo"] = asdict(setup.slo)
-    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+    return {k: _plain(v) for k, v in d.items()}
+
+
+def _plain(value: Any) -> Any:
+    """Paths (alone or in a tuple, as the llama.cpp files are) as strings, for JSON."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple) and any(isinstance(v, Path) for v in value):
+        return [str(v) for v in value]
+    return value
 
 
 def side_by_side(report: dict[str, Any], setup: PeerSetup) -> list[dict[str, Any]]:
