@@ -11,6 +11,7 @@ the question HF's bf16 answers, and its agreement with fp32 is printed.
 from __future__ import annotations
 
 import json
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -91,8 +92,9 @@ def test_bf16_answers_and_agreement_with_fp32(gguf: Path, engine: Path, prompt_i
 @pytest.fixture(scope="module")
 def gateway(engine: Path, tmp_path_factory):
     ports = [free_port() for _ in range(4)]
+    quanta = Path(sys.executable).parent / "quanta"
     cmd = (
-        f"quanta serve {engine} --openai-port {ports[0]} --http-port {ports[1]} "
+        f"{quanta} serve {engine} --openai-port {ports[0]} --http-port {ports[1]} "
         f"--grpc-port {ports[2]} --metrics-port {ports[3]}"
     )
     server = Background(cmd, tmp_path_factory.mktemp("serve"))
