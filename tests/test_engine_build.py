@@ -13,7 +13,7 @@ import pytest
 import quanta
 import torch
 from quanta import SamplingParams
-from quanta.build.checkpoint import ensure_checkpoint, make_checkpoint
+from quanta.build.checkpoint import make_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.build.manifest import MANIFEST_FILE, EngineManifestError, read_manifest
 from quanta.build.presets import get_preset
@@ -30,9 +30,8 @@ PROMPTS = ["Hello there", "The quick brown fox"]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {name: ensure_checkpoint(name, root / name) for name in ("opt-tiny", "llama-tiny")}
+def checkpoints(opt_tiny, llama_tiny) -> dict[str, Path]:
+    return {"opt-tiny": opt_tiny, "llama-tiny": llama_tiny}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from quanta.build.checkpoint import ensure_checkpoint
 from quanta.core.blocks import BlockManager
 from quanta.core.clock import WallClock
 from quanta.core.config import SchedulerConfig
@@ -44,8 +43,8 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_checkpoint("opt-tiny", tmp_path_factory.mktemp("ckpt") / "opt-tiny")
+def tiny(opt_tiny: Path) -> Path:
+    return opt_tiny
 
 
 @pytest.fixture(scope="module", params=["opt", "llama"])
