@@ -81,6 +81,7 @@ def test_manifest_records_the_shape_limits_sizing_and_digests(engine, checkpoint
     assert not (engine / "quanta_preset.json").exists()  # the preset's provenance is not ours
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family", ["opt-tiny", "llama-tiny"])
 def test_engine_outputs_equal_the_checkpoints(family, checkpoints, tmp_path):
     out = tmp_path / family
@@ -89,6 +90,7 @@ def test_engine_outputs_equal_the_checkpoints(family, checkpoints, tmp_path):
     assert texts(out) == texts(checkpoints[family], cache=cache)
 
 
+@pytest.mark.engine
 def test_bfloat16_engine_stores_bfloat16_and_matches_a_bfloat16_load(checkpoints, tmp_path):
     out = tmp_path / "bf16"
     m = build_engine_dir(checkpoints["opt-tiny"], out, BuildOptions(dtype="bfloat16", **SMALL))
@@ -100,6 +102,7 @@ def test_bfloat16_engine_stores_bfloat16_and_matches_a_bfloat16_load(checkpoints
     assert texts(out) == texts(checkpoints["opt-tiny"], dtype="bfloat16", cache=cache)
 
 
+@pytest.mark.engine
 def test_small_shards_are_written_with_an_index_and_load(checkpoints, engine, tmp_path):
     out = tmp_path / "sharded"
     m = build_engine_dir(

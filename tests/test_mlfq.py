@@ -476,6 +476,7 @@ def test_srpt_refuses_requests_without_a_known_length(make_loop):
 
 
 # -- the real engine -----------------------------------------------------------------------
+@pytest.mark.engine
 def test_real_engine_outputs_survive_mlfq_preemption(opt_tiny):
     """Greedy outputs under sj-mlfq with tiny quanta, constant starvation promotion and a
     cache that forces swapping and recompute equal those of FCFS with a roomy cache."""

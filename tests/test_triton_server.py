@@ -439,6 +439,7 @@ def test_metrics_appear_and_move(server):
 
 
 # -- Locust ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_headless_locust_run_has_no_failures(server, tmp_path):
     prefix = tmp_path / "locust"
     cmd = [
@@ -478,6 +479,7 @@ def test_headless_locust_run_has_no_failures(server, tmp_path):
     assert int(rows[("METRIC", "time_per_output_token")]["Request Count"]) > 0
 
 
+@pytest.mark.slow
 def test_locust_replays_a_workload_file_and_stops_when_done(server, tmp_path):
     from quanta.workloads import WorkloadRequest, save_workload
 
@@ -515,6 +517,7 @@ def test_locust_replays_a_workload_file_and_stops_when_done(server, tmp_path):
     assert tokens("locust-batch", "offline") == 6
 
 
+@pytest.mark.slow
 def test_locust_waits_for_the_previous_call_and_abandons_after_a_failure(server, tmp_path):
     from quanta.workloads import WorkloadRequest, save_workload
 
