@@ -17,6 +17,11 @@ os.environ["QUANTA_DEFAULT_DTYPE"] = "float32"
 # default where a C++ compiler exists): compiling costs seconds in every process that loads
 # a model, servers included, and test_runner_parity runs both kernels against HF.
 os.environ["QUANTA_ATTENTION_KERNEL"] = "eager"
+# And torch runs one thread in every process of the suite (servers and commands inherit it)
+# unless a test or the caller says otherwise: the models are tiny, and a second OpenMP thread
+# spinning against the servers and subprocesses a test starts beside it made the engine tests
+# four to five times slower on two busy cores. Tests of thread counts set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from fakes import HashRunner, decode_chars
 from quanta.core.blocks import BlockManager
