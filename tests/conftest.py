@@ -68,6 +68,7 @@ class LoopFactory:
             assert loop.blocks.all_free(), "blocks leaked"
 
 
+@pytest.hookimpl(tryfirst=True)  # NOTE: before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses the shared server is ``live`` whether or not it says so."""
     for item in items:
