@@ -17,6 +17,11 @@ os.environ["QUANTA_DEFAULT_DTYPE"] = "float32"
 # default where a C++ compiler exists): compiling costs seconds in every process that loads
 # a model, servers included, and test_runner_parity runs both kernels against HF.
 os.environ["QUANTA_ATTENTION_KERNEL"] = "eager"
+# And torch runs one thread in every process of the suite (servers and commands inherit it)
+# unless a test or the caller says otherwise: the models are tiny, and a second OpenMP thread
+# spinning against the servers and subprocesses a test starts beside it made the engine tests
+# four to five times slower on two busy cores. Tests of thread counts set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from fakes import HashRunner, decode_chars
 from quanta.core.blocks import BlockManager
@@ -63,6 +68,59 @@ class LoopFactory:
             assert loop.blocks.all_free(), "blocks leaked"
 
 
+@pytest.hookimpl(tryfirst=True)  # NOTE: before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the shared server is ``live`` whether or not it says so."""
+    for item in items:
+        if "triton" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.live)
+
+
+# -- shared, built once per session -----------------------------------------------------------
+class TinyCheckpoints:
+    """Each preset checkpoint built at most once per session (seed 0, float32), on first use.
+
+    Tests read them and never write into them; a test that changes a checkpoint builds its own.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __call__(self, preset: str) -> Path:
+        from quanta.build.checkpoint import ensure_checkpoint
+
+        return ensure_checkpoint(preset, self.root / preset)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def opt_tiny(tiny_checkpoint: TinyCheckpoints) -> Path:
+    return tiny_checkpoint("opt-tiny")
+
+
+@pytest.fixture(scope="session")
+def llama_tiny(tiny_checkpoint: TinyCheckpoints) -> Path:
+    return tiny_checkpoint("llama-tiny")
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory: pytest.TempPathFactory, opt_tiny: Path):
+    """The session's one tritonserver, serving ``opt_tiny`` in every variant the live tests
+    need (``serving.shared_models``); started on first use, always stopped."""
+    from serving import SharedTriton
+
+    shared = SharedTriton(tmp_path_factory.mktemp("triton"), opt_tiny)
+    try:
+        yield shared.start()
+    finally:
+        shared.stop()
+
+
+# -- fake-runner loops -----------------------------------------------------------------------
 @pytest.fixture
 def make_loop():
     factory = LoopFactory()

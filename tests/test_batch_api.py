@@ -3,8 +3,9 @@
 Most tests serve the real gateway (uvicorn on a thread, every route and the batch runner as in
 production) over ``FakeTriton``, an upstream whose answers are a function of the prompt and
 which can be made slow or unreachable on purpose: that is what makes restarts, outages and
-cancellation deterministic. One module-scoped ``quanta serve --openai-port --state-dir`` runs
-batches end to end through real Triton and compares them with the online route.
+cancellation deterministic. A gateway in front of the session's shared tritonserver (as
+``quanta serve --openai-port`` runs its own) runs batches end to end through real Triton and
+compares them with the online route.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from quanta.frontends.openai.errors import OpenAIError
 from quanta.frontends.openai.server import GatewayServer
 from quanta.frontends.openai.upstream import UpstreamError
 from quanta.frontends.triton.launcher import free_port
-from test_openai_gateway import start_serve, stop_serve
+from serving import wait_for
 from typer.testing import CliRunner
 
 openai = pytest.importorskip("openai")
@@ -156,13 +157,6 @@ def wait_done(client: Any, batch_id: str, timeout: float = 20.0) -> Any:
         assert time.monotonic() < deadline, f"batch still {batch.status}: {batch}"
         time.sleep(0.05)
     return batch
-
-
-def wait_for(predicate: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def content(client: Any, file_id: str | None) -> list[dict[str, Any]]:
@@ -337,7 +331,7 @@ def test_cancel_stops_dispatching_and_keeps_what_finished(tmp_path):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
     try:
         batch = submit(client, [line(f"r{i}", f"p{i}") for i in range(40)])
-        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2)
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 20)
         cancelled = client.batches.cancel(batch.id)
         assert cancelled.status in ("cancelling", "cancelled")
         assert cancelled.cancelling_at is not None
@@ -363,7 +357,7 @@ def test_a_batch_survives_a_gateway_restart_and_a_triton_outage(tmp_path):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
     prompts = [f"line {i}" for i in range(30)]
     batch = submit(client, [line(f"r{i}", p) for i, p in enumerate(prompts)])
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5)
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 20)
     client.close()
     server.stop()  # the gateway goes away mid-batch
     committed = BatchStore.open(state).batch(batch.id)
@@ -488,20 +482,10 @@ def test_quanta_batch_reports_an_unreachable_gateway():
 
 
 # -- end to end through Triton -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def triton(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    serve = start_serve(root)  # quanta serve --openai-port ..., state in <root>/quanta-state
-    try:
-        yield serve, root
-    finally:
-        code, out = stop_serve(serve.proc)
-    assert code == 0, out
-
-
+@pytest.mark.live
 def test_a_batch_through_triton_equals_the_online_route(triton):
-    serve, root = triton
-    client = openai.OpenAI(base_url=serve.openai_url, api_key="-", max_retries=0, timeout=60)
+    url = triton.openai_url()
+    client = openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=60)
     bodies = [{"prompt": f"The number {i} is", "max_tokens": 6, "seed": i} for i in range(6)]
     lines = [line(f"n{i}", **body) for i, body in enumerate(bodies)]
     with client:
@@ -514,16 +498,16 @@ def test_a_batch_through_triton_equals_the_online_route(triton):
             choice = o["response"]["body"]["choices"][0]
             assert choice["text"] == online.choices[0].text
             assert o["response"]["body"]["usage"] == online.usage.model_dump(exclude_none=True)
-    assert (root / "quanta-state" / "batches.sqlite3").is_file()
+    assert (triton.state_dir() / "batches.sqlite3").is_file()
 
 
+@pytest.mark.live
 def test_a_killed_gateway_resumes_its_batch_through_triton(triton, tmp_path):
     """``quanta openai`` killed (SIGKILL: no shutdown at all) mid-batch, then started again
     on the same state directory: every line once in the output, in order."""
-    serve, _ = triton
     port = free_port()
     cmd = [
-        sys.executable, "-m", "quanta.cli", "openai", "--triton-grpc-url", serve.grpc_url,
+        sys.executable, "-m", "quanta.cli", "openai", "--triton-grpc-url", triton.grpc_url,
         "--port", str(port), "--state-dir", str(tmp_path / "state"), "--batch-concurrency", "1",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}/v1"

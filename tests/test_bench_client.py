@@ -1,4 +1,5 @@
-"""``quanta bench serve`` and ``replay`` against a live ``quanta serve --openai-port``.
+"""``quanta bench serve`` and ``replay`` against a live server: the session's shared
+tritonserver and an OpenAI gateway in front of it, as ``quanta serve --openai-port`` runs them.
 
 A handful of requests over each transport (Triton gRPC, Triton HTTP SSE, OpenAI
 ``/v1/completions`` through the gateway): every request succeeds and its timings are sane.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import typer
@@ -18,21 +19,24 @@ from quanta.bench.serve_cli import register
 from quanta.bench.workload_spec import WorkloadSpec
 from quanta.metrics import from_client_results, summarize
 from quanta.workloads import WorkloadRequest, load_workload, save_workload
-from test_openai_gateway import start_serve, stop_serve
 from typer.testing import CliRunner
 
 WORKLOAD = ["--num-requests", "4", "--seed", "3", "--prompt-tokens", "4:12"]
 WORKLOAD += ["--output-tokens", "3:8", "--tenants", "a,b"]
 
 
+@dataclass(frozen=True)
+class Live:
+    """The shared server's endpoints and a gateway in front of its ``quanta`` model."""
+
+    grpc_url: str
+    http_url: str
+    openai_url: str
+
+
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("serve"))
-    try:
-        yield serve
-    finally:
-        code, out = stop_serve(serve.proc)
-    assert code == 0, out
+def live(triton):
+    return Live(triton.grpc_url, triton.http_url, triton.openai_url())
 
 
 def targets(live) -> dict[str, str]:

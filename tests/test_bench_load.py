@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 from quanta.bench.load import run_load_bench
-from quanta.build.checkpoint import make_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.cli import app
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def sources(tmp_path_factory: pytest.TempPathFactory, opt_tiny: Path) -> tuple[Path, Path]:
     """An opt-tiny checkpoint and the engine built from it (float32, the CPU default)."""
-    root = tmp_path_factory.mktemp("load")
-    checkpoint = make_checkpoint("opt-tiny", root / "ckpt")
-    engine = root / "engine"
+    checkpoint = opt_tiny
+    engine = tmp_path_factory.mktemp("load") / "engine"
     build_engine_dir(checkpoint, engine, BuildOptions(kv_cache_memory=1 << 24, host_cache_memory=0))
     return checkpoint, engine
 

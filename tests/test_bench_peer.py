@@ -24,14 +24,13 @@ from quanta.bench.peer import (
     side_by_side,
     workload_for,
 )
-from quanta.build.checkpoint import make_checkpoint
 from quanta.metrics import SLO
 from quanta.workloads import WorkloadRequest
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_checkpoint("opt-tiny", tmp_path_factory.mktemp("peer") / "opt-tiny")
+def model_dir(opt_tiny) -> Path:
+    return opt_tiny
 
 
 def setup_for(model_dir: Path, tmp_path: Path, **changes) -> PeerSetup:

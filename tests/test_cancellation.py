@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 from quanta.bench.cancel import tokens_after_disconnect
-from quanta.build.checkpoint import ensure_checkpoint
-from quanta.frontends.triton.launcher import ServerOptions, TritonServer
-from quanta.frontends.triton.repository import write_model_repository
+
+pytestmark = pytest.mark.live
 
 OTHERS = 30
 TOKENS = 300
@@ -15,28 +14,11 @@ TOKENS = 300
 # merged, 2-7 since on an idle machine. The tiny model's steps take a few ms, shorter than
 # the way of a cancellation through Triton, so this counts a few steps, not one or two.
 MAX_AFTER = 30
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cancel")
-    model_dir = ensure_checkpoint("opt-tiny", root / "opt-tiny")
-    repo = write_model_repository(
-        root / "models",
-        overrides={
-            "model_dir": str(model_dir),
-            "num_device_blocks": "1024",
-            "num_host_blocks": "0",
-            "max_num_seqs": "64",
-            "metrics_interval_ms": "50",
-        },
-    )
-    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0)
-    with TritonServer(options, log_file=root / "triton.log") as srv:
-        yield srv
+# The shared server's model with room for every stream (1024 blocks, 64 seqs, no host tier).
+MODEL = "quanta-roomy"
 
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])
-def test_a_disconnected_stream_stops_within_a_few_steps_under_load(server, transport):
-    after, _ = tokens_after_disconnect(server, OTHERS + 1, TOKENS, transport)
+def test_a_disconnected_stream_stops_within_a_few_steps_under_load(triton, transport):
+    after, _ = tokens_after_disconnect(triton, OTHERS + 1, TOKENS, transport, model=MODEL)
     assert 0 <= after <= MAX_AFTER, f"{after} tokens generated after the disconnect"

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from quanta.build.checkpoint import ensure_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.cli import app
 from quanta.frontends.triton.check import check_path
@@ -22,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return ensure_checkpoint("opt-tiny", tmp_path_factory.mktemp("ckpt") / "opt-tiny")
+def checkpoint(opt_tiny) -> Path:
+    return opt_tiny
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,10 @@ def _files(directory: Path) -> dict[str, bytes]:
 # --- presets and layout -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[] if "tiny" in n else [pytest.mark.slow]) for n in sorted(PRESETS)],
+)
 def test_every_preset_builds_with_the_shape_it_implies(checkpoint: Checkpoint, name: str) -> None:
     preset = PRESETS[name]
     out = checkpoint(name)
@@ -246,6 +249,7 @@ def test_load_tokenizer_does_not_import_torch() -> None:
 # --- HF transformers compatibility -----------------------------------------------------------
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", TINY)
 def test_transformers_loads_tiny_checkpoints_exactly(checkpoint: Checkpoint, name: str) -> None:
     transformers = pytest.importorskip("transformers")
@@ -266,6 +270,7 @@ def test_transformers_loads_tiny_checkpoints_exactly(checkpoint: Checkpoint, nam
     assert logits.shape == (1, ids.shape[1], PRESETS[name].vocab_size)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", TINY)
 def test_autotokenizer_agrees_with_load_tokenizer(checkpoint: Checkpoint, name: str) -> None:
     transformers = pytest.importorskip("transformers")

@@ -12,6 +12,7 @@ real server started with the documented ``quanta serve --openai-port 9000``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -82,8 +83,59 @@ def kind(cmd: DocCommand) -> str:
     return "unknown"
 
 
+# Commands that run the PyTorch engine (or HF transformers beside it): the `engine` tier.
+ENGINE = (
+    "quanta build",
+    "quanta generate --model",
+    "quanta bench engine",
+    "quanta bench load",
+    "quanta bench loop",
+    "quanta bench policies",
+    "quanta profile",
+    "quanta simulate validate",
+)
+
+
+def own_tiers(cmd: DocCommand) -> set[str]:
+    """The test tiers (markers in pyproject.toml) a command's smoke test needs by itself."""
+    tiers = set()
+    if kind(cmd) in ("demo", "server", "gateway", "client") or cmd.text.startswith("python "):
+        tiers.add("live")  # a server of its own or the module's
+    if cmd.text.startswith(ENGINE) or (cmd.python and "quanta.LLM(" in cmd.text):
+        tiers.add("engine")
+    if cmd.words[0] == "locust":
+        tiers.add("slow")
+    return tiers
+
+
+def outputs(cmd: DocCommand) -> list[str]:
+    """What a command writes that a later one may read."""
+    made = written(cmd.text)
+    if cmd.words[:3] == ["quanta", "bench", "workload"]:
+        made.append(cmd.words[3])
+    return made
+
+
+@functools.cache
+def tiers_of() -> dict[str, set[str]]:
+    """Each command's tiers, including those of every later command that reads what it
+    writes: a tier run alone (`-m live`) still runs what its commands need first."""
+    tiers: dict[str, set[str]] = {}
+    for i in reversed(range(len(COMMANDS))):
+        cmd = COMMANDS[i]
+        tiers[cmd.text] = own_tiers(cmd)
+        for later in COMMANDS[i + 1 :]:
+            if any(path in later.words or f"{path}/" in later.text for path in outputs(cmd)):
+                tiers[cmd.text] |= tiers[later.text]
+    return tiers
+
+
 def of_kind(name: str) -> list[pytest.param]:
-    return [pytest.param(c, id=c.where) for c in COMMANDS if kind(c) == name]
+    def param(c: DocCommand) -> pytest.param:
+        marks = [getattr(pytest.mark, tier) for tier in sorted(tiers_of()[c.text])]
+        return pytest.param(c, id=c.where, marks=marks)
+
+    return [param(c) for c in COMMANDS if kind(c) == name]
 
 
 def test_every_documented_command_has_a_smoke_test():

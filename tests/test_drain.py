@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from quanta import SamplingParams
-from quanta.build.checkpoint import ensure_checkpoint
 from quanta.frontends.triton.client import (
     GenerateError,
     http_events,
@@ -24,12 +23,14 @@ from quanta.frontends.triton.client import (
 from quanta.frontends.triton.launcher import free_port
 from serving import Background
 
+pytestmark = pytest.mark.live
+
 STREAMS = 20
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return ensure_checkpoint("opt-tiny", tmp_path_factory.mktemp("ckpt") / "opt-tiny")
+def model_dir(opt_tiny) -> Path:
+    return opt_tiny
 
 
 def serve(model_dir: Path, tmp_path: Path, drain_timeout: float) -> tuple[Background, str]:

@@ -13,7 +13,7 @@ import pytest
 import quanta
 import torch
 from quanta import SamplingParams
-from quanta.build.checkpoint import ensure_checkpoint, make_checkpoint
+from quanta.build.checkpoint import make_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.build.manifest import MANIFEST_FILE, EngineManifestError, read_manifest
 from quanta.build.presets import get_preset
@@ -30,9 +30,8 @@ PROMPTS = ["Hello there", "The quick brown fox"]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {name: ensure_checkpoint(name, root / name) for name in ("opt-tiny", "llama-tiny")}
+def checkpoints(opt_tiny, llama_tiny) -> dict[str, Path]:
+    return {"opt-tiny": opt_tiny, "llama-tiny": llama_tiny}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +81,7 @@ def test_manifest_records_the_shape_limits_sizing_and_digests(engine, checkpoint
     assert not (engine / "quanta_preset.json").exists()  # the preset's provenance is not ours
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family", ["opt-tiny", "llama-tiny"])
 def test_engine_outputs_equal_the_checkpoints(family, checkpoints, tmp_path):
     out = tmp_path / family
@@ -90,6 +90,7 @@ def test_engine_outputs_equal_the_checkpoints(family, checkpoints, tmp_path):
     assert texts(out) == texts(checkpoints[family], cache=cache)
 
 
+@pytest.mark.engine
 def test_bfloat16_engine_stores_bfloat16_and_matches_a_bfloat16_load(checkpoints, tmp_path):
     out = tmp_path / "bf16"
     m = build_engine_dir(checkpoints["opt-tiny"], out, BuildOptions(dtype="bfloat16", **SMALL))
@@ -101,6 +102,7 @@ def test_bfloat16_engine_stores_bfloat16_and_matches_a_bfloat16_load(checkpoints
     assert texts(out) == texts(checkpoints["opt-tiny"], dtype="bfloat16", cache=cache)
 
 
+@pytest.mark.engine
 def test_small_shards_are_written_with_an_index_and_load(checkpoints, engine, tmp_path):
     out = tmp_path / "sharded"
     m = build_engine_dir(

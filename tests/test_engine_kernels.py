@@ -18,6 +18,8 @@ from quanta.runner.linear import PackedLinear, onednn_supports, resolve_kernel
 from runner_helpers import build_hf_checkpoint
 from torch import nn
 
+pytestmark = pytest.mark.engine
+
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
     not onednn_supports(torch.float32, CPU), reason="torch has no oneDNN here"

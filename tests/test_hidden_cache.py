@@ -63,6 +63,7 @@ def _hidden_toy(runner: ModelRunner, requests: list[FakeRequest], hidden: set[st
 PROMPTS = [list(range(5, 24)), [40, 41, 42], list(range(50, 90))]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family", ["opt", "llama-mha"])
 @pytest.mark.parametrize("kernel", ["eager", "eager-varlen", "compiled-varlen", "native"])
 def test_hidden_cache_greedy_equals_hf_in_a_batch_mixed_with_kv(
@@ -93,6 +94,7 @@ def test_hidden_cache_greedy_equals_hf_in_a_batch_mixed_with_kv(
     assert out == {f"r{i}": hf_greedy(hf, p, 12) for i, p in enumerate(PROMPTS)}
 
 
+@pytest.mark.engine
 def test_a_swapped_hidden_request_continues_identically(
     hf_models: dict[str, tuple[Path, Any]],
 ) -> None:
@@ -105,6 +107,7 @@ def test_a_swapped_hidden_request_continues_identically(
     assert out == {"a": hf_greedy(hf, PROMPTS[0], 14), "b": hf_greedy(hf, PROMPTS[1], 14)}
 
 
+@pytest.mark.engine
 def test_a_hidden_sequence_needs_only_half_the_blocks(
     hf_models: dict[str, tuple[Path, Any]],
 ) -> None:
@@ -127,6 +130,7 @@ def test_a_hidden_sequence_needs_only_half_the_blocks(
         runner.execute(SchedulerOutput((short,)))
 
 
+@pytest.mark.engine
 def test_grouped_query_models_offer_no_hidden_cache(
     hf_models: dict[str, tuple[Path, Any]],
 ) -> None:
@@ -258,6 +262,7 @@ def _generate(model: Path, policy: str, options: dict[str, Any], params: Any, **
     return [r.token_ids for r in results], llm
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny-mha"])
 @pytest.mark.parametrize(
     "options",
@@ -281,6 +286,7 @@ def test_engine_outputs_do_not_depend_on_the_cache_kind(
         assert llm.engine.loop.stats().num_preemptions_recompute == PACKERS[-1].switches
 
 
+@pytest.mark.engine
 def test_the_pool_holds_twice_as_many_hidden_requests(engines: dict[str, Path]) -> None:
     """Same pool, same prompts: the most requests running at once, KV against hidden."""
     params = quanta.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -299,6 +305,7 @@ def test_the_pool_holds_twice_as_many_hidden_requests(engines: dict[str, Path]) 
     assert peaks == {"kv": 24 // 4, "hidden": 24 // 2}
 
 
+@pytest.mark.engine
 def test_a_policy_that_needs_the_hidden_cache_refuses_a_grouped_query_model(
     engines: dict[str, Path],
 ) -> None:
@@ -366,6 +373,7 @@ def test_the_simulator_charges_hidden_requests_their_recomputed_kv() -> None:
     assert times[True] - times[False] == pytest.approx(measured.hidden_time(300))
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny-mha"])
 def test_apt_outputs_equal_fcfs_whatever_the_cache(engines: dict[str, Path], model: str) -> None:
     """The policy ``apt`` on the real engine, in a pool tight enough to preempt: greedy and

@@ -4,7 +4,6 @@ the reserve, recompute fallback, feasibility under pressure and output invarianc
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 from conftest import make_requests, make_resident, move_to_host
@@ -477,13 +476,7 @@ def test_srpt_refuses_requests_without_a_known_length(make_loop):
 
 
 # -- the real engine -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def opt_tiny(tmp_path_factory) -> Path:
-    from quanta.build.checkpoint import ensure_checkpoint
-
-    return ensure_checkpoint("opt-tiny", tmp_path_factory.mktemp("ckpt") / "opt-tiny")
-
-
+@pytest.mark.engine
 def test_real_engine_outputs_survive_mlfq_preemption(opt_tiny):
     """Greedy outputs under sj-mlfq with tiny quanta, constant starvation promotion and a
     cache that forces swapping and recompute equal those of FCFS with a roomy cache."""

@@ -7,10 +7,11 @@ import pytest
 import quanta
 import torch
 from preemption import roomy_and_cramped
-from quanta.build.checkpoint import ensure_checkpoint
 from quanta.core.errors import EmptyPromptError, PromptTooLongError
 
 transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.engine
 
 PROMPTS = [
     "Hello, my name is",
@@ -21,8 +22,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=["opt-tiny", "llama-tiny"])
-def model_dir(request, tmp_path_factory):
-    return ensure_checkpoint(request.param, tmp_path_factory.mktemp("ckpt") / request.param)
+def model_dir(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 @pytest.fixture(scope="module")

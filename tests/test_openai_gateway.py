@@ -1,21 +1,17 @@
 """Live tests of the OpenAI-compatible gateway with the official ``openai`` client.
 
-``quanta serve --openai-port`` runs as a subprocess (tritonserver + the gateway thread) on free
-127.0.0.1 ports, once for the module; teardown sends Ctrl-C and checks a clean exit. The device
-pool is small (24 blocks of 16 tokens) so a long request visibly holds blocks.
+The gateway runs as ``quanta serve --openai-port`` runs it (on a thread, the chat template and
+tokenizer from the checkpoint) in front of the shared server's ``quanta-one-seq`` model, served
+to clients as ``quanta``: one request at a time, so a second one deterministically waits, and a
+small device pool (24 blocks of 16 tokens) so a long request visibly holds blocks. One test
+runs ``quanta serve --openai-port`` itself and stops it with Ctrl-C.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
+import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -27,99 +23,36 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from quanta import SamplingParams
 from quanta.frontends.triton.launcher import free_port
-from quanta.frontends.triton.repository import write_model_repository
+from serving import start_serve, stop_serve, wait_for
 
 openai = pytest.importorskip("openai")
 
 MODEL = "quanta"
 
 
-@dataclass
-class LiveServe:
-    """A running ``quanta serve --openai-port`` and its endpoints."""
+@dataclass(frozen=True)
+class Live:
+    """The endpoints the gateway tests talk to: a gateway and the Triton model behind it."""
 
-    proc: subprocess.Popen[str]
+    openai_url: str
     http_url: str
     grpc_url: str
     metrics_url: str
-    openai_url: str
     model_dir: Path
-    lines: list[str]
-
-
-def start_serve(
-    root: Path, overrides: dict[str, str] | None = None, timeout: float = 180.0
-) -> LiveServe:
-    """Start ``quanta serve`` with the gateway; return once it printed "ready"."""
-    model_dir = root / "engines" / "opt-tiny"  # built by the backend's preset at model load
-    repo = write_model_repository(
-        root / "models",
-        overrides={
-            "model_dir": str(model_dir),
-            "num_device_blocks": "24",
-            "num_host_blocks": "64",
-            "max_num_batched_tokens": "256",
-            "metrics_interval_ms": "50",
-            "torch_threads": "1",
-            **(overrides or {}),
-        },
-    )
-    cmd = [sys.executable, "-m", "quanta.cli", "serve", "--model-repository", str(repo)]
-    for option in ("--http-port", "--grpc-port", "--metrics-port", "--openai-port"):
-        cmd += [option, str(free_port())]
-    cmd += ["--log-file", str(root / "tritonserver.log")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
-    )
-    watchdog = threading.Timer(timeout, proc.kill)
-    watchdog.start()
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready"):
-                break
-    finally:
-        watchdog.cancel()
-    urls = {}
-    for line in lines:
-        if m := re.match(r"(HTTP|gRPC|metrics|OpenAI)\s+(\S+)", line):
-            urls[m.group(1)] = m.group(2)
-    if not lines or not lines[-1].startswith("ready"):
-        stop_serve(proc)
-        raise RuntimeError("quanta serve did not become ready:\n" + "".join(lines))
-    return LiveServe(
-        proc, urls["HTTP"], urls["gRPC"], urls["metrics"], urls["OpenAI"], model_dir, lines
-    )
-
-
-def stop_serve(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    """Ctrl-C, as a user would; returns the exit code and the rest of the output."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return proc.returncode, out or ""
+    triton_model: str
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    # NOTE: one request runs at a time, so a second one deterministically waits (cancel test).
-    serve = start_serve(tmp_path_factory.mktemp("serve"), {"max_num_seqs": "1"})
-    try:
-        yield serve
-    finally:
-        code, out = stop_serve(serve.proc)
-    assert code == 0, out
-    assert "shutting down" in out
-    port = int(serve.openai_url.rsplit(":", 1)[1].split("/")[0])
-    with __import__("socket").socket() as s:  # the gateway is gone with it
-        assert s.connect_ex(("127.0.0.1", port)) != 0
+def live(triton):
+    triton_model = "quanta-one-seq"
+    return Live(
+        triton.openai_url(triton_model, MODEL),
+        triton.http_url,
+        triton.grpc_url,
+        triton.metrics_url,
+        triton.model_dir,
+        triton_model,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,24 +67,27 @@ def llm(live):
 
 
 def scrape(live) -> dict[str, float]:
-    """``quanta_*`` samples keyed by name{labels} without the common labels."""
-    text = urllib.request.urlopen(live.metrics_url, timeout=5).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("quanta_"):
-            key, value = line.rsplit(" ", 1)
-            key = re.sub(r'(instance|model|version)="[^"]*",?', "", key).replace(",}", "}")
-            samples[key.replace("{}", "")] = float(value)
-    return samples
+    """The served model's ``quanta_*`` samples keyed by name{labels}."""
+    from serving import scrape as scrape_metrics
+
+    return scrape_metrics(live.metrics_url, live.triton_model)
 
 
-def wait_for(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return value
+@pytest.mark.live
+def test_serve_with_the_gateway_stops_cleanly_on_ctrl_c(tmp_path, opt_tiny):
+    """``quanta serve --openai-port`` answers through its gateway, then Ctrl-C stops both:
+    exit status 0, and the gateway's port is closed."""
+    serve = start_serve(tmp_path, model_dir=opt_tiny)
+    try:
+        with openai.OpenAI(base_url=serve.openai_url, api_key="-", max_retries=0) as c:
+            assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+    finally:
+        code, out = stop_serve(serve.proc)
+    assert code == 0, out
+    assert "shutting down" in out
+    port = int(serve.openai_url.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket() as s:  # the gateway is gone with it
+        assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
 # -- the happy paths -------------------------------------------------------------------------
@@ -696,6 +632,6 @@ def test_random_json_never_breaks_either_endpoint(live, body):
         assert error["type"] and error["message"], raw
     if isinstance(body, dict) and isinstance(body.get("stream"), bool):
         body = {**body, "stream": False}  # keep the SSE endpoint out: one answer per call
-    status, raw = _post_raw(f"{live.http_url}/v2/models/{MODEL}/generate", body)
+    status, raw = _post_raw(f"{live.http_url}/v2/models/{live.triton_model}/generate", body)
     assert status in (200, 400, 404, 500), raw
     assert json.loads(raw), raw  # an answer, whatever it is

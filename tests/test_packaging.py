@@ -33,6 +33,7 @@ def wheel(tmp_path_factory) -> Path:
     return found
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_the_backend_build_scripts_and_no_tests(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in (
@@ -46,6 +47,8 @@ def test_the_wheel_holds_the_backend_build_scripts_and_no_tests(wheel):
     assert not any(n.startswith("tests/") for n in names)
 
 
+@pytest.mark.slow
+@pytest.mark.live
 def test_an_installed_wheel_serves_the_demo(wheel, tmp_path):
     target = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]

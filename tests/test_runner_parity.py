@@ -8,6 +8,7 @@ block tables; seeded sampling; config parsing and loader errors.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +23,10 @@ from quanta.runner.sampler import sample
 from runner_helpers import FakeRequest, ToyScheduler, build_hf_checkpoint, hf_greedy
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.engine
 
+
+@functools.cache
 def _compiles() -> bool:
     """Whether Inductor can build the compiled decode-attention kernel on this machine (a C++
     compiler and Python's headers); where it cannot, the engine runs eager, with a warning."""
@@ -35,6 +39,7 @@ def _compiles() -> bool:
     )
 
 
+@functools.cache
 def _native_builds() -> bool:
     """Whether the native decode-attention kernel builds here (a C compiler)."""
     from quanta.runner import native_decode
@@ -45,16 +50,18 @@ def _native_builds() -> bool:
 # Decode-attention kernels as the tests run them. The torch kernels attend batches of up to
 # ``ROW_BY_ROW_DECODE_ROWS`` rows row by row through SDPA; "-varlen" sends every decode batch
 # through ``varlen_decode`` instead, so that path is checked on the tests' small batches too.
+# NOTE: the conditions are strings, so pytest evaluates them (and builds the kernels) when a
+# test that needs them runs, not when the module is collected.
 KERNELS = [
     "eager",
     "eager-varlen",
     pytest.param(
         "compiled-varlen",
-        marks=pytest.mark.skipif(not _compiles(), reason="torch.compile cannot build here"),
+        marks=pytest.mark.skipif("not _compiles()", reason="torch.compile cannot build here"),
     ),
     pytest.param(
         "native",
-        marks=pytest.mark.skipif(not _native_builds(), reason="no C compiler here"),
+        marks=pytest.mark.skipif("not _native_builds()", reason="no C compiler here"),
     ),
 ]
 

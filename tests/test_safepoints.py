@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from quanta.build.checkpoint import ensure_checkpoint
 from quanta.core.blocks import BlockManager
 from quanta.core.clock import WallClock
 from quanta.core.config import SchedulerConfig
@@ -44,8 +43,8 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_checkpoint("opt-tiny", tmp_path_factory.mktemp("ckpt") / "opt-tiny")
+def tiny(opt_tiny: Path) -> Path:
+    return opt_tiny
 
 
 @pytest.fixture(scope="module", params=["opt", "llama"])
@@ -121,6 +120,7 @@ def test_checks_come_every_interval_layers_but_never_after_the_last(
     assert ran == list(range(6)) and seen == checks
 
 
+@pytest.mark.engine
 def test_interval_is_validated(tiny: Path) -> None:
     with pytest.raises(ValueError, match="safepoint_interval"):
         _runner(tiny, safepoint_interval=0)
@@ -128,6 +128,7 @@ def test_interval_is_validated(tiny: Path) -> None:
 
 
 # -- the runner ---------------------------------------------------------------------------
+@pytest.mark.engine
 def test_a_raised_signal_stops_at_the_first_safepoint(tiny: Path) -> None:
     runner = _runner(tiny, safepoint_interval=1)
     with pytest.raises(StepAborted) as stopped:
@@ -136,6 +137,7 @@ def test_a_raised_signal_stops_at_the_first_safepoint(tiny: Path) -> None:
     assert stopped.value.elapsed_s is not None and stopped.value.elapsed_s > 0
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
     ("interval", "raised_in", "stops_at"),
     [(1, 0, 1), (2, 2, 4), (2, 1, 2), (4, 0, 4), (2, 4, None), (8, 0, None)],
@@ -160,6 +162,7 @@ def test_a_signal_raised_mid_pass_stops_at_the_next_safepoint(
         hook.remove()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_step_run_again_after_an_abort_matches_a_runner_that_never_aborted(
     six_layers: Path, temperature: float
@@ -180,6 +183,7 @@ def test_a_step_run_again_after_an_abort_matches_a_runner_that_never_aborted(
     assert after_abort.logprobs == after_clean.logprobs
 
 
+@pytest.mark.engine
 def test_checkpoint_copies_mirror_the_device_blocks_after_the_step(tiny: Path) -> None:
     runner = _runner(tiny)
     pairs = tuple(zip(TABLE, (3, 12, 7, 1, 15, 8), strict=True))
@@ -190,6 +194,7 @@ def test_checkpoint_copies_mirror_the_device_blocks_after_the_step(tiny: Path) -
     assert torch.equal(host, device)
 
 
+@pytest.mark.engine
 def test_an_aborted_step_copies_no_checkpoint_but_keeps_its_swaps(tiny: Path) -> None:
     runner = _runner(tiny, safepoint_interval=1)
     runner.execute(SchedulerOutput(seqs=(replace(_seq(PROMPT, 0, TABLE), request_id="a"),)))
@@ -209,6 +214,7 @@ def test_an_aborted_step_copies_no_checkpoint_but_keeps_its_swaps(tiny: Path) ->
     assert torch.equal(untouched, torch.full_like(untouched, 0.5))
 
 
+@pytest.mark.engine
 def test_bad_checkpoint_ids_fail_before_anything_is_written(tiny: Path) -> None:
     runner = _runner(tiny)
     before_device, before_host = runner.device_kv_cache.clone(), runner.host_kv_cache.clone()
@@ -355,6 +361,7 @@ def arrival_hook() -> Iterator[list]:
         hook.remove()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_an_online_arrival_from_another_thread_stops_the_offline_prefill(
     six_layers: Path, temperature: float, arrival_hook: list
@@ -393,6 +400,7 @@ def test_an_online_arrival_from_another_thread_stops_the_offline_prefill(
     assert _outputs(loop, streams) == reference
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_checkpointed_request_is_swapped_with_no_copy_and_its_tokens_stand(
     six_layers: Path, temperature: float
@@ -415,6 +423,7 @@ def test_a_checkpointed_request_is_swapped_with_no_copy_and_its_tokens_stand(
     assert _outputs(loop, streams) == reference
 
 
+@pytest.mark.engine
 def test_the_engine_config_reaches_the_runner(tiny: Path) -> None:
     from quanta.core.config import EngineConfig
     from quanta.frontends.engine import build_engine
@@ -430,6 +439,7 @@ def test_the_engine_config_reaches_the_runner(tiny: Path) -> None:
         EngineConfig(model=str(tiny), safepoint_interval=0)
 
 
+@pytest.mark.engine
 def test_bench_safepoints_writes_its_report(tiny: Path, tmp_path: Path) -> None:
     from quanta.cli import app
     from typer.testing import CliRunner

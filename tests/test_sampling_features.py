@@ -11,17 +11,18 @@ import torch
 from preemption import roomy_and_cramped
 from pydantic import ValidationError
 from quanta import SamplingParams
-from quanta.build.checkpoint import ensure_checkpoint
 
 transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.engine
 
 PROMPTS = ["Hello, my name is", "The capital of France", "a"]
 N = 16
 
 
 @pytest.fixture(scope="module", params=["opt-tiny", "llama-tiny"])
-def model_dir(request, tmp_path_factory):
-    return ensure_checkpoint(request.param, tmp_path_factory.mktemp("ckpt") / request.param)
+def model_dir(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 @pytest.fixture(scope="module")

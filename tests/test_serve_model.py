@@ -22,6 +22,8 @@ from quanta.frontends.triton.client import http_events, output_ids, request_inpu
 from quanta.frontends.triton.launcher import free_port
 from serving import Background
 
+pytestmark = pytest.mark.live
+
 QUANTA = f"{shlex.quote(sys.executable)} -m quanta.cli"
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 SMALL = {"kv_cache_memory": 1 << 23, "host_cache_memory": 1 << 22}
@@ -86,7 +88,13 @@ def engine_info(metrics_url: str) -> dict[str, str]:
     return dict(re.findall(r'(\w+)="([^"]*)"', line))
 
 
-@pytest.mark.parametrize(("case", "preset", "options", "flags"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("case", "preset", "options", "flags"),
+    [
+        pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[1] == "opt-125m" else [])
+        for c in CASES
+    ],
+)
 def test_build_then_serve_end_to_end(checkpoints, tmp_path, case, preset, options, flags):
     model = prepare(checkpoints, preset, options, case)
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}

@@ -359,6 +359,7 @@ def test_cli_bench_scheduler():
     assert "Apt-Serve Table 6: 1.0 ms" in res.output
 
 
+@pytest.mark.engine
 def test_cli_bench_policies_on_a_trace_file(tmp_path: Path):
     """The documented real-engine comparison, at a tiny size: a trace's rows on opt-tiny."""
     trace = tmp_path / "azure.csv"
@@ -374,6 +375,7 @@ def test_cli_bench_policies_on_a_trace_file(tmp_path: Path):
     assert "fcfs / sj-mlfq: mean" in res.output
 
 
+@pytest.mark.engine
 def test_cli_profile_refits_on_a_serving_replay(tmp_path: Path):
     from quanta.build.checkpoint import ensure_checkpoint
     from quanta.costmodel import load_profile
@@ -390,6 +392,7 @@ def test_cli_profile_refits_on_a_serving_replay(tmp_path: Path):
     assert cost.min_iteration_time > 0
 
 
+@pytest.mark.engine
 def test_cli_simulate_validate_compares_the_engine_and_the_simulator(tmp_path: Path):
     out = tmp_path / "validate.json"
     args = ["simulate", "validate", "--num-requests", "12", "--loads", "0.5", "--policies"]

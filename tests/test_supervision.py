@@ -21,17 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from quanta import SamplingParams
-from quanta.build.checkpoint import ensure_checkpoint
 from quanta.frontends.triton.client import GenerateError, http_events, request_inputs
 from quanta.frontends.triton.launcher import free_port
 from serving import Background
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 RECOVERY_S = 60.0  # from the crash to serving again, on a 2-core machine
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return ensure_checkpoint("opt-tiny", tmp_path_factory.mktemp("ckpt") / "opt-tiny")
+def model_dir(opt_tiny) -> Path:
+    return opt_tiny
 
 
 def start(model_dir: Path, tmp_path: Path, *flags: str) -> tuple[Background, dict[str, int]]:

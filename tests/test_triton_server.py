@@ -1,6 +1,6 @@
 """Live tests: a real tritonserver with the quanta backend on 127.0.0.1 and free ports.
 
-One server is shared by the module (start-up costs seconds) and always stopped. Its device pool
+The session's shared server (``conftest.triton``) serves the model ``quanta``. Its device pool
 is small on purpose (24 blocks of 16 tokens), so concurrent traffic preempts and the outputs
 still have to equal the offline API's.
 """
@@ -11,7 +11,6 @@ import csv
 import json
 import os
 import queue
-import re
 import subprocess
 import sys
 import threading
@@ -36,6 +35,9 @@ from quanta.frontends.triton.client import (
 )
 from quanta.frontends.triton.launcher import ServerOptions, TritonServer, free_port
 from quanta.frontends.triton.repository import write_model_repository
+from serving import wait_for
+
+pytestmark = pytest.mark.live
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "quanta"
@@ -43,39 +45,17 @@ MODES = ["http-stream", "http", "grpc-stream", "grpc"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # NOTE: not built here: the backend's `preset` parameter builds it at model load.
-    return tmp_path_factory.mktemp("engines") / "opt-tiny"
+def model_dir(opt_tiny):
+    return opt_tiny
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    root = tmp_path_factory.mktemp("triton")
-    repo = write_model_repository(
-        root / "models",
-        overrides={
-            "model_dir": str(model_dir),
-            "num_device_blocks": "24",
-            "num_host_blocks": "64",
-            "max_num_batched_tokens": "256",
-            "metrics_interval_ms": "50",
-            "torch_threads": "1",
-        },
-    )
-    srv = TritonServer(
-        ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=5),
-        log_file=root / "tritonserver.log",
-    )
-    try:
-        srv.start()
-        srv.wait_ready(timeout=180)
-        yield srv
-    finally:
-        srv.stop()
+def server(triton):
+    return triton
 
 
 @pytest.fixture(scope="module")
-def llm(server, model_dir):
+def llm(model_dir):
     return quanta.LLM(str(model_dir))
 
 
@@ -96,27 +76,8 @@ def run(server, mode, prompt, params, **metadata):
 
 
 def scrape(server) -> dict[str, float]:
-    """``quanta_*`` samples on /metrics, keyed by name{labels} without the common labels."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if not line.startswith("quanta_"):
-            continue
-        key, value = line.rsplit(" ", 1)
-        key = re.sub(r'(instance|model|version)="[^"]*",?', "", key).replace(",}", "}")
-        samples[key.replace("{}", "")] = float(value)
-    return samples
-
-
-def wait_for(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    """The model's ``quanta_*`` samples on /metrics, keyed by name{labels}."""
+    return server.scrape(MODEL)
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -478,6 +439,7 @@ def test_metrics_appear_and_move(server):
 
 
 # -- Locust ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_headless_locust_run_has_no_failures(server, tmp_path):
     prefix = tmp_path / "locust"
     cmd = [
@@ -517,6 +479,7 @@ def test_headless_locust_run_has_no_failures(server, tmp_path):
     assert int(rows[("METRIC", "time_per_output_token")]["Request Count"]) > 0
 
 
+@pytest.mark.slow
 def test_locust_replays_a_workload_file_and_stops_when_done(server, tmp_path):
     from quanta.workloads import WorkloadRequest, save_workload
 
@@ -554,6 +517,7 @@ def test_locust_replays_a_workload_file_and_stops_when_done(server, tmp_path):
     assert tokens("locust-batch", "offline") == 6
 
 
+@pytest.mark.slow
 def test_locust_waits_for_the_previous_call_and_abandons_after_a_failure(server, tmp_path):
     from quanta.workloads import WorkloadRequest, save_workload
 
@@ -627,10 +591,10 @@ def test_cli_generate_against_the_server(server, llm, transport):
     assert proc.stdout.decode() == expected.text + "\n"
 
 
-def test_bad_parameter_stops_model_load_with_its_name(tmp_path, model_dir, server):
+def test_bad_parameter_stops_model_load_with_its_name(tmp_path, model_dir):
     from quanta.frontends.triton.launcher import LaunchError
 
-    # NOTE: `server` is requested so that model_dir exists: only the parameter is wrong.
+    # NOTE: model_dir exists (a session checkpoint): only the parameter is wrong.
     repo = write_model_repository(
         tmp_path / "models", overrides={"model_dir": str(model_dir), "block_size": "big"}
     )
@@ -644,12 +608,12 @@ def test_bad_parameter_stops_model_load_with_its_name(tmp_path, model_dir, serve
 
 
 @pytest.mark.parametrize("inherited", ["default", "sigint-ignored"])
-def test_serve_stops_cleanly_on_ctrl_c(tmp_path, model_dir, server, inherited):
+def test_serve_stops_cleanly_on_ctrl_c(tmp_path, model_dir, inherited):
     """Also when started with SIGINT ignored, as a background job of a script is."""
     import signal
     import socket
 
-    # NOTE: `server` is requested so that model_dir exists and no preset build is timed here.
+    # NOTE: model_dir exists (a session checkpoint), so no preset build is timed here.
     repo = write_model_repository(tmp_path / "models", overrides={"model_dir": str(model_dir)})
     http_port = free_port()
     cmd = [sys.executable, "-m", "quanta.cli", "serve", "--model-repository", str(repo)]

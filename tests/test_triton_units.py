@@ -23,6 +23,7 @@ from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
 from quanta.frontends.triton.responder import InflightRequest, Responder, SequenceGroupSender
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
 from quanta.frontends.triton.tensors import output_arrays, parse_request
+from serving import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "scheduler_backend" / "python" / "quanta"
@@ -260,13 +261,6 @@ class FakeFactory:
         return ("error", code, message)
 
 
-def _wait(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
 def test_responder_streams_deltas_and_ends_with_final_flag():
     cancels: list[str] = []
     responder = Responder(FakeFactory(), cancels.append)
@@ -276,10 +270,10 @@ def test_responder_streams_deltas_and_ends_with_final_flag():
     sink_b = responder.track(InflightRequest("b", whole_sender, stream=False))
     for sink, rid in ((sink_a, "a"), (sink_b, "b")):
         sink(RequestOutput(rid, (5,), "x"))
-    _wait(lambda: len(stream_sender.sent) == 1)  # sent before the next delta exists
+    wait_for(lambda: len(stream_sender.sent) == 1)  # sent before the next delta exists
     for sink, rid in ((sink_a, "a"), (sink_b, "b")):
         sink(RequestOutput(rid, (6,), "y", finished=True, finish_reason="length"))
-    _wait(lambda: len(stream_sender.sent) == 2 and len(whole_sender.sent) == 1)
+    wait_for(lambda: len(stream_sender.sent) == 2 and len(whole_sender.sent) == 1)
     responder.stop()
     first = {"text_output": [b"x"], "output_ids": [5], "sequence_length": [1]}
     assert stream_sender.sent[0] == (first, 0)
@@ -301,10 +295,10 @@ def test_responder_echoes_the_prompt_and_returns_log_probs_when_asked():
     sinks.append((responder.track(stream), "s"))
     for sink, rid in sinks:
         sink(RequestOutput(rid, (5,), "x", logprobs=(TokenLogprob(-0.5),)))
-    _wait(lambda: len(streamed.sent) == 1)
+    wait_for(lambda: len(streamed.sent) == 1)
     for sink, rid in sinks:
         sink(RequestOutput(rid, (6,), "y", True, "length", logprobs=(TokenLogprob(-1.25),)))
-    _wait(lambda: len(whole.sent) == 1 and len(streamed.sent) == 2)
+    wait_for(lambda: len(whole.sent) == 1 and len(streamed.sent) == 2)
     responder.stop()
     final, _ = whole.sent[0]
     assert final["text_output"] == [b"Hixy"] and final["output_ids"] == [1, 2, 5, 6]
@@ -335,7 +329,7 @@ def test_responder_merges_what_queued_up_into_one_response_per_request():
         sink(RequestOutput("m", (i,), text, logprobs=(TokenLogprob(-float(i)),)))
     sink(RequestOutput("m", (5,), "e", True, "length"))
     gate.set()
-    _wait(lambda: len(sender.sent) == 2)
+    wait_for(lambda: len(sender.sent) == 2)
     responder.stop()
     (first, _), (rest, flags) = sender.sent
     assert first["text_output"] == [b"a"]
@@ -360,9 +354,9 @@ def test_responder_cancels_and_still_sends_the_final_flag():
     responder.start()
     sender = FakeSender(cancelled=True)
     sink = responder.track(InflightRequest("c", sender, stream=True))
-    _wait(lambda: cancels == ["c"])  # the periodic sweep finds it without any output
+    wait_for(lambda: cancels == ["c"])  # the periodic sweep finds it without any output
     sink(RequestOutput("c", (), "", finished=True, error=RequestAbortedError("request cancelled")))
-    _wait(lambda: len(sender.sent) == 1)
+    wait_for(lambda: len(sender.sent) == 1)
     responder.stop()
     assert sender.sent == [(("error", "cancelled", "request cancelled"), 1)]
 
@@ -372,7 +366,7 @@ def test_responder_rejects_with_typed_error():
     responder.start()
     sender = FakeSender()
     responder.reject(InflightRequest("d", sender, stream=False), InvalidRequestError("bad"))
-    _wait(lambda: len(sender.sent) == 1)
+    wait_for(lambda: len(sender.sent) == 1)
     responder.stop()
     assert sender.sent == [(("error", "invalid_argument", "bad"), 1)]
 
@@ -430,9 +424,9 @@ def test_failed_engine_step_reaches_its_client_as_internal_and_the_loop_goes_on(
         return sender
 
     bad = submit("bad")
-    _wait(lambda: len(bad.sent) == 1)
+    wait_for(lambda: len(bad.sent) == 1)
     good = submit("good")
-    _wait(lambda: len(good.sent) == 1)
+    wait_for(lambda: len(good.sent) == 1)
     responder.stop()
     assert bad.sent == [(("error", "internal", "engine step failed: injected failure"), 1)]
     response, flags = good.sent[0]

@@ -6,10 +6,7 @@ answers (prompt echo unless ``exclude_input_in_output``), and equal to the offli
 from __future__ import annotations
 
 import json
-import os
 import queue
-import shlex
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -17,32 +14,30 @@ import numpy as np
 import pytest
 import quanta
 from quanta import SamplingParams
-from quanta.build.checkpoint import ensure_checkpoint
-from quanta.frontends.triton.launcher import free_port
-from serving import Background
+from serving import TRTLLM_MODEL
+
+pytestmark = pytest.mark.live
 
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return ensure_checkpoint("opt-tiny", tmp_path_factory.mktemp("ckpt") / "opt-tiny")
+def model_dir(opt_tiny) -> Path:
+    return opt_tiny
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("trtllm")
-    ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
-    cmd = [sys.executable, "-m", "quanta.cli", "serve", str(model_dir)]
-    cmd += ["--served-model-name", "ensemble", "--io-layout", "tensorrt_llm"]
-    cmd += ["--kv-cache-memory", "8MiB", "--log-file", str(root / "triton.log")]
-    cmd += [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
-    srv = Background(shlex.join(cmd), root, {**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        srv.wait_for_line("OpenAI ", timeout=180)
-        yield ports
-    finally:
-        assert srv.stop() == 0, "".join(srv.lines)
+def server(triton) -> dict[str, int]:
+    """The ports of the shared server, whose ``ensemble`` model is what ``quanta serve
+    CHECKPOINT --served-model-name ensemble --io-layout tensorrt_llm --kv-cache-memory 8MiB``
+    serves, and of a gateway in front of it."""
+    openai_url = triton.openai_url(TRTLLM_MODEL)
+    return {
+        "http": triton.options.http_port,
+        "grpc": triton.options.grpc_port,
+        "metrics": triton.options.metrics_port,
+        "openai": int(openai_url.rsplit(":", 1)[1].split("/")[0]),
+    }
 
 
 @pytest.fixture(scope="module")

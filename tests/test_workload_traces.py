@@ -303,6 +303,7 @@ def test_the_policies_bench_trace_is_sharegpt_scaled():
     assert [r.output_tokens for r in small] == [max(1, round(r.output_tokens / 4)) for r in base]
 
 
+@pytest.mark.slow
 def test_a_missing_workload_file_is_one_clear_error_everywhere(tmp_path):
     """The loader says it (every consumer shows the message); Locust stops at start-up with
     it, not with a traceback."""
