@@ -13,6 +13,8 @@ from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.cli import app
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.engine
+
 LIMITS = {"max_batch_size": 4, "max_num_tokens": 32, "max_seq_len": 64}
 
 

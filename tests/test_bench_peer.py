@@ -214,6 +214,7 @@ def test_side_by_side_table_and_max_rate(model_dir, tmp_path):
     assert "TTFT <= 2000 ms" in markdown
 
 
+@pytest.mark.engine
 def test_engine_figures_take_each_peer_and_render_a_column_pair_per_peer(model_dir, tmp_path):
     """vLLM at every batch, llama.cpp (one column per GGUF file) at batch 1 only; the peer
     scripts are stood in for by an interpreter that prints their JSON line."""

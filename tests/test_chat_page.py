@@ -100,6 +100,7 @@ def ready(page) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.live
 def test_a_streamed_answer_with_its_ttft_and_tokens_per_second(page, live):
     from test_openai_gateway import scrape, wait_for
 
@@ -125,6 +126,7 @@ def test_a_streamed_answer_with_its_ttft_and_tokens_per_second(page, live):
 
 
 @pytest.mark.slow
+@pytest.mark.live
 def test_an_error_is_shown_and_the_question_left_out(page):
     ready(page)
     page.fill("#max-tokens", "600")  # more than the tiny model's context
@@ -149,6 +151,7 @@ new MutationObserver((_, observer) => {
 
 
 @pytest.mark.slow
+@pytest.mark.live
 def test_stop_ends_the_answer(page):
     ready(page)
     page.fill("#max-tokens", "300")

@@ -91,6 +91,9 @@ ENGINE = (
     "quanta bench load",
     "quanta bench loop",
     "quanta bench policies",
+    "quanta bench quality",
+    "quanta bench decode-profile",
+    "quanta fetch-model",
     "quanta profile",
     "quanta simulate validate",
 )

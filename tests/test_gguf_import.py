@@ -88,6 +88,7 @@ def test_tokenizer_and_template_come_from_the_metadata(checkpoint, tmp_path):
     )
 
 
+@pytest.mark.engine
 def test_engine_from_gguf_answers_as_the_checkpoints_engine(checkpoint, tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(checkpoint, path, chat_template=TEMPLATE)
@@ -130,6 +131,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         build_engine_dir(bogus, tmp_path / "engine", BuildOptions(dtype="float32"))
 
 
+@pytest.mark.engine
 def test_a_transformers_5_checkpoint_with_rope_parameters_loads(tmp_path):
     """transformers 5.x writes ``rope_parameters`` where 4.x wrote ``rope_theta`` and
     ``rope_scaling``; the loader reads both, so a checkpoint 5.x saved answers as HF does."""
@@ -154,6 +156,7 @@ def test_a_transformers_5_checkpoint_with_rope_parameters_loads(tmp_path):
     assert (runner.forward_logits(prompt) - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0])
 def test_import_agrees_with_transformers_own_gguf_reader(checkpoint, tmp_path, qtype):
     """transformers dequantizes and un-permutes a GGUF file with code of its own: an

@@ -24,7 +24,7 @@ from quanta.frontends.triton.launcher import free_port
 from quanta.runner.models.config import load_model_config
 from serving import Background
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,7 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+@pytest.mark.live
 def test_echo_logprobs_through_the_gateway_equal_hf(engine: Path, hf, gateway: str):
     ids = quality.tokenize(engine, PERPLEXITY_TEXT)
     answer = _post(
@@ -129,6 +130,7 @@ def test_echo_logprobs_through_the_gateway_equal_hf(engine: Path, hf, gateway: s
     assert abs(ppl_ours / ppl_theirs - 1) < 0.005, (ppl_ours, ppl_theirs)
 
 
+@pytest.mark.live
 def test_chat_through_the_gateway_answers_the_question(gateway: str):
     answer = _post(
         f"{gateway}/chat/completions",
