@@ -55,7 +55,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    from test_openai_gateway import start_serve, stop_serve
+    from serving import start_serve, stop_serve
 
     serve = start_serve(tmp_path_factory.mktemp("serve"))
     try:
@@ -102,7 +102,7 @@ def ready(page) -> None:
 @pytest.mark.slow
 @pytest.mark.live
 def test_a_streamed_answer_with_its_ttft_and_tokens_per_second(page, live):
-    from test_openai_gateway import scrape, wait_for
+    from serving import scrape, wait_for
 
     ready(page)
     assert page.locator("#model option").all_inner_texts() == ["quanta"]
@@ -118,7 +118,7 @@ def test_a_streamed_answer_with_its_ttft_and_tokens_per_second(page, live):
     assert "tenant alice" in stats.inner_text() and "class offline" in stats.inner_text()
     assert page.evaluate("messages.map((m) => m.role)") == ["user", "assistant"]
     offline = 'quanta_generation_tokens_total{priority_class="offline",tenant="alice"}'
-    wait_for(lambda: scrape(live).get(offline, 0) >= 1, what="alice's offline tokens")
+    wait_for(lambda: scrape(live.metrics_url).get(offline, 0) >= 1, what="alice's offline tokens")
 
     ask(page, "And why does it help?")  # the conversation goes on with the history
     answer(page, 2)

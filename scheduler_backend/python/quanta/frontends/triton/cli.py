@@ -344,7 +344,7 @@ def _demo(
     if template is not None and template.has_own_template:
         text = template.render([ChatMessage(role="user", content=prompt)])
     typer.echo(f"> {prompt}")
-    params = SamplingParams(max_tokens=_DEMO_TOKENS, temperature=0.0)
+    params = SamplingParams(max_tokens=DEMO_TOKENS, temperature=0.0)
     typer.echo("triton: ", nl=False)
     for piece in generate(url, text, params, model=model, stream=True):
         typer.echo(piece, nl=False)
@@ -354,7 +354,7 @@ def _demo(
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": _DEMO_TOKENS,
+        "max_tokens": DEMO_TOKENS,
         "temperature": 0.0,
     }
     request = urllib.request.Request(
@@ -367,4 +367,4 @@ def _demo(
     typer.echo(f"openai: {answer['choices'][0]['message']['content']}")
 
 
-_DEMO_TOKENS = 48
+DEMO_TOKENS = 48
