@@ -18,7 +18,7 @@ import json
 import math
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,7 +247,8 @@ def run_quality(
     return report
 
 
-def _decoder(engine: Path):
+def _decoder(engine: Path) -> Callable[[Sequence[int]], str]:
+    """Text of token ids with the engine's tokenizer, loaded once."""
     from quanta.frontends.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(engine)
