@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from quanta.bench.quality_data import CHAT_QUESTIONS, PERPLEXITY_TEXT
 
@@ -80,24 +81,30 @@ def compare_greedy(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) 
 
 
 # -- Quanta ----------------------------------------------------------------------------------
+def load(engine: Path | Any) -> Any:
+    """An offline ``LLM`` of the engine directory (one given already is used as it is), so a
+    run that asks one engine several things loads it once."""
+    from quanta.frontends.offline import LLM
+
+    return engine if isinstance(engine, LLM) else LLM(str(engine))
+
+
 def quanta_greedy(
-    engine: Path, prompts: Sequence[str | list[int]], max_tokens: int
+    engine: Path | Any, prompts: Sequence[str | list[int]], max_tokens: int
 ) -> list[list[int]]:
     """Greedy answers (ending at EOS or ``max_tokens``), all prompts batched as served."""
     from quanta.core.request import SamplingParams
-    from quanta.frontends.offline import LLM
 
-    llm = LLM(str(engine))
+    llm = load(engine)
     results = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return [list(r.token_ids) for r in results]
 
 
-def quanta_token_logprobs(engine: Path, ids: Sequence[int]) -> list[float]:
+def quanta_token_logprobs(engine: Path | Any, ids: Sequence[int]) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1, from the engine's prompt log-probabilities."""
     from quanta.core.request import SamplingParams
-    from quanta.frontends.offline import LLM
 
-    llm = LLM(str(engine))
+    llm = load(engine)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     (result,) = llm.generate([list(ids)], params)
     return [lp.logprob for lp in result.prompt_logprobs]
@@ -203,18 +210,20 @@ def run_quality(
     report = QualityReport(model=gguf.name, prompts=len(CHAT_QUESTIONS), max_tokens=max_tokens)
     prompts = chat_prompts(engine_fp32)
     ids = [tokenize(engine_fp32, p) for p in prompts]
-    fp32 = quanta_greedy(engine_fp32, ids, max_tokens)
+    fp32_llm = load(engine_fp32)
+    fp32 = quanta_greedy(fp32_llm, ids, max_tokens)
     decode = _decoder(engine_fp32)
     report.answers["quanta-fp32"] = [decode(a) for a in fp32]
     text_ids = tokenize(engine_fp32, PERPLEXITY_TEXT)
     report.text_tokens = len(text_ids)
-    ours = quanta_token_logprobs(engine_fp32, text_ids)
+    ours = quanta_token_logprobs(fp32_llm, text_ids)
     report.perplexity["quanta-fp32"] = perplexity(ours)
     if engine_bf16 is not None:
-        bf16 = quanta_greedy(engine_bf16, ids, max_tokens)
+        bf16_llm = load(engine_bf16)
+        bf16 = quanta_greedy(bf16_llm, ids, max_tokens)
         report.answers["quanta-bf16"] = [decode(a) for a in bf16]
         report.greedy_bf16_vs_fp32 = compare_greedy(bf16, fp32)
-        report.perplexity["quanta-bf16"] = perplexity(quanta_token_logprobs(engine_bf16, text_ids))
+        report.perplexity["quanta-bf16"] = perplexity(quanta_token_logprobs(bf16_llm, text_ids))
     if with_hf:
         from quanta.runner.models.config import load_model_config
 
@@ -230,9 +239,9 @@ def run_quality(
         import gguf as gguf_lib
 
         from quanta.build.gguf_export import write_gguf
-        from quanta.build.gguf_import import gguf_to_checkpoint
+        from quanta.build.gguf_import import gguf_label, gguf_to_checkpoint
 
-        report.perplexity[f"llama.cpp-{_file_label(gguf)}"] = perplexity(
+        report.perplexity[f"llama.cpp-{gguf_label(gguf)}"] = perplexity(
             llama_cpp_token_logprobs(llama_cpp_python, gguf, text_ids)
         )
         with tempfile.TemporaryDirectory(prefix="quanta-quality-") as tmp:
@@ -253,8 +262,3 @@ def _decoder(engine: Path) -> Callable[[Sequence[int]], str]:
 
     tokenizer = load_tokenizer(engine)
     return lambda ids: tokenizer.decode(list(ids))
-
-
-def _file_label(gguf: Path) -> str:
-    stem = gguf.stem
-    return stem.rsplit(".", 1)[-1] if "." in stem else "file"

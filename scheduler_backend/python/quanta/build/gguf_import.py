@@ -72,6 +72,13 @@ class GgufSummary:
         return f"{self.file_type} ({counts})"
 
 
+def gguf_label(path: Path) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``Q4_1``: the quantization a file's name states,
+    as llama.cpp's files are named (the whole stem when the name states none)."""
+    stem = path.stem
+    return stem.rsplit(".", 1)[-1] if "." in stem else stem
+
+
 def _by_n(item: tuple[str, int]) -> tuple[int, str]:
     return (-item[1], item[0])
 

@@ -23,6 +23,7 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
     """Decode (and prefill) tokens/s of Quanta's engine and its peers on identical token ids:
     vLLM at every batch, llama.cpp (one GGUF file each) at batch 1."""
     from quanta.bench.engine import _prompts, run_engine_bench
+    from quanta.build.gguf_import import gguf_label
 
     vocab = min(_vocab_sizes(setup.model_dir))
     prompts = {str(b): _prompts(b, setup.engine_prompt_len, vocab) for b in setup.engine_batches}
@@ -43,14 +44,14 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
         meta["vllm_meta"] = result
     for gguf in setup.llama_cpp_gguf:
         assert setup.llama_cpp_python is not None, "llama.cpp files need its venv"
-        label = f"llama.cpp {_gguf_label(gguf)}"
+        label = f"llama.cpp {gguf_label(gguf)}"
         cmd = [
             str(setup.llama_cpp_python), str(_script("llama_cpp_engine.py")),
             "--gguf", str(gguf), "--prompts", str(prompt_file),
             "--gen-len", str(setup.engine_gen_len), "--repeat", str(setup.engine_repeat),
             "--threads", str(setup.threads),
         ]  # fmt: skip
-        result = _peer_rows(cmd, setup, f"llama_cpp_{_gguf_label(gguf)}", {})
+        result = _peer_rows(cmd, setup, f"llama_cpp_{gguf_label(gguf)}", {})
         peers[label] = {r["batch"]: r for r in result.pop("rows")}
         meta[f"{label} meta"] = result
     quanta_rows = run_engine_bench(
@@ -117,12 +118,6 @@ def _peer_rows(cmd: list[str], setup: PeerSetup, name: str, env: dict[str, str])
         raise RuntimeError(f"{name} engine bench failed (see {log}):\n{proc.stderr[-2000:]}")
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith('{"rows"'))
     return json.loads(line)
-
-
-def _gguf_label(gguf: Path) -> str:
-    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``Q4_1``: the quantization its name states."""
-    stem = gguf.stem
-    return stem.rsplit(".", 1)[-1] if "." in stem else stem
 
 
 def full_vocab_checkpoint(model_dir: Path, dest: Path) -> Path:

@@ -9,8 +9,6 @@ A client that disconnects — while waiting, streaming or not — cancels its Tr
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -41,6 +39,7 @@ from quanta.frontends.openai.protocol import (
     completion_logprobs,
     usage,
 )
+from quanta.frontends.openai.sse import DisconnectWatcher, event_stream, interleave
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
 from quanta.frontends.triton.client import request_inputs
 
@@ -232,7 +231,7 @@ class Gateway:
             firsts = [await _next(stream) for stream in streams]  # errors before any header
             if body.stream and watcher is not None:
                 chunks = self._all_chunks(rid, body, firsts, streams, self._echo(body, prompt))
-                sse = _sse(chunks, cancel, watcher)
+                sse = event_stream(chunks, cancel, watcher)
                 owned = False
                 return StreamingResponse(sse, media_type="text/event-stream", headers=_SSE_HEADERS)
             runs = [
@@ -286,7 +285,7 @@ class Gateway:
             self._chunks(rid, body, first, stream, index, note, echo)
             for index, (first, stream) in enumerate(zip(firsts, streams, strict=True))
         ]
-        async for chunk in _interleave(per_choice):
+        async for chunk in interleave(per_choice):
             yield chunk
         if body.include_usage:
             use = _usage([[event] for event in finals])
@@ -377,80 +376,6 @@ def _indexed(chunk: dict[str, Any], index: int) -> dict[str, Any]:
     for choice in chunk["choices"]:
         choice["index"] = index
     return chunk
-
-
-_END = object()
-
-
-async def _interleave(
-    sources: list[AsyncIterator[dict[str, Any]]],
-) -> AsyncIterator[dict[str, Any]]:
-    """Items of all ``sources`` in the order they come; the first error ends it."""
-    if len(sources) == 1:
-        async for item in sources[0]:
-            yield item
-        return
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def pump(source: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            async for item in source:
-                await queue.put(item)
-        except Exception as exc:  # handed to the consumer, which raises it
-            await queue.put(exc)
-        finally:
-            await queue.put(_END)
-
-    tasks = [asyncio.create_task(pump(source)) for source in sources]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-class DisconnectWatcher:
-    """Calls ``on_disconnect`` when the HTTP client goes away; ``stop()`` when done.
-
-    Why not rely on Starlette: it notices a disconnect only while it streams, so a request still
-    waiting for its first token (or a non-streamed one) would keep running on the server.
-    """
-
-    def __init__(self, request: Request, on_disconnect: Callable[[], None]) -> None:
-        self._task = asyncio.create_task(self._watch(request, on_disconnect))
-
-    @staticmethod
-    async def _watch(request: Request, on_disconnect: Callable[[], None]) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        on_disconnect()
-
-    def stop(self) -> None:
-        self._task.cancel()
-
-
-async def _sse(
-    chunks: AsyncIterator[dict[str, Any]], cancel: Callable[[], None], watcher: DisconnectWatcher
-) -> AsyncIterator[str]:
-    """Server-sent events of ``chunks``; an error mid-stream is one ``{"error": ...}`` event."""
-    try:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except OpenAIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        watcher.stop()
-        cancel()
 
 
 async def _next(stream: GenerationStream) -> dict[str, Any]:
