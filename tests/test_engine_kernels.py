@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from quanta.runner import ModelRunner, decode_kernel, model_runner, native_decode
+from quanta.runner import ModelRunner, decode_kernel, model_runner, native_decode, panel_linear
 from quanta.runner import cpu as cpu_module
 from quanta.runner.attention import DecodeBatch
 from quanta.runner.decode_kernel import row_by_row_decode, varlen_decode
-from quanta.runner.linear import PackedLinear, onednn_supports, resolve_kernel
+from quanta.runner.linear import PackedLinear, PanelLinear, onednn_supports, resolve_kernel
 from runner_helpers import build_hf_checkpoint
 from torch import nn
 
@@ -109,6 +109,62 @@ def test_linear_kernel_rule():
         resolve_kernel("onednn", torch.float16, cuda)
     if onednn_supports(torch.float32, CPU):
         assert resolve_kernel("auto", torch.float32, CPU) == "onednn"
+    # the panel kernel runs bf16 only, and auto picks it wherever it runs
+    with pytest.raises(ValueError, match="linear_kernel=native needs bf16"):
+        resolve_kernel("native", torch.float32, CPU)
+    if panel_linear.supports(torch.bfloat16, CPU):
+        assert resolve_kernel("auto", torch.bfloat16, CPU) == "native"
+    elif onednn_supports(torch.bfloat16, CPU):
+        assert resolve_kernel("auto", torch.bfloat16, CPU) == "onednn"
+
+
+needs_panel = pytest.mark.skipif(
+    not panel_linear.supports(torch.bfloat16, CPU), reason="no AVX512_BF16 or no C compiler"
+)
+
+
+def _bf16_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The product in fp64 from the bf16 inputs: what a bf16 kernel rounds once."""
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+@needs_panel
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 33, 97])
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (130, 37), (5, 3), (960, 576), (64, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_kernel_rounds_the_exact_product_once(rows, n, k, bias):
+    """Every shape the kernel pads (n not a multiple of its 64-column panels, odd k, row
+    counts around its 4-row groups) gives the exact product rounded to bf16, give or take one
+    bf16 step (its fp32 sums run in another order than an exact sum)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    layer = PanelLinear(w, b, "none", panel_linear.load())
+    got = layer(x)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    want = _bf16_reference(x, w, b)
+    step = want.abs().clamp_min(1e-2) * 2.0**-7  # one bf16 step of each value
+    assert ((got.double() - want).abs() <= step + 1e-6 * k).all()
+    relu = PanelLinear(w, b, "relu", panel_linear.load())
+    assert torch.equal(relu(x), torch.relu(got))
+
+
+@needs_panel
+def test_panel_kernel_matches_onednn_and_keeps_one_copy(checkpoint):
+    """The engine's bf16 products through the panel kernel agree with oneDNN's as two bf16
+    kernels can (a few bf16 steps of the logits' scale), and only the packed weight stays."""
+    path, _ = checkpoint
+    native = runner(path, dtype="bfloat16", linear_kernel="native")
+    packed = runner(path, dtype="bfloat16", linear_kernel="onednn")
+    assert native.linear_kernel == "native"
+    assert any(isinstance(m, PanelLinear) for m in native.model.modules())
+    assert not any(isinstance(m, nn.Linear | PackedLinear) for m in native.model.modules())
+    assert not any(name.endswith("proj.weight") for name, _ in native.model.named_parameters())
+    for prompt in PROMPTS:
+        a, b = native.forward_logits(prompt), packed.forward_logits(prompt)
+        assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
 
 
 # --- decode attention: the native kernel, SDPA row by row and varlen_decode agree -----------

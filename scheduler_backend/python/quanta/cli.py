@@ -106,7 +106,8 @@ def bench_engine(
         str | None, typer.Option(help="float32 or bfloat16 (default: the engine's default)")
     ] = None,
     linear_kernel: Annotated[
-        LinearKernelOpt, typer.Option(help="projections: auto, onednn (prepacked) or torch")
+        LinearKernelOpt,
+        typer.Option(help="projections: auto, native (bf16 panel kernel), onednn or torch"),
     ] = LinearKernelOpt.auto,
     attention_kernel: Annotated[
         AttentionKernelOpt,
@@ -143,11 +144,14 @@ def bench_decode_profile(
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16")] = None,
     context: Annotated[int, typer.Option(min=1, help="tokens of context before the step")] = 96,
     repeat: Annotated[int, typer.Option(min=1, help="runs per timing; the best counts")] = 20,
+    linear_kernel: Annotated[
+        LinearKernelOpt, typer.Option(help="projections: auto, native, onednn or torch")
+    ] = LinearKernelOpt.auto,
 ) -> None:
     """Where a batch-1 decode step's time goes, per layer, against the bandwidth bound."""
     from quanta.bench.decode_profile import print_profile, profile_decode
 
-    print_profile(profile_decode(model, dtype or "auto", context, repeat))
+    print_profile(profile_decode(model, dtype or "auto", context, repeat, linear_kernel.value))
 
 
 @bench_app.command("loop")

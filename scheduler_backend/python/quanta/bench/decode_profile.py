@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from quanta.core.config import LinearKernel
 from quanta.runner.linear import Projection
 from quanta.runner.model_runner import ModelRunner
 
@@ -56,6 +57,7 @@ class DecodeProfile:
     """Milliseconds per decode step (``parts`` per layer in microseconds) and the bound."""
 
     dtype: str
+    linear_kernel: str
     context: int
     weight_bytes: int
     bandwidth_gbs: float
@@ -95,12 +97,22 @@ def _tensors(m: nn.Module) -> list[torch.Tensor]:
 
 
 def profile_decode(
-    model_dir: Path, dtype: str, context: int = 96, repeat: int = 20
+    model_dir: Path,
+    dtype: str,
+    context: int = 96,
+    repeat: int = 20,
+    linear_kernel: LinearKernel = "auto",
 ) -> DecodeProfile:
     """Profile one batch-1 decode step at ``context`` tokens of context (one thread)."""
     torch.set_num_threads(1)
     blocks = -(-(context + 1) // _BLOCK)
-    runner = ModelRunner(model_dir, num_device_blocks=blocks, num_host_blocks=0, dtype=dtype)
+    runner = ModelRunner(
+        model_dir,
+        num_device_blocks=blocks,
+        num_host_blocks=0,
+        dtype=dtype,
+        linear_kernel=linear_kernel,
+    )
     model = runner.model
     table = tuple(range(blocks))
     with torch.inference_mode():
@@ -122,6 +134,7 @@ def profile_decode(
     bandwidth = stream_bandwidth(nbytes)
     return DecodeProfile(
         dtype=str(runner.dtype).removeprefix("torch."),
+        linear_kernel=runner.linear_kernel,
         context=context,
         weight_bytes=nbytes,
         bandwidth_gbs=bandwidth,
@@ -224,7 +237,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def print_profile(p: DecodeProfile) -> None:
     """The profile as the plain lines docs/benchmarks.md quotes."""
-    print(f"dtype {p.dtype}, context {p.context}, one thread")
+    print(f"dtype {p.dtype}, linear kernel {p.linear_kernel}, context {p.context}, one thread")
     print(
         f"weights read per token {p.weight_bytes / 1e6:.1f} MB, one-thread stream "
         f"{p.bandwidth_gbs:.1f} GB/s -> bound {p.bound_ms:.2f} ms/token "

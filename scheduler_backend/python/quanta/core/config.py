@@ -13,7 +13,7 @@ GiB = 1 << 30
 
 # How the engine runs its projections and its decode attention (see quanta.runner.linear and
 # quanta.runner.decode_kernel); one definition for the config, the CLI and the runner.
-LinearKernel = Literal["auto", "torch", "onednn"]
+LinearKernel = Literal["auto", "torch", "onednn", "native"]
 AttentionKernel = Literal["auto", "eager", "compiled", "native"]
 
 

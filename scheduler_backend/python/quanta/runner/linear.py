@@ -16,6 +16,10 @@ wider calls save both the per-call dispatch and a pass over the output (measured
 ``docs/benchmarks.md``). Checkpoints keep HF's separate names; models load them into plain
 ``nn.Linear`` modules and ``fuse`` replaces those with ``Projection``s afterwards.
 
+In bf16 on a CPU with AVX512_BF16, ``auto`` picks ``native``: the panel kernel of
+``panel_linear.py``, which streams a one-row product's weight at memory speed where oneDNN's
+reached two thirds of it, and matches oneDNN at prefill sizes.
+
 Packing keeps only the packed weight, so memory does not double. A head tied to the embedding
 is the exception: the embedding table must stay for the lookup, so the packed head is a second
 copy (``vocab x hidden``), stated in ``describe``.
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.core.config import LinearKernel
+from quanta.runner import panel_linear
 
 # Activations a product can apply as a oneDNN post-op, bit-identical to the eager op in fp32.
 _FUSABLE_ACTIVATIONS = ("none", "relu")
@@ -47,15 +52,22 @@ def onednn_supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def resolve_kernel(kernel: LinearKernel, dtype: torch.dtype, device: torch.device) -> str:
-    """``torch`` or ``onednn`` for this dtype and device; asking for oneDNN where it cannot
-    run is an error, not a silent fallback."""
+    """``torch``, ``onednn`` or ``native`` for this dtype and device; asking for a kernel
+    where it cannot run is an error, not a silent fallback."""
     supported = onednn_supports(dtype, device)
     if kernel == "onednn" and not supported:
         raise ValueError(
             f"linear_kernel=onednn needs a CPU whose oneDNN runs {dtype} "
             f"(this is {device.type}); use auto or torch"
         )
+    if kernel == "native" and not panel_linear.supports(dtype, device):
+        raise ValueError(
+            f"linear_kernel=native needs bf16 on a CPU with AVX512_BF16 and a C compiler "
+            f"(this is {dtype} on {device.type}); use auto, onednn or torch"
+        )
     if kernel == "auto":
+        if panel_linear.supports(dtype, device):
+            return "native"
         return "onednn" if supported else "torch"
     return kernel
 
@@ -124,14 +136,48 @@ class PackedLinear(Projection):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
 
 
+class PanelLinear(Projection):
+    """bf16 products through the panel kernel: the weight packed once, one copy."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        activation: str,
+        library: panel_linear.PanelLibrary,
+    ) -> None:
+        super().__init__()
+        if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != weight.dtype):
+            raise ValueError(f"the panel kernel runs bf16 weights, not {weight.dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.activation = activation
+        self._library = library
+        self.register_buffer("packed_weight", library.pack(weight))
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._library.product(x, self.packed_weight, self.bias, self.out_features)
+        return torch.relu_(y) if self.activation == "relu" else y
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # The product is rounded to bf16 before the add, as HF's bf16 linear + add round.
+        return self(x).add_(residual)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, native"
+
+
 class ProjectionFactory:
     """Builds the engine's projections for one kernel: ``make([q, k, v])`` is one product whose
     output columns are q's, then k's, then v's."""
 
     def __init__(self, kernel: str) -> None:
-        if kernel not in ("torch", "onednn"):
+        if kernel not in ("torch", "onednn", "native"):
             raise ValueError(f"unknown linear kernel {kernel!r}")
         self.kernel = kernel
+        self._library = panel_linear.load() if kernel == "native" else None
+        if kernel == "native" and self._library is None:
+            raise ValueError("linear_kernel=native: the panel kernel does not run here")
 
     def __call__(self, linears: Sequence[nn.Linear], activation: str = "none") -> Projection:
         if activation not in _FUSABLE_ACTIVATIONS:
@@ -147,6 +193,8 @@ class ProjectionFactory:
                     for lin, b in zip(linears, biases, strict=True)
                 ]
             )
+        if self._library is not None:
+            return PanelLinear(weight, bias, activation, self._library)
         cls = PackedLinear if self.kernel == "onednn" else TorchLinear
         return cls(weight, bias, activation)
 

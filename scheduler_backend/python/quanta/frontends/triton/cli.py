@@ -92,7 +92,7 @@ def serve(
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N")] = None,
     linear_kernel: Annotated[
         LinearKernelOpt | None,
-        typer.Option(help="projections: auto, onednn (prepacked, CPU) or torch"),
+        typer.Option(help="projections: auto, native (bf16 panel kernel), onednn or torch"),
     ] = None,
     attention_kernel: Annotated[
         AttentionKernelOpt | None,

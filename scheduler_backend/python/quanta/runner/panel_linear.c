@@ -1,0 +1,139 @@
+/* bf16 products y = x W^T (+ bias) that stream the weight at memory speed.
+ *
+ * At batch 1 a decode step is a chain of one-row products, each reading its whole weight to
+ * use every element once: the time is the weight's bytes over the memory bandwidth, plus what
+ * each call costs. oneDNN's blocked kernels, on one row, streamed 6.6-7.6 GB/s with ~17 us of
+ * fixed cost per call (docs/benchmarks.md); this kernel streams the same bytes at 10-13 GB/s.
+ *
+ * Layout. The weight is packed once, at load, into panels of PANEL output columns:
+ * [N / PANEL][K / 2][PANEL][2], pairs of input columns side by side, which is the operand
+ * AVX512_BF16's vdpbf16ps multiplies against a broadcast pair of x. A panel is one contiguous
+ * stream, each 64-byte load feeds rows of x without a horizontal sum, and a panel
+ * (PANEL x K x 2 bytes) stays in L2 while every row of x passes over it.
+ *
+ * Arithmetic: bf16 inputs, products and sums in fp32, the result rounded once to bf16
+ * (round-to-nearest-even), as oneDNN and HF's bf16 linear do; only the order of the fp32 sum
+ * differs. The bias joins the fp32 sum before that rounding, as torch's addmm adds it.
+ *
+ * Output panels are split across `threads` OpenMP threads (the caller passes torch's count:
+ * torch ships the libgomp this links against, and OpenMP's own count is per calling thread).
+ * Machines without AVX512_BF16 are not served here
+ * (quanta_panel_available says so and the caller keeps oneDNN).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 64
+#define ROWS 4
+/* How far ahead of its loads the panel is prefetched, in bytes (measured best of 1-8 KB). */
+#define PREFETCH 4096
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QUANTA_PANEL 1
+#else
+#define QUANTA_PANEL 0
+#endif
+
+int quanta_panel_available(void) { return QUANTA_PANEL; }
+
+/* Packed size in bf16 elements of an [n, k] weight. */
+int64_t quanta_panel_packed_size(int64_t n, int64_t k) {
+    return ((n + PANEL - 1) / PANEL) * PANEL * ((k + 1) / 2) * 2;
+}
+
+/* w [n, k] row-major -> packed (zeros where n or k is padded). */
+void quanta_panel_pack(uint16_t *packed, const uint16_t *w, int64_t n, int64_t k) {
+    int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kp = 0; kp < pairs; kp++)
+            for (int64_t i = 0; i < PANEL; i++)
+                for (int64_t c = 0; c < 2; c++) {
+                    int64_t row = p * PANEL + i, col = kp * 2 + c;
+                    packed[((p * pairs + kp) * PANEL + i) * 2 + c] =
+                        row < n && col < k ? w[row * k + col] : 0;
+                }
+}
+
+#if QUANTA_PANEL
+
+/* Pair kp of row r of x as a 32-bit word (zero-padded past an odd k). */
+static inline int32_t pair(const uint16_t *x, int64_t k, int64_t kp) {
+    uint32_t lo = x[2 * kp], hi = 2 * kp + 1 < k ? x[2 * kp + 1] : 0;
+    return (int32_t)(lo | (hi << 16));
+}
+
+/* R rows of x against one panel: y[r, n0 .. n0 + PANEL) for r < R. */
+static inline __attribute__((always_inline)) void panel_rows(
+    uint16_t *y, const uint16_t *x, const uint16_t *panel, const uint16_t *bias, int R,
+    int64_t n, int64_t k, int64_t n0) {
+    const int64_t pairs = (k + 1) / 2, even = k / 2;
+    __m512 acc[ROWS][PANEL / 16];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < PANEL / 16; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        const uint16_t *wp = panel + kp * PANEL * 2;
+        _mm_prefetch((const char *)wp + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + PREFETCH + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + PREFETCH + 192, _MM_HINT_T0);
+        __m512bh xv[ROWS];
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xr = x + r * k;
+            int32_t word;
+            if (kp < even)
+                memcpy(&word, xr + 2 * kp, sizeof word);
+            else
+                word = pair(xr, k, kp);
+            xv[r] = (__m512bh)_mm512_set1_epi32(word);
+        }
+        for (int v = 0; v < PANEL / 16; v++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wp + v * 32));
+            for (int r = 0; r < R; r++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv, xv[r]);
+        }
+    }
+    for (int v = 0; v < PANEL / 16; v++) {
+        int64_t col = n0 + v * 16;
+        if (col >= n) break;
+        int64_t left = n - col;
+        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, bias + col))
+                        : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b));
+            _mm256_mask_storeu_epi16(y + r * n + col, m, (__m256i)out);
+        }
+    }
+}
+
+/* Every row of x against one panel, ROWS rows at a time (the panel stays in L2). */
+static void panel_all(uint16_t *y, const uint16_t *x, const uint16_t *panel,
+                      const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t n0) {
+    int64_t r = 0;
+    for (; r + ROWS <= rows; r += ROWS) panel_rows(y + r * n, x + r * k, panel, bias, ROWS, n, k, n0);
+    switch (rows - r) {
+    case 3: panel_rows(y + r * n, x + r * k, panel, bias, 3, n, k, n0); break;
+    case 2: panel_rows(y + r * n, x + r * k, panel, bias, 2, n, k, n0); break;
+    case 1: panel_rows(y + r * n, x + r * k, panel, bias, 1, n, k, n0); break;
+    default: break;
+    }
+}
+
+/* y [rows, n] = x [rows, k] W^T (+ bias [n]); W packed by quanta_panel_pack; bf16,
+ * contiguous rows. */
+void quanta_panel_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                      const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, stride = ((k + 1) / 2) * PANEL * 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t p = 0; p < panels; p++)
+        panel_all(y, x, packed + p * stride, bias, rows, n, k, p * PANEL);
+}
+
+#else
+
+void quanta_panel_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                      const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int threads) {
+    (void)y, (void)x, (void)packed, (void)bias, (void)rows, (void)n, (void)k, (void)threads;
+}
+
+#endif

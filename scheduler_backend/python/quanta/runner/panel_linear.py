@@ -1,0 +1,99 @@
+"""bf16 projections through the panel kernel (``panel_linear.c``): one copy of the weight,
+packed at load, streamed at memory speed at batch 1 and as fast as oneDNN at prefill sizes.
+
+At batch 1 each decode step reads every weight once, so a step's products take the weights'
+bytes over the memory bandwidth plus a fixed cost per call. oneDNN's prepacked bf16 products
+streamed 6.6-7.6 GB/s on one row with ~17 us per call; the panel kernel reads a layout made
+for AVX512_BF16's pair dot product (``[N/64][K/2][64][2]``: one contiguous stream per 64
+output columns, no horizontal sums) and measured on SmolLM2-135M's 121 products, one
+thread (docs/benchmarks.md): 1.5x oneDNN at 1 row, 1.25x at 8, 1.1x at 32, level at 96-256.
+
+It runs where the CPU has AVX512_BF16 and a C compiler is found (built at load and cached,
+like the decode-attention kernel); ``auto`` picks it for bf16 there and keeps oneDNN
+elsewhere. fp32 stays on oneDNN: its products already stream near the bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from quanta.runner import native_decode
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("panel_linear.c")
+# -fopenmp: output panels are split over torch's own OpenMP runtime (torch ships libgomp).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+class PanelLibrary:
+    """The kernel's three entry points: packed size, pack, product."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._size = library.quanta_panel_packed_size
+        self._size.argtypes, self._size.restype = [i64, i64], i64
+        self._pack = library.quanta_panel_pack
+        self._pack.argtypes, self._pack.restype = [p, p, i64, i64], None
+        self._product = library.quanta_panel_bf16
+        self._product.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+        self._product.restype = None
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[N, K]`` bf16 in the kernel's panel layout (a flat bf16 tensor)."""
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        packed = torch.empty(self._size(n, k), dtype=torch.bfloat16)
+        self._pack(packed.data_ptr(), weight.data_ptr(), n, k)
+        return packed
+
+    def product(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """``x [rows, K] W^T (+ bias)`` in bf16, on torch's thread count."""
+        x = x.contiguous()
+        rows, k = x.shape
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        if rows:
+            self._product(
+                y.data_ptr(),
+                x.data_ptr(),
+                packed.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                rows,
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+        return y
+
+
+@cache
+def load() -> PanelLibrary | None:
+    """The kernel, built here first if this machine has none yet; None where this CPU has no
+    AVX512_BF16 or no compiler is found (then oneDNN serves bf16, never broken). Cached: one
+    build and one handle per process, as the library is the same for every projection."""
+    cc = native_decode.compiler()
+    if cc is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(native_decode.build(SOURCE, FLAGS, cc)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building the panel linear kernel failed: %s", detail)
+        return None
+    if not library.quanta_panel_available():
+        log.info("panel linear kernel: this CPU has no AVX512_BF16; bf16 products use oneDNN")
+        return None
+    return PanelLibrary(library)
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the panel kernel runs ``dtype`` on ``device`` here."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and load() is not None
