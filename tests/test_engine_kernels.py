@@ -14,6 +14,7 @@ from quanta.runner import ModelRunner, decode_kernel, model_runner, native_decod
 from quanta.runner import cpu as cpu_module
 from quanta.runner.attention import DecodeBatch
 from quanta.runner.decode_kernel import row_by_row_decode, varlen_decode
+from quanta.runner.layer_ops import NativeLayerOps, TorchLayerOps, layer_ops
 from quanta.runner.linear import PackedLinear, PanelLinear, onednn_supports, resolve_kernel
 from runner_helpers import build_hf_checkpoint
 from torch import nn
@@ -292,3 +293,43 @@ def test_native_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(native_decode, "cpu_flags", lambda: frozenset({"another-cpu"}))
     assert native_decode.load() is not None
     assert len(list(tmp_path.glob("paged_decode-*.so"))) == 2
+
+
+# --- the layer's small operations: the C kernels against torch's operators ------------------
+
+
+needs_native_ops = pytest.mark.skipif(
+    not isinstance(layer_ops(CPU), NativeLayerOps), reason="no C compiler: torch ops only"
+)
+
+
+@needs_native_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_native_layer_ops_round_as_torch_does(dtype, rows):
+    """bf16: bit-identical to torch's operators (the kernels round where they round); fp32:
+    within the last bits (sums and exp computed in another order or by another library).
+    Widths that are no multiple of a vector (1537) and non-finite values included."""
+    native, torch_ops = layer_ops(CPU), TorchLayerOps()
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1537, generator=gen) * 6).to(dtype)
+    gate_up[0, 5], gate_up[0, 1537 + 7], gate_up[0, 9] = float("nan"), float("inf"), -1e30
+    if native.name == "native" and getattr(native, "_silu_mul", None) is not None:
+        got, want = native.silu_mul(gate_up), torch_ops.silu_mul(gate_up)
+        assert torch.equal(got.isnan(), want.isnan())
+        got, want = got.nan_to_num(), want.nan_to_num()
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    x = (torch.randn(rows, 577, generator=gen) * 50).to(dtype)
+    residual = torch.randn(rows, 577, generator=gen).to(dtype)
+    weight = torch.randn(577, generator=gen).to(dtype)
+    r1, r2 = residual.clone(), residual.clone()
+    got, want = native.rms_norm(x, r1, weight, 1e-5), torch_ops.rms_norm(x, r2, weight, 1e-5)
+    assert torch.equal(r1, r2)  # the residual stream, written back by both
+    if dtype == torch.bfloat16:
+        # the normalising sum is added up in another order: at most one bf16 step apart
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -6,12 +6,12 @@ the weight products, most of it dispatching small operators: RMSNorm alone is ei
 operators on a 576-wide row, rotary embedding fourteen, and each costs microseconds of dispatch
 whatever its size (profile in ``docs/benchmarks.md``).
 
-``NativeLayerOps`` runs the residual add + RMSNorm and the rotary embedding each as one call
-into a C kernel (``layer_ops.c``, built at load like the decode-attention kernel): 6-9 us
-against 24-35 us for the torch operators on one row. SiLU * up stays four torch operators in
-both: torch's vectorised ``exp`` is as fast as a scalar C loop at 1536 columns, and it is HF's
-own. ``TorchLayerOps`` is the same arithmetic in torch operators, for devices and machines
-without the kernel.
+``NativeLayerOps`` runs the residual add + RMSNorm, the rotary embedding and SiLU * up each
+as one call into a C kernel (``layer_ops.c``, built at load like the decode-attention
+kernel): 6-9 us against 24-35 us for the torch operators on one row. SiLU's ``exp`` is
+glibc's vector one (libmvec): a scalar ``expf`` loop was slower than torch's four operators,
+so where libmvec is missing SiLU * up stays torch's. ``TorchLayerOps`` is the same arithmetic
+in torch operators, for devices and machines without the kernel.
 
 Both round where HF transformers' eager model rounds: in bf16 the residual add, the normalised
 row before the weight, each product and sum of the rotation are rounded, as torch
@@ -90,6 +90,11 @@ class NativeLayerOps(TorchLayerOps):
         self._rope = library.quanta_rope
         self._rope.argtypes = [p, p, p, i64, i64, i64, i64, ctypes.c_int]
         self._rope.restype = None
+        self._silu_mul = None
+        if library.quanta_silu_mul_available():
+            self._silu_mul = library.quanta_silu_mul
+            self._silu_mul.argtypes = [p, p, i64, i64, ctypes.c_int]
+            self._silu_mul.restype = None
 
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -133,6 +138,21 @@ class NativeLayerOps(TorchLayerOps):
             qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, qk.stride(0), code
         )
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        code = _DTYPE_CODES.get(gate_up.dtype)
+        if (
+            self._silu_mul is None
+            or code is None
+            or gate_up.device.type != "cpu"
+            or gate_up.dim() != 2
+            or not gate_up.is_contiguous()
+        ):
+            return super().silu_mul(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, code)
+        return out
+
 
 def layer_ops(device: torch.device) -> TorchLayerOps:
     """``NativeLayerOps`` on CPU where the C kernel builds, else ``TorchLayerOps`` (with a
@@ -141,7 +161,11 @@ def layer_ops(device: torch.device) -> TorchLayerOps:
     if device.type != "cpu" or cc is None:
         return TorchLayerOps()
     try:
-        return NativeLayerOps(ctypes.CDLL(str(native_decode.build(SOURCE, FLAGS, cc))))
+        try:
+            path = native_decode.build(SOURCE, FLAGS, cc, libs=("-lmvec",))
+        except subprocess.CalledProcessError:  # no libmvec (not glibc): SiLU stays torch's
+            path = native_decode.build(SOURCE, (*FLAGS, "-DQUANTA_NO_LIBMVEC"), cc)
+        return NativeLayerOps(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("building the native layer ops failed: %s", getattr(exc, "stderr", "") or exc)
         return TorchLayerOps()

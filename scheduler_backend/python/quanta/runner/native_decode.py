@@ -133,13 +133,19 @@ def _build(cc: str) -> Path:
     return build(SOURCE, FLAGS, cc)
 
 
-def build(source_path: Path, flags: tuple[str, ...], cc: str) -> Path:
-    """The shared object of ``source_path`` built with ``flags`` (cached, see the module
-    docstring); raises ``OSError`` or ``subprocess.SubprocessError`` when it cannot be built."""
+def build(source_path: Path, flags: tuple[str, ...], cc: str, libs: tuple[str, ...] = ()) -> Path:
+    """The shared object of ``source_path`` built with ``flags`` and linked with ``libs``
+    (cached, see the module docstring); raises ``OSError`` or ``subprocess.SubprocessError``
+    when it cannot be built."""
     source = source_path.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
-            [source, " ".join(flags).encode(), cc.encode(), " ".join(sorted(cpu_flags())).encode()]
+            [
+                source,
+                " ".join((*flags, *libs)).encode(),
+                cc.encode(),
+                " ".join(sorted(cpu_flags())).encode(),
+            ]
         )
     ).hexdigest()[:16]
     cache = Path(os.environ.get(KERNEL_CACHE_ENV) or Path.home() / ".cache" / "quanta" / "kernels")
@@ -151,7 +157,7 @@ def build(source_path: Path, flags: tuple[str, ...], cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [cc, *flags, "-o", str(built), str(source_path), "-lm"],
+            [cc, *flags, "-o", str(built), str(source_path), *libs, "-lm"],
             check=True,
             capture_output=True,
             text=True,
