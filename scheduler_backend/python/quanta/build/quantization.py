@@ -1,0 +1,127 @@
+"""Which tensors ``quanta build --quantization`` quantizes, and how they are written.
+
+Every linear layer's weight is quantized (``quanta.runner.quantized.quantize``) and stored as
+``X.qweight``, ``X.scales`` and (int4 asymmetric) ``X.zeros`` in place of ``X.weight``; the
+embedding and norms stay in the serving dtype, and the LM head is quantized only when asked
+(its logits decide every token, and a tied head shares the embedding's table, which would
+then be stored twice: once as the float lookup table, once quantized). A tied head that is
+quantized is written under ``lm_head`` from the embedding's tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from quanta.build.manifest import Quantization
+from quanta.runner.quantized import QuantizedWeight, quantize
+
+QuantMode = Literal["int8", "int4", "keep"]
+# TensorRT-LLM's spelling (--use_weight_only --weight_only_precision int8|int4).
+TRTLLM_ALIASES = {"int8": "int8", "int4": "int4", "int4_awq": "int4"}
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """The quantization asked of one build: ``mode`` int8 or int4, ``linears`` the weight
+    names to quantize (``X.weight``), ``tied_head`` whether the head is written from the
+    embedding's tensor."""
+
+    mode: str
+    group_size: int
+    symmetric: bool
+    lm_head: bool
+    linears: frozenset[str]
+    tied_head: bool
+    # Linears left in the serving dtype: int4 groups must divide their input width.
+    not_quantized: tuple[str, ...] = ()
+
+    def manifest(
+        self, kept: dict[str, int] | None = None, dequantized: dict[str, int] | None = None
+    ) -> Quantization:
+        return Quantization(
+            mode=self.mode,  # type: ignore[arg-type]
+            group_size=None if self.mode == "int8" else self.group_size,
+            symmetric=self.symmetric or self.mode == "int8",
+            lm_head=self.lm_head,
+            kept=kept or {},
+            dequantized=dequantized or {},
+            not_quantized=list(self.not_quantized),
+        )
+
+    def tensors(
+        self, name: str, tensor: torch.Tensor, dtype: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What to write for the checkpoint tensor ``name``: quantized parts for a linear's
+        weight, the tensor in ``dtype`` otherwise (and a tied head's parts beside the
+        embedding)."""
+        if name in self.linears:
+            yield from _parts(name, self._quantize(tensor))
+            return
+        yield name, tensor.to(dtype=dtype).contiguous()
+        if self.tied_head and name.endswith("embed_tokens.weight"):
+            yield from _parts("lm_head.weight", self._quantize(tensor))
+
+    def _quantize(self, tensor: torch.Tensor) -> QuantizedWeight:
+        return quantize(tensor, self.mode, self.group_size, self.symmetric)
+
+
+def _parts(name: str, weight: QuantizedWeight) -> Iterator[tuple[str, torch.Tensor]]:
+    base = name.removesuffix(".weight")
+    for part, t in weight.tensors().items():
+        yield f"{base}.{part}", t.contiguous()
+
+
+def plan_quantization(
+    skeleton: nn.Module,
+    mode: str,
+    group_size: int,
+    symmetric: bool,
+    lm_head: bool,
+    tied: bool,
+    already: frozenset[str] = frozenset(),
+) -> QuantPlan:
+    """The linears of ``skeleton`` to quantize (the head only with ``lm_head``), less those
+    ``already`` stored quantized (a GGUF's kept tensors)."""
+    names: set[str] = set()
+    skipped: list[str] = []
+    for module_name, module in skeleton.named_modules():
+        if not isinstance(module, nn.Linear) or (module_name == "lm_head" and not lm_head):
+            continue
+        if mode == "int4" and module.in_features % group_size:
+            skipped.append(f"{module_name}.weight")
+        else:
+            names.add(f"{module_name}.weight")
+    tied_head = lm_head and tied and "lm_head.weight" not in already
+    if tied:  # no head tensor of its own: written from the embedding's (``tied_head``)
+        names.discard("lm_head.weight")
+    return QuantPlan(
+        mode=mode,
+        group_size=group_size,
+        symmetric=symmetric,
+        lm_head=lm_head,
+        linears=frozenset(names - already),
+        tied_head=tied_head and "lm_head.weight" not in skipped,
+        not_quantized=tuple(sorted(set(skipped) - already)),
+    )
+
+
+def quantized_weight_bytes(skeleton: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> int:
+    """Bytes the weights take in memory when served: quantized linears at their codes plus
+    scales (and zeros, in ``dtype`` as the kernels hold them), the rest in ``dtype``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, param in skeleton.named_parameters():
+        n = param.numel()
+        if name in plan.linears:
+            groups = 1 if plan.mode == "int8" else param.shape[1] // plan.group_size
+            code_bytes = n if plan.mode == "int8" else n // 2
+            extra = 1 if plan.mode == "int8" or plan.symmetric else 2
+            total += code_bytes + param.shape[0] * groups * extra * itemsize
+        else:
+            total += n * itemsize
+    return total
