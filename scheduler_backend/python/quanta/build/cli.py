@@ -212,7 +212,7 @@ def fetch_model(
     typer.echo(str(engine_from_gguf(gguf, dtype)))
 
 
-def engine_from_gguf(gguf: Path, dtype: str | None) -> Path:
+def engine_from_gguf(gguf: Path, dtype: str | None, quantization: str | None = None) -> Path:
     """The cached engine of ``gguf``, built with progress bars on stderr when missing."""
     from rich.console import Console
     from rich.progress import Progress
@@ -227,7 +227,7 @@ def engine_from_gguf(gguf: Path, dtype: str | None) -> Path:
             return lambda amount: bars.advance(task, amount)
 
         try:
-            return engine_for_gguf(gguf, dtype=dtype, progress=progress)
+            return engine_for_gguf(gguf, dtype=dtype, quantization=quantization, progress=progress)
         except (BuildError, ValueError) as exc:
             bars.stop()
             typer.echo(f"error: {exc}", err=True)

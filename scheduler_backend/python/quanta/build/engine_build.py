@@ -138,7 +138,7 @@ def _build_from_gguf(
 def _gguf_keep(options: BuildOptions) -> frozenset[str]:
     """The GGUF tensor types kept quantized for ``--quantization``: none without it, the
     ones of the asked width for int8/int4, all that can be kept for keep."""
-    from quanta.build.gguf_import import KEEPABLE
+    from quanta.build.gguf_kept import KEEPABLE
 
     if options.quantization is None:
         return frozenset()
