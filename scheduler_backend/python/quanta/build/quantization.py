@@ -10,15 +10,18 @@ quantized is written under ``lm_head`` from the embedding's tensor.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
 
-from quanta.build.manifest import Quantization
-from quanta.runner.quantized import QuantizedWeight, quantize
+from quanta.build.manifest import MANIFEST_FILE, Quantization
+from quanta.runner.quantized import QUANT_SUFFIXES, QuantizedWeight, quantize
 
 QuantMode = Literal["int8", "int4", "keep"]
 # TensorRT-LLM's spelling (--use_weight_only --weight_only_precision int8|int4).
@@ -125,3 +128,38 @@ def quantized_weight_bytes(skeleton: nn.Module, plan: QuantPlan, dtype: torch.dt
         else:
             total += n * itemsize
     return total
+
+
+def write_dequantized(engine: Path, out: Path) -> Path:
+    """A float32 checkpoint of ``engine`` holding its quantized values dequantized: the
+    reference the parity tests and ``quanta bench quality`` compare a quantized engine with
+    (same values, float kernels). A quantized tied head becomes an untied head of its own."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from quanta.runner.models.loader import checkpoint_files
+
+    engine, out = Path(engine), Path(out)
+    out.mkdir(parents=True, exist_ok=False)
+    floats: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for path in checkpoint_files(engine):
+        with safe_open(str(path), framework="pt", device="cpu") as reader:
+            for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                base, _, part = key.rpartition(".")
+                if "." + part in QUANT_SUFFIXES:
+                    parts.setdefault(base, {})[part] = reader.get_tensor(key)
+                else:
+                    floats[key] = reader.get_tensor(key).float()
+    for base, tensors in parts.items():
+        floats[f"{base}.weight"] = QuantizedWeight.from_tensors(tensors).dequantize()
+    save_file(floats, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for side in engine.iterdir():
+        if side.is_file() and side.suffix == ".json" and side.name != MANIFEST_FILE:
+            shutil.copy2(side, out / side.name)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config["torch_dtype"] = "float32"
+    if "lm_head.weight" in floats:
+        config["tie_word_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out

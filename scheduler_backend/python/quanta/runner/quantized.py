@@ -181,7 +181,10 @@ class QuantizedLinear(Projection):
         self.kernel = _pick_kernel(weight, dtype)
         self.weight: QuantizedWeight | None = None
         if self.kernel == "int8pack":
-            self.register_buffer("qweight", weight.qweight.contiguous())
+            # NOTE: a fresh (64-byte aligned) copy: torch 2.13's int8pack kernel crashes
+            # (SIGSEGV) at 2+ rows on a weight whose data is not aligned, as a tensor read from
+            # a safetensors file can be (tests/test_quantized.py holds the case).
+            self.register_buffer("qweight", torch.empty_like(weight.qweight).copy_(weight.qweight))
             self.register_buffer("scales", weight.scales.view(-1).to(dtype))
         elif self.kernel == "int4pack":
             self.register_buffer(
