@@ -179,7 +179,6 @@ class QuantizedLinear(Projection):
         self.mode, self.group_size = weight.mode, weight.group_size
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.kernel = _pick_kernel(weight, dtype)
-        self.weight: QuantizedWeight | None = None
         if self.kernel == "int8pack":
             # NOTE: a fresh (64-byte aligned) copy: torch 2.13's int8pack kernel crashes
             # (SIGSEGV) at 2+ rows on a weight whose data is not aligned, as a tensor read from
@@ -196,15 +195,19 @@ class QuantizedLinear(Projection):
             packed = torch.stack((weight.scales, zeros), dim=-1).transpose(0, 1).contiguous()
             self.register_buffer("scales_and_zeros", packed.to(dtype))
         else:
-            self.weight = weight
+            self.register_buffer("qweight", weight.qweight)
+            self.register_buffer("scales", weight.scales)
+            self.register_buffer("zeros", weight.zeros)
         self.dtype = dtype
 
     @property
     def nbytes(self) -> int:
         """Bytes the weight holds in memory (quantized codes, scales and zeros)."""
-        if self.weight is not None:
-            return self.weight.nbytes
-        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n != "bias")
+        return sum(
+            b.numel() * b.element_size()
+            for n, b in self.named_buffers()
+            if n != "bias" and b is not None
+        )
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -218,8 +221,8 @@ class QuantizedLinear(Projection):
                 x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
             )
         else:
-            assert self.weight is not None
-            return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+            weight = QuantizedWeight(self.mode, self.qweight, self.scales, self.zeros)
+            return F.linear(x, weight.dequantize(x.dtype), self.bias)
         return y if self.bias is None else y.add_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,6 +269,19 @@ def make_quantized(
             ]
         )
     return QuantizedLinear(weight, bias, activation, dtype)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold in memory: parameters and buffers (packed and quantized
+    weights, scales), each storage once (a tied head counts once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is None or t.device.type == "meta" or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
 
 
 def quantized_kernels(model: nn.Module) -> list[str]:
