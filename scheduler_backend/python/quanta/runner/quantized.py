@@ -274,12 +274,14 @@ def make_quantized(
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights hold in memory: parameters and buffers (packed and quantized
     weights, scales), each storage once (a tied head counts once)."""
+    # By tensor identity: oneDNN's packed weights are opaque (no data pointer), and a tied
+    # parameter is listed once by ``parameters()`` already.
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t is None or t.device.type == "meta" or t.data_ptr() in seen:
+        if t is None or t.device.type == "meta" or id(t) in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
 
