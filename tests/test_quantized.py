@@ -231,3 +231,29 @@ def test_bf16_kernels_stay_within_bf16_rounding_of_the_reference(
     rounding = float((_logprobs(reference, "bfloat16") - want).abs().max())
     error = float((_logprobs(engine, "bfloat16") - want).abs().max())
     assert error <= 2 * rounding + 1e-3, (error, rounding)
+
+
+@pytest.mark.engine
+def test_a_tied_head_is_quantized_from_the_embedding_in_a_group_that_divides(tmp_path):
+    """SmolLM2-like widths: 128 does not divide 576, so 64 is taken and recorded; the tied
+    head is written under its own name and the engine answers as its dequantized twin."""
+    from safetensors.torch import save_file
+
+    ck = make_checkpoint("llama-tiny", tmp_path / "ck", seed=2)
+    config = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    weights = load_file(str(ck / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    m = build_engine_dir(
+        ck,
+        tmp_path / "e",
+        _options(dtype="float32", quantization="int4", group_size=128, quantize_lm_head=True),
+    )
+    q = m.quantization
+    assert q is not None and q.lm_head and q.group_size is None  # 64-wide inputs: group 64
+    assert set(q.smaller_groups.values()) == {64}
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert "lm_head.qweight" in stored and "model.embed_tokens.weight" in stored
+    reference = write_dequantized(tmp_path / "e", tmp_path / "reference")
+    assert _answers(tmp_path / "e", "float32") == _answers(reference, "float32")

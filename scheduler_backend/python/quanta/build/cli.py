@@ -139,13 +139,18 @@ def build(
     )
     q = manifest.quantization
     if q is not None:
-        group = "per channel" if q.group_size is None else f"group {q.group_size}"
+        group = f"group {q.group_size}" if q.group_size else "mixed groups"
+        if q.mode == "int8" and not q.kept:
+            group = "per channel"
         typer.echo(
             f"quantization: {q.mode}, {group}, {'symmetric' if q.symmetric else 'asymmetric'}"
             f"{', LM head too' if q.lm_head else ''}"
         )
         if q.kept:
             typer.echo(f"kept quantized from the GGUF: {_counts(q.kept)}")
+        if q.smaller_groups:
+            groups = sorted(set(q.smaller_groups.values()))
+            typer.echo(f"{len(q.smaller_groups)} linear(s) in smaller groups {groups}")
         if q.not_quantized:
             typer.echo(f"left in {manifest.dtype} (group does not divide): {q.not_quantized}")
         if q.dequantized:

@@ -333,7 +333,8 @@ def _quant_manifest(
     kept_types = kept.kept if kept else {}
     dequantized = kept.dequantized if kept else {}
     if quant.mode != "keep":
-        return quant.manifest(kept_types, dequantized)
+        groups = tuple(kept.groups) if kept else ()
+        return quant.manifest(kept_types, dequantized, groups, kept.symmetric if kept else True)
     assert kept is not None, "keep needs a GGUF's kept tensors"
     modes, groups = set(kept.modes), set(kept.groups)
     return Quantization(

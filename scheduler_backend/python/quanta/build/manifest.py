@@ -110,6 +110,8 @@ class Quantization(_Frozen):
     dequantized: dict[str, int] = Field(default_factory=dict)
     # Linears left in the serving dtype (int4 groups must divide their input width).
     not_quantized: list[str] = Field(default_factory=list)
+    # Linears in smaller int4 groups than group_size (the largest that divides their width).
+    smaller_groups: dict[str, int] = Field(default_factory=dict)
 
 
 class EngineManifest(_Frozen):

@@ -42,18 +42,30 @@ class QuantPlan:
     tied_head: bool
     # Linears left in the serving dtype: int4 groups must divide their input width.
     not_quantized: tuple[str, ...] = ()
+    # Linears in smaller int4 groups than asked, the largest of 64 and 32 that divides.
+    smaller_groups: tuple[tuple[str, int], ...] = ()
 
     def manifest(
-        self, kept: dict[str, int] | None = None, dequantized: dict[str, int] | None = None
+        self,
+        kept: dict[str, int] | None = None,
+        dequantized: dict[str, int] | None = None,
+        kept_groups: tuple[int, ...] = (),
+        kept_symmetric: bool = True,
     ) -> Quantization:
+        """The manifest's record; ``group_size`` is None unless every quantized linear (a
+        GGUF's kept ones included) shares one."""
+        groups = set(kept_groups) | {g for _, g in self.smaller_groups}
+        if len(self.linears) > len(self.smaller_groups) or self.tied_head:
+            groups.add(self.group_size)
         return Quantization(
             mode=self.mode,  # type: ignore[arg-type]
-            group_size=None if self.mode == "int8" else self.group_size,
-            symmetric=self.symmetric or self.mode == "int8",
+            group_size=groups.pop() if self.mode == "int4" and len(groups) == 1 else None,
+            symmetric=(self.symmetric or self.mode == "int8") and kept_symmetric,
             lm_head=self.lm_head,
             kept=kept or {},
             dequantized=dequantized or {},
             not_quantized=list(self.not_quantized),
+            smaller_groups=dict(self.smaller_groups),
         )
 
     def tensors(
@@ -63,14 +75,15 @@ class QuantPlan:
         weight, the tensor in ``dtype`` otherwise (and a tied head's parts beside the
         embedding)."""
         if name in self.linears:
-            yield from _parts(name, self._quantize(tensor))
+            yield from _parts(name, self._quantize(tensor, name))
             return
         yield name, tensor.to(dtype=dtype).contiguous()
         if self.tied_head and name.endswith("embed_tokens.weight"):
-            yield from _parts("lm_head.weight", self._quantize(tensor))
+            yield from _parts("lm_head.weight", self._quantize(tensor, "lm_head.weight"))
 
-    def _quantize(self, tensor: torch.Tensor) -> QuantizedWeight:
-        return quantize(tensor, self.mode, self.group_size, self.symmetric)
+    def _quantize(self, tensor: torch.Tensor, name: str) -> QuantizedWeight:
+        group = dict(self.smaller_groups).get(name, self.group_size)
+        return quantize(tensor, self.mode, group, self.symmetric)
 
 
 def _parts(name: str, weight: QuantizedWeight) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,13 +105,18 @@ def plan_quantization(
     ``already`` stored quantized (a GGUF's kept tensors)."""
     names: set[str] = set()
     skipped: list[str] = []
+    smaller: list[tuple[str, int]] = []
     for module_name, module in skeleton.named_modules():
         if not isinstance(module, nn.Linear) or (module_name == "lm_head" and not lm_head):
             continue
-        if mode == "int4" and module.in_features % group_size:
-            skipped.append(f"{module_name}.weight")
-        else:
-            names.add(f"{module_name}.weight")
+        name = f"{module_name}.weight"
+        group = _group_for(module.in_features, group_size) if mode == "int4" else group_size
+        if group is None:
+            skipped.append(name)
+            continue
+        names.add(name)
+        if group != group_size:
+            smaller.append((name, group))
     tied_head = lm_head and tied and "lm_head.weight" not in already
     if tied:  # no head tensor of its own: written from the embedding's (``tied_head``)
         names.discard("lm_head.weight")
@@ -110,7 +128,17 @@ def plan_quantization(
         linears=frozenset(names - already),
         tied_head=tied_head and "lm_head.weight" not in skipped,
         not_quantized=tuple(sorted(set(skipped) - already)),
+        smaller_groups=tuple(sorted((n, g) for n, g in smaller if n not in already)),
     )
+
+
+def _group_for(in_features: int, asked: int) -> int | None:
+    """The asked int4 group size if it divides ``in_features``, else the largest smaller
+    one that does (SmolLM2's 576-wide inputs take 64 when 128 is asked), else None."""
+    for group in (asked, 64, 32):
+        if group <= asked and in_features % group == 0:
+            return group
+    return None
 
 
 def quantized_weight_bytes(skeleton: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> int:
@@ -121,7 +149,8 @@ def quantized_weight_bytes(skeleton: nn.Module, plan: QuantPlan, dtype: torch.dt
     for name, param in skeleton.named_parameters():
         n = param.numel()
         if name in plan.linears:
-            groups = 1 if plan.mode == "int8" else param.shape[1] // plan.group_size
+            group = dict(plan.smaller_groups).get(name, plan.group_size)
+            groups = 1 if plan.mode == "int8" else param.shape[1] // group
             code_bytes = n if plan.mode == "int8" else n // 2
             extra = 1 if plan.mode == "int8" or plan.symmetric else 2
             total += code_bytes + param.shape[0] * groups * extra * itemsize
