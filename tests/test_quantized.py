@@ -257,3 +257,26 @@ def test_a_tied_head_is_quantized_from_the_embedding_in_a_group_that_divides(tmp
     assert "lm_head.qweight" in stored and "model.embed_tokens.weight" in stored
     reference = write_dequantized(tmp_path / "e", tmp_path / "reference")
     assert _answers(tmp_path / "e", "float32") == _answers(reference, "float32")
+
+
+def test_the_cli_takes_tensorrt_llms_weight_only_flags(checkpoint, tmp_path):
+    from quanta.cli import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    base = ["build", str(checkpoint), "--kv-cache-memory", "1MiB", "--host-cache-memory", "0"]
+    result = runner.invoke(
+        app,
+        [*base, "--out", str(tmp_path / "e"), "--use_weight_only", "--weight_only_precision",
+         "int4", "--group-size", "32"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "quantization: int4, group 32, asymmetric" in result.output
+    m = read_manifest(tmp_path / "e")
+    assert m is not None and m.quantization is not None and m.quantization.mode == "int4"
+    clash = runner.invoke(
+        app,
+        [*base, "--out", str(tmp_path / "f"), "--quantization", "int8", "--use-weight-only",
+         "--weight-only-precision", "int4"],
+    )  # fmt: skip
+    assert clash.exit_code != 0 and "contradicts" in clash.output
