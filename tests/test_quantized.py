@@ -280,3 +280,10 @@ def test_the_cli_takes_tensorrt_llms_weight_only_flags(checkpoint, tmp_path):
          "--weight-only-precision", "int4"],
     )  # fmt: skip
     assert clash.exit_code != 0 and "contradicts" in clash.output
+
+
+def test_a_triton_model_can_require_the_engines_quantization(tmp_path):
+    from quanta.frontends.triton.settings import parse_parameters
+
+    engine, _ = parse_parameters({"model_dir": "engines/x", "quantization": "int4"}, cwd=tmp_path)
+    assert engine.quantization == "int4"
