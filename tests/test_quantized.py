@@ -192,14 +192,17 @@ def _logprobs(engine: Path, dtype: str) -> torch.Tensor:
 
 @pytest.mark.engine
 @pytest.mark.parametrize(
-    ("source", "quantization"), [("hf", "int8"), ("hf", "int4"), ("gguf-Q4_1", "keep")]
+    ("source", "quantization"),
+    [("hf", "int8"), ("hf", "int4"), ("gguf-Q4_1", "keep"), ("opt", "int8"), ("opt", "int4")],
 )
 def test_quantized_engine_answers_as_its_dequantized_reference(
     checkpoint, tmp_path, source, quantization
 ):
     """fp32 (the dequantizing kernel): greedy answers equal those of a float engine holding
-    the same quantized values dequantized."""
+    the same quantized values dequantized (OPT: biases and the ReLU fused on the product)."""
     src: Path = checkpoint
+    if source == "opt":
+        src = make_checkpoint("opt-tiny", tmp_path / "opt", seed=3)
     if source.startswith("gguf"):
         src = tmp_path / "m.gguf"
         write_gguf(checkpoint, src, qtype=Q[source.removeprefix("gguf-")])
