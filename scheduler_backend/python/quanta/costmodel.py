@@ -330,8 +330,9 @@ PRESETS: dict[str, CostModel] = {
 
 
 # Bytes per parameter of weight-only quantized linears, scales included: int8 per output
-# channel (one scale per row, negligible), int4 in groups of 128 with a bf16 scale and zero.
-QUANTIZED_BYTES_PER_PARAM = {"int8": 1.0, "int4": 0.5 + 4 / 128}
+# channel (one scale per row, negligible), int4 in groups of 32 (``quanta build``'s default)
+# with a bf16 scale and zero.
+QUANTIZED_BYTES_PER_PARAM = {"int8": 1.0, "int4": 0.5 + 4 / 32}
 
 
 def available_profiles() -> list[str]:

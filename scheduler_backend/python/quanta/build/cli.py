@@ -64,9 +64,7 @@ def build(
             "tensors as they are (docs/quantization.md)"
         ),
     ] = None,
-    group_size: Annotated[
-        int, typer.Option(help="int4: input columns per scale (32/64/128)")
-    ] = 128,
+    group_size: Annotated[int, typer.Option(help="int4: input columns per scale (32/64/128)")] = 32,
     symmetric: Annotated[bool, typer.Option(help="int4 without zero points")] = False,
     quantize_lm_head: Annotated[bool, typer.Option(help="quantize the LM head too")] = False,
     use_weight_only: Annotated[
