@@ -290,3 +290,22 @@ def test_a_triton_model_can_require_the_engines_quantization(tmp_path):
 
     engine, _ = parse_parameters({"model_dir": "engines/x", "quantization": "int4"}, cwd=tmp_path)
     assert engine.quantization == "int4"
+
+
+def test_a_product_mixing_quantized_and_float_parts_runs_dequantized(caplog):
+    """A GGUF may store q as Q4_1 and v as Q8_0 or a K-quant (dequantized): the fused q/k/v
+    cannot be one quantized product, so its parts are dequantized and it runs in float."""
+    from quanta.runner.linear import ProjectionFactory, TorchLinear
+    from torch import nn
+
+    q = nn.Linear(64, 32, bias=False)
+    v = nn.Linear(64, 32, bias=False)
+    k = nn.Linear(64, 32, bias=False)
+    q.quantized = quantize(q.weight.detach(), "int4", 32, False)
+    k.quantized = quantize(k.weight.detach(), "int8", 0, True)
+    want = torch.cat([q.quantized.dequantize(), k.quantized.dequantize(), v.weight.detach()])
+    product = ProjectionFactory("torch")([q, k, v])
+    assert isinstance(product, TorchLinear)
+    assert "mixes" in caplog.text
+    x = torch.randn(3, 64)
+    assert torch.allclose(product(x), x @ want.T, atol=1e-5)

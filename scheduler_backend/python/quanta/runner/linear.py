@@ -139,7 +139,9 @@ class ProjectionFactory:
         if any(hasattr(lin, "quantized") for lin in linears):  # set by the loader
             from quanta.runner.quantized import make_quantized
 
-            return make_quantized(linears, activation, linears[0].weight.dtype)
+            product = make_quantized(linears, activation, linears[0].weight.dtype)
+            if product is not None:
+                return product
         weights = [lin.weight.detach() for lin in linears]
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         biases = [lin.bias for lin in linears]

@@ -29,6 +29,7 @@ Kernels are torch's, chosen per call by row count (``kernel_names`` says which c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.runner.linear import Projection
+
+log = logging.getLogger(__name__)
 
 # Rows above which an int8 product dequantizes to bf16 and runs the bf16 GEMM.
 DEQUANT_ROWS = 32
@@ -252,23 +255,40 @@ def _pick_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> str:
 
 def make_quantized(
     linears: Sequence[nn.Linear], activation: str, dtype: torch.dtype
-) -> QuantizedLinear:
+) -> QuantizedLinear | None:
     """The fused product of ``linears``, each carrying a ``quantized`` weight (the loader sets
-    it); a mix of quantized and float linears is refused, since one product runs one kernel."""
+    it). Parts that cannot run as one quantized product (a float part beside quantized ones,
+    or parts of different modes or group sizes, as a GGUF mixing Q4_0 with Q8_0 or a K-quant
+    gives) are dequantized into their ``weight`` instead, with a warning, and None is
+    returned: the caller builds the float product, so the model loads and runs at the float
+    size for that product."""
     parts = [getattr(lin, "quantized", None) for lin in linears]
-    if any(p is None for p in parts):
-        raise ValueError("cannot fuse quantized and float projections into one product")
-    weight = concat([p for p in parts if p is not None])
+    kinds = {(p.mode, p.group_size) if p is not None else None for p in parts}
+    if len(kinds) == 1 and None not in kinds:
+        weight = concat([p for p in parts if p is not None])
+        return QuantizedLinear(weight, _fused_bias(linears), activation, dtype)
+    log.warning(
+        "a fused product mixes %s: its quantized parts are dequantized to %s",
+        sorted(str(k) for k in kinds),
+        dtype,
+    )
+    for lin, part in zip(linears, parts, strict=True):
+        if part is not None:
+            lin.weight = nn.Parameter(part.dequantize(dtype), requires_grad=False)
+            del lin.quantized
+    return None
+
+
+def _fused_bias(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     biases = [lin.bias for lin in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [
-                b.detach() if b is not None else torch.zeros(lin.out_features)
-                for lin, b in zip(linears, biases, strict=True)
-            ]
-        )
-    return QuantizedLinear(weight, bias, activation, dtype)
+    if all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [
+            b.detach() if b is not None else torch.zeros(lin.out_features)
+            for lin, b in zip(linears, biases, strict=True)
+        ]
+    )
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
