@@ -309,3 +309,16 @@ def test_a_product_mixing_quantized_and_float_parts_runs_dequantized(caplog):
     assert "mixes" in caplog.text
     x = torch.randn(3, 64)
     assert torch.allclose(product(x), x @ want.T, atol=1e-5)
+
+
+def test_the_head_can_take_another_mode_than_the_layers(checkpoint, tmp_path):
+    m = build_engine_dir(
+        checkpoint,
+        tmp_path / "e",
+        _options(quantization="int4", quantize_lm_head=True, lm_head_quantization="int8"),
+    )
+    assert m.quantization is not None
+    assert (m.quantization.mode, m.quantization.lm_head_mode) == ("int4", "int8")
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert stored["lm_head.qweight"].dtype == torch.int8
+    assert stored["model.layers.0.mlp.gate_proj.qweight"].dtype == torch.uint8

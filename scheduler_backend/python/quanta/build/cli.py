@@ -67,6 +67,10 @@ def build(
     group_size: Annotated[int, typer.Option(help="int4: input columns per scale (32/64/128)")] = 32,
     symmetric: Annotated[bool, typer.Option(help="int4 without zero points")] = False,
     quantize_lm_head: Annotated[bool, typer.Option(help="quantize the LM head too")] = False,
+    lm_head_quantization: Annotated[
+        str | None,
+        typer.Option(help="the quantized head's mode, int8 or int4 (default: the layers')"),
+    ] = None,
     use_weight_only: Annotated[
         bool, typer.Option("--use-weight-only", "--use_weight_only", help="TensorRT-LLM's alias")
     ] = False,
@@ -100,7 +104,8 @@ def build(
             quantization=_quantization(quantization, use_weight_only, weight_only_precision),
             group_size=group_size,  # type: ignore[arg-type]
             symmetric=symmetric,
-            quantize_lm_head=quantize_lm_head,
+            quantize_lm_head=quantize_lm_head or lm_head_quantization is not None,
+            lm_head_quantization=lm_head_quantization,  # type: ignore[arg-type]
         )
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -142,7 +147,7 @@ def build(
             group = "per channel"
         typer.echo(
             f"quantization: {q.mode}, {group}, {'symmetric' if q.symmetric else 'asymmetric'}"
-            f"{', LM head too' if q.lm_head else ''}"
+            f"{f', LM head too ({q.lm_head_mode})' if q.lm_head else ''}"
         )
         if q.kept:
             typer.echo(f"kept quantized from the GGUF: {_counts(q.kept)}")

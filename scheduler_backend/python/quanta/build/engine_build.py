@@ -86,6 +86,9 @@ class BuildOptions(BaseModel):
     group_size: Literal[32, 64, 128] = 32
     symmetric: bool = False  # int4 without zero points (int8 is always symmetric)
     quantize_lm_head: bool = False
+    # The head's mode when it is quantized; None: the layers' (an int8 head beside int4 layers
+    # keeps most of the head's quality, docs/quantization.md).
+    lm_head_quantization: Literal["int8", "int4"] | None = None
 
 
 def build_engine_dir(
@@ -324,6 +327,7 @@ def _quant_plan(
         options.quantize_lm_head,
         tied=config.tie_word_embeddings,
         already=frozenset(plan.prequantized),
+        head_mode=options.lm_head_quantization,
     )
 
 

@@ -105,6 +105,7 @@ class Quantization(_Frozen):
     group_size: int | None = None
     symmetric: bool = True
     lm_head: bool = False
+    lm_head_mode: Literal["int8", "int4"] | None = None  # the head's, when quantized
     embedding: bool = False
     kept: dict[str, int] = Field(default_factory=dict)
     dequantized: dict[str, int] = Field(default_factory=dict)

@@ -44,6 +44,10 @@ class QuantPlan:
     not_quantized: tuple[str, ...] = ()
     # Linears in smaller int4 groups than asked, the largest of 64 and 32 that divides.
     smaller_groups: tuple[tuple[str, int], ...] = ()
+    head_mode: str | None = None  # the LM head's mode when not ``mode`` (an int8 head)
+
+    def mode_of(self, name: str) -> str:
+        return self.head_mode if name == "lm_head.weight" and self.head_mode else self.mode
 
     def manifest(
         self,
@@ -62,6 +66,7 @@ class QuantPlan:
             group_size=groups.pop() if self.mode == "int4" and len(groups) == 1 else None,
             symmetric=(self.symmetric or self.mode == "int8") and kept_symmetric,
             lm_head=self.lm_head,
+            lm_head_mode=self.mode_of("lm_head.weight") if self.lm_head else None,
             kept=kept or {},
             dequantized=dequantized or {},
             not_quantized=list(self.not_quantized),
@@ -83,7 +88,7 @@ class QuantPlan:
 
     def _quantize(self, tensor: torch.Tensor, name: str) -> QuantizedWeight:
         group = dict(self.smaller_groups).get(name, self.group_size)
-        return quantize(tensor, self.mode, group, self.symmetric)
+        return quantize(tensor, self.mode_of(name), group, self.symmetric)
 
 
 def _parts(name: str, weight: QuantizedWeight) -> Iterator[tuple[str, torch.Tensor]]:
@@ -100,6 +105,7 @@ def plan_quantization(
     lm_head: bool,
     tied: bool,
     already: frozenset[str] = frozenset(),
+    head_mode: str | None = None,
 ) -> QuantPlan:
     """The linears of ``skeleton`` to quantize (the head only with ``lm_head``), less those
     ``already`` stored quantized (a GGUF's kept tensors)."""
@@ -110,12 +116,13 @@ def plan_quantization(
         if not isinstance(module, nn.Linear) or (module_name == "lm_head" and not lm_head):
             continue
         name = f"{module_name}.weight"
-        group = _group_for(module.in_features, group_size) if mode == "int4" else group_size
+        own_mode = head_mode if module_name == "lm_head" and head_mode else mode
+        group = _group_for(module.in_features, group_size) if own_mode == "int4" else group_size
         if group is None:
             skipped.append(name)
             continue
         names.add(name)
-        if group != group_size:
+        if group != group_size and own_mode == "int4":
             smaller.append((name, group))
     tied_head = lm_head and tied and "lm_head.weight" not in already
     if tied:  # no head tensor of its own: written from the embedding's (``tied_head``)
@@ -129,6 +136,7 @@ def plan_quantization(
         tied_head=tied_head and "lm_head.weight" not in skipped,
         not_quantized=tuple(sorted(set(skipped) - already)),
         smaller_groups=tuple(sorted((n, g) for n, g in smaller if n not in already)),
+        head_mode=head_mode if lm_head else None,
     )
 
 
@@ -149,10 +157,11 @@ def quantized_weight_bytes(skeleton: nn.Module, plan: QuantPlan, dtype: torch.dt
     for name, param in skeleton.named_parameters():
         n = param.numel()
         if name in plan.linears:
+            mode = plan.mode_of(name)
             group = dict(plan.smaller_groups).get(name, plan.group_size)
-            groups = 1 if plan.mode == "int8" else param.shape[1] // group
-            code_bytes = n if plan.mode == "int8" else n // 2
-            extra = 1 if plan.mode == "int8" or plan.symmetric else 2
+            groups = 1 if mode == "int8" else param.shape[1] // group
+            code_bytes = n if mode == "int8" else n // 2
+            extra = 1 if mode == "int8" or plan.symmetric else 2
             total += code_bytes + param.shape[0] * groups * extra * itemsize
         else:
             total += n * itemsize
