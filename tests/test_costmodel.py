@@ -143,3 +143,19 @@ def test_cost_model_and_policies_stay_torch_free():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_quantized_preset_reads_fewer_weight_bytes_and_nothing_else_changes():
+    from quanta.costmodel import QUANTIZED_BYTES_PER_PARAM, get_profile, load_profile
+
+    base = get_profile("a100-opt13b")
+    int4 = get_profile("a100-opt13b@int4")
+    assert load_profile("a100-opt13b@int4") == int4
+    assert int4.weights_read_s == pytest.approx(
+        base.weights_read_s * QUANTIZED_BYTES_PER_PARAM["int4"] / 2
+    )
+    assert int4.compute_per_token_s == base.compute_per_token_s
+    assert int4.kv_bytes_per_token == base.kv_bytes_per_token  # the KV cache stays float
+    assert int4.step_time([(1, 512)]) < base.step_time([(1, 512)])
+    with pytest.raises(ValueError, match="NAME@int8"):
+        get_profile("a100-opt13b@int3")

@@ -113,6 +113,10 @@ def bench_engine(
         AttentionKernelOpt,
         typer.Option(help="decode attention: auto, native, compiled or eager"),
     ] = AttentionKernelOpt.auto,
+    quantization: Annotated[
+        str | None,
+        typer.Option(help="the engine's quantization (none, int8, int4): refused if it differs"),
+    ] = None,
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer."""
     from quanta.bench.engine import run_engine_bench
@@ -132,6 +136,7 @@ def bench_engine(
             dtype=dtype,
             linear_kernel=linear_kernel.value,
             attention_kernel=attention_kernel.value,
+            quantization=quantization,
         )
     except EngineManifestError as exc:  # the engine cannot run this benchmark as asked
         typer.echo(f"error: {exc}", err=True)

@@ -41,6 +41,9 @@ class CostModel(BaseModel):
     step_overhead_s: float = Field(ge=0, description="fixed cost of any iteration")
     per_seq_s: float = Field(ge=0, description="per sequence in the batch (sampling, metadata)")
     weights_read_s: float = Field(ge=0, description="streaming all weights once from HBM")
+    weight_bytes_per_param: float = Field(
+        2.0, gt=0, description="bytes per parameter weights_read_s streams (fp16: 2)"
+    )
     compute_per_token_s: float = Field(ge=0, description="dense FLOPs of one new token")
     attn_per_pair_s: float = Field(ge=0, description="prefill attention per (query, key) pair")
     kv_read_per_token_s: float = Field(ge=0, description="reading one context token's KV")
@@ -169,6 +172,20 @@ class CostModel(BaseModel):
         return self.step_time([(1, 0)])
 
     # -- memory --------------------------------------------------------------------------
+    def with_weight_bytes(self, bytes_per_param: float, label: str) -> CostModel:
+        """The same model and hardware serving weights of ``bytes_per_param`` (weight-only
+        quantization): the decode term's weight read scales with the bytes; the FLOPs, the
+        KV cache (kept in its float dtype) and the overheads do not."""
+        ratio = bytes_per_param / self.weight_bytes_per_param
+        return self.model_copy(
+            update={
+                "name": f"{self.name}@{label}",
+                "source": f"{self.source}; weights at {bytes_per_param:g} bytes/param ({label})",
+                "weights_read_s": self.weights_read_s * ratio,
+                "weight_bytes_per_param": bytes_per_param,
+            }
+        )
+
     def bytes_per_block(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
 
@@ -312,8 +329,25 @@ PRESETS: dict[str, CostModel] = {
 }
 
 
+# Bytes per parameter of weight-only quantized linears, scales included: int8 per output
+# channel (one scale per row, negligible), int4 in groups of 32 (``quanta build``'s default)
+# with a bf16 scale and zero.
+QUANTIZED_BYTES_PER_PARAM = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+
+
 def available_profiles() -> list[str]:
     return sorted(PRESETS)
+
+
+def _named(name: str) -> CostModel:
+    """A preset, or ``preset@int8`` / ``preset@int4``: its weights read at that width."""
+    base, _, quant = name.partition("@")
+    model = PRESETS[base]
+    if not quant:
+        return model
+    if quant not in QUANTIZED_BYTES_PER_PARAM:
+        raise KeyError(name)
+    return model.with_weight_bytes(QUANTIZED_BYTES_PER_PARAM[quant], quant)
 
 
 def get_profile(profile: str | CostModel | dict[str, object]) -> CostModel:
@@ -327,16 +361,24 @@ def get_profile(profile: str | CostModel | dict[str, object]) -> CostModel:
     if isinstance(profile, dict):
         return CostModel.model_validate(profile)
     try:
-        return PRESETS[profile]
+        return _named(profile)
     except KeyError:
         known = ", ".join(available_profiles())
-        raise ValueError(f"unknown cost profile {profile!r}; presets: {known}") from None
+        raise ValueError(
+            f"unknown cost profile {profile!r}; presets: {known} (each also as "
+            "NAME@int8 or NAME@int4)"
+        ) from None
 
 
 def load_profile(name_or_path: str | Path) -> CostModel:
     """A preset name, or a JSON file written by ``save_profile`` / ``quanta profile``."""
-    if isinstance(name_or_path, str) and name_or_path in PRESETS:
-        return PRESETS[name_or_path]
+    if isinstance(name_or_path, str) and name_or_path.partition("@")[0] in PRESETS:
+        try:
+            return _named(name_or_path)
+        except KeyError:
+            raise ValueError(
+                f"{name_or_path!r}: quantized presets are {sorted(QUANTIZED_BYTES_PER_PARAM)}"
+            ) from None
     path = Path(name_or_path)
     if not path.is_file():
         known = ", ".join(available_profiles())

@@ -126,7 +126,7 @@ def profile_decode(
             model.compute_logits(hidden).float().max(dim=-1)
 
         step_s = _best(run, repeat)
-        products_s = _best(_products(model), repeat)
+        products_s = _best(_products(model, runner.dtype), repeat)
         parts = _parts(model, run, repeat)
         with _CountOps() as counter:
             run()
@@ -146,12 +146,13 @@ def profile_decode(
     )
 
 
-def _products(model: nn.Module) -> Callable[[], None]:
-    """All the step's products on one row, back to back."""
+def _products(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+    """All the step's products on one row of ``dtype`` (the activations'; a quantized
+    product's own tensors are int8), back to back."""
     calls = []
     for m in model.modules():
         if isinstance(m, Projection):
-            calls.append((m, torch.ones(1, m.in_features, dtype=_tensors(m)[0].dtype)))
+            calls.append((m, torch.ones(1, m.in_features, dtype=dtype)))
 
     def run() -> None:
         for m, x in calls:

@@ -31,6 +31,7 @@ from quanta.core.config import (
 )
 from quanta.core.request import SamplingParams
 from quanta.frontends.engine import Engine, build_engine
+from quanta.runner.quantized import resident_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class BenchRow:
     # below fp32: share of greedy tokens equal to an fp32 engine's at the same position
     greedy_agreement_fp32: float | None = None
     attention_kernel: str = "eager"
+    quantized_kernel: str = "none"
+    weight_bytes: int = 0  # weights resident in memory (packed or quantized), once each
 
 
 STEP_TOKENS = 4096  # tokens per step on a plain checkpoint: a batch's prompts in few steps
@@ -173,6 +176,7 @@ def run_engine_bench(
     dtype: str | None = None,
     linear_kernel: LinearKernel = "auto",
     attention_kernel: AttentionKernel = "auto",
+    quantization: str | None = None,
 ) -> list[BenchRow]:
     """Measure every batch size, print a table, optionally write JSON.
 
@@ -196,10 +200,15 @@ def run_engine_bench(
             dtype=dtype,
             linear_kernel=linear_kernel,
             attention_kernel=attention_kernel,
+            quantization=quantization,
         )
     )
     info = engine.describe()
+    resident = resident_weight_bytes(engine.runner.model)
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+    if compare_hf and info["quantized_kernel"] != "none":
+        Console(stderr=True).print("note: no HF peer: transformers cannot read quantized weights")
+        compare_hf = False
     hf = _load_hf(model_dir, engine.runner.dtype) if compare_hf else None
     reference = None
     if engine.runner.dtype != torch.float32:  # report what the faster dtype changes
@@ -225,7 +234,18 @@ def run_engine_bench(
             agreement = _agreement(runs[-1][1], _run_quanta(reference, prompts, gen_len)[1])
         kernel = (info["dtype"], info["linear_kernel"], info["cpu_isa"])
         rows.append(
-            BenchRow(b, q_pre, q_dec, h_pre, h_dec, *kernel, agreement, info["attention_kernel"])
+            BenchRow(
+                b,
+                q_pre,
+                q_dec,
+                h_pre,
+                h_dec,
+                *kernel,
+                agreement,
+                info["attention_kernel"],
+                info["quantized_kernel"],
+                resident,
+            )
         )
     _print(rows, model_dir, prompt_len, gen_len)
     if output is not None:
@@ -262,7 +282,8 @@ def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int)
     table = Table(
         title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
         f"{torch.get_num_threads()} threads, {first.dtype}, linears {first.linear_kernel}, "
-        f"decode attention {first.attention_kernel}, CPU {first.cpu_isa} (tokens/s)"
+        f"decode attention {first.attention_kernel}, quantized {first.quantized_kernel}, "
+        f"weights {first.weight_bytes / 1e6:.1f} MB, CPU {first.cpu_isa} (tokens/s)"
     )
     for col in (
         "batch",

@@ -43,6 +43,8 @@ class QualityReport:
     max_tokens: int
     greedy_fp32_vs_hf: GreedyComparison | None = None
     greedy_bf16_vs_fp32: GreedyComparison | None = None
+    # quantized engine -> its greedy answers against the float engine of its dtype
+    greedy_quantized: dict[str, GreedyComparison] = field(default_factory=dict)
     text_tokens: int = 0
     max_logprob_diff_vs_hf: float | None = None
     perplexity: dict[str, float] = field(default_factory=dict)
@@ -205,8 +207,13 @@ def run_quality(
     max_tokens: int = 48,
     llama_cpp_python: Path | None = None,
     with_hf: bool = True,
+    quantized: dict[str, Path] | None = None,
 ) -> QualityReport:
-    """Every check this machine can run; peers that are not given are left out."""
+    """Every check this machine can run; peers that are not given are left out.
+
+    ``quantized`` maps a label (``quanta-int4-bfloat16``) to a quantized engine of the same
+    file: its perplexity joins the table and its greedy answers are compared with the float
+    engine of its dtype."""
     report = QualityReport(model=gguf.name, prompts=len(CHAT_QUESTIONS), max_tokens=max_tokens)
     prompts = chat_prompts(engine_fp32)
     ids = [tokenize(engine_fp32, p) for p in prompts]
@@ -224,6 +231,14 @@ def run_quality(
         report.answers["quanta-bf16"] = [decode(a) for a in bf16]
         report.greedy_bf16_vs_fp32 = compare_greedy(bf16, fp32)
         report.perplexity["quanta-bf16"] = perplexity(quanta_token_logprobs(bf16_llm, text_ids))
+    for label, engine in (quantized or {}).items():
+        q_llm = load(engine)
+        answers = quanta_greedy(q_llm, ids, max_tokens)
+        report.answers[label] = [decode(a) for a in answers]
+        float_answers = bf16 if engine_bf16 is not None and "bfloat16" in label else fp32
+        report.greedy_quantized[label] = compare_greedy(answers, float_answers)
+        report.perplexity[label] = perplexity(quanta_token_logprobs(q_llm, text_ids))
+        del q_llm
     if with_hf:
         from quanta.runner.models.config import load_model_config
 

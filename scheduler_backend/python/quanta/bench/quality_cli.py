@@ -25,6 +25,13 @@ def bench_quality(
     bf16: Annotated[
         bool | None, typer.Option(help="also check bf16 (default: where the CPU runs it)")
     ] = None,
+    quantization: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="also a quantized engine of the file (int8, int4, keep; repeatable), in bf16 "
+            "where the CPU runs it (docs/quantization.md)"
+        ),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="write the report as JSON here")] = None,
 ) -> None:
     """Greedy answers, log-probabilities and perplexity of a real model against HF
@@ -55,6 +62,11 @@ def bench_quality(
         bf16 = onednn_supports(torch.bfloat16, torch.device("cpu"))
     fp32_engine = engine_from_gguf(gguf, "float32")
     bf16_engine = engine_from_gguf(gguf, "bfloat16") if bf16 else None
+    q_dtype = "bfloat16" if bf16 else "float32"
+    quantized = {
+        f"quanta-{mode}-{q_dtype}": engine_from_gguf(gguf, q_dtype, mode)
+        for mode in quantization or []
+    }
     report = run_quality(
         gguf,
         engine_fp32=fp32_engine,
@@ -62,6 +74,7 @@ def bench_quality(
         max_tokens=max_tokens,
         llama_cpp_python=python,
         with_hf=hf,
+        quantized=quantized,
     )
     console = Console()
     table = Table(title=f"quality: {report.model} (CPU {cpu_isa()}, torch {torch.__version__})")
@@ -76,6 +89,11 @@ def bench_quality(
                 name,
                 f"{cmp.identical}/{cmp.total} answers, {cmp.prefix_agreement:.1%} of tokens",
             )
+    for label, cmp in report.greedy_quantized.items():
+        table.add_row(
+            f"greedy {label} = float",
+            f"{cmp.identical}/{cmp.total} answers, {cmp.prefix_agreement:.1%} of tokens",
+        )
     if report.max_logprob_diff_vs_hf is not None:
         table.add_row(
             f"max |logprob - HF| ({report.text_tokens} tokens)",

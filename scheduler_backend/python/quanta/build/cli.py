@@ -57,6 +57,29 @@ def build(
         str, typer.Option(help="host tier for swapped KV (0: none); e.g. 2GiB")
     ] = "2GiB",
     max_shard_size: Annotated[str, typer.Option(help="largest weight file written")] = "2GiB",
+    quantization: Annotated[
+        str | None,
+        typer.Option(
+            help="weight-only int8 or int4 of every linear layer; keep: a GGUF's Q8_0/Q4_0/Q4_1 "
+            "tensors as they are (docs/quantization.md)"
+        ),
+    ] = None,
+    group_size: Annotated[int, typer.Option(help="int4: input columns per scale (32/64/128)")] = 32,
+    symmetric: Annotated[bool, typer.Option(help="int4 without zero points")] = False,
+    quantize_lm_head: Annotated[bool, typer.Option(help="quantize the LM head too")] = False,
+    lm_head_quantization: Annotated[
+        str | None,
+        typer.Option(help="the quantized head's mode, int8 or int4 (default: the layers')"),
+    ] = None,
+    use_weight_only: Annotated[
+        bool, typer.Option("--use-weight-only", "--use_weight_only", help="TensorRT-LLM's alias")
+    ] = False,
+    weight_only_precision: Annotated[
+        str,
+        typer.Option(
+            "--weight-only-precision", "--weight_only_precision", help="int8 or int4 (alias)"
+        ),
+    ] = "int8",
     overwrite: Annotated[bool, typer.Option(help="replace an existing engine")] = False,
 ) -> None:
     """Validate a checkpoint and convert it into an engine directory with a manifest."""
@@ -78,6 +101,11 @@ def build(
             kv_cache_memory=_size(kv_cache_memory),
             host_cache_memory=_size(host_cache_memory),
             max_shard_size=_size(max_shard_size),
+            quantization=_quantization(quantization, use_weight_only, weight_only_precision),
+            group_size=group_size,  # type: ignore[arg-type]
+            symmetric=symmetric,
+            quantize_lm_head=quantize_lm_head or lm_head_quantization is not None,
+            lm_head_quantization=lm_head_quantization,  # type: ignore[arg-type]
         )
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -112,7 +140,47 @@ def build(
         f"({format_size(cache.kv_cache_memory)}, {cache.max_cached_tokens} tokens); "
         f"host tier {cache.num_host_blocks} blocks ({format_size(cache.host_cache_memory)})"
     )
+    q = manifest.quantization
+    if q is not None:
+        group = f"group {q.group_size}" if q.group_size else "mixed groups"
+        if q.mode == "int8" and not q.kept:
+            group = "per channel"
+        typer.echo(
+            f"quantization: {q.mode}, {group}, {'symmetric' if q.symmetric else 'asymmetric'}"
+            f"{f', LM head too ({q.lm_head_mode})' if q.lm_head else ''}"
+        )
+        if q.kept:
+            typer.echo(f"kept quantized from the GGUF: {_counts(q.kept)}")
+        if q.smaller_groups:
+            groups = sorted(set(q.smaller_groups.values()))
+            typer.echo(f"{len(q.smaller_groups)} linear(s) in smaller groups {groups}")
+        if q.not_quantized:
+            typer.echo(f"left in {manifest.dtype} (group does not divide): {q.not_quantized}")
+        if q.dequantized:
+            typer.echo(f"dequantized (cannot be kept as asked): {_counts(q.dequantized)}")
     typer.echo(f"serve it: quanta serve {out}")
+
+
+def _counts(table: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(table.items()))
+
+
+def _quantization(value: str | None, use_weight_only: bool, precision: str) -> str | None:
+    """``--quantization``, or TensorRT-LLM's ``--use_weight_only --weight_only_precision``."""
+    from quanta.build.quantization import TRTLLM_ALIASES
+
+    if not use_weight_only:
+        return value
+    mode = TRTLLM_ALIASES.get(precision)
+    if mode is None:
+        raise typer.BadParameter(
+            f"{precision!r}: use int8 or int4", param_hint="--weight-only-precision"
+        )
+    if value is not None and value != mode:
+        raise typer.BadParameter(
+            f"--quantization {value} contradicts --weight-only-precision {precision}"
+        )
+    return mode
 
 
 def fetch_model(
@@ -152,7 +220,7 @@ def fetch_model(
     typer.echo(str(engine_from_gguf(gguf, dtype)))
 
 
-def engine_from_gguf(gguf: Path, dtype: str | None) -> Path:
+def engine_from_gguf(gguf: Path, dtype: str | None, quantization: str | None = None) -> Path:
     """The cached engine of ``gguf``, built with progress bars on stderr when missing."""
     from rich.console import Console
     from rich.progress import Progress
@@ -167,7 +235,7 @@ def engine_from_gguf(gguf: Path, dtype: str | None) -> Path:
             return lambda amount: bars.advance(task, amount)
 
         try:
-            return engine_for_gguf(gguf, dtype=dtype, progress=progress)
+            return engine_for_gguf(gguf, dtype=dtype, quantization=quantization, progress=progress)
         except (BuildError, ValueError) as exc:
             bars.stop()
             typer.echo(f"error: {exc}", err=True)

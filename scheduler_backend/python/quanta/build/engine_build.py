@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from build_scripts import BuildError, FamilyBuilder, builder_for
 from quanta.build.checkpoint import PRESET_FILE, move_into_place
+from quanta.build.gguf_kept import GgufKept
 from quanta.build.manifest import (
     MANIFEST_FILE,
     CacheSizing,
@@ -39,10 +40,12 @@ from quanta.build.manifest import (
     Dtype,
     EngineManifest,
     Limits,
+    Quantization,
     Source,
     WeightFile,
     sha256_file,
 )
+from quanta.build.quantization import QuantPlan, plan_quantization, quantized_weight_bytes
 from quanta.build.shape import model_shape
 from quanta.core.output import RunnerCapabilities
 from quanta.frontends.devices import device_memory_bytes
@@ -50,6 +53,7 @@ from quanta.runner.model_runner import ModelRunner, offers_hidden_cache, resolve
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import checkpoint_files
+from quanta.runner.quantized import QUANT_SUFFIXES
 
 GiB = 1 << 30
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -74,6 +78,17 @@ class BuildOptions(BaseModel):
     kv_cache_memory: int = Field(1 * GiB, ge=1)
     host_cache_memory: int = Field(2 * GiB, ge=0)
     max_shard_size: int = Field(2 * GiB, ge=1)
+    # Weight-only quantization of the linear layers (docs/quantization.md); keep: a GGUF's
+    # quantized tensors as the file holds them. None: every weight in ``dtype``.
+    quantization: Literal["int8", "int4", "keep"] | None = None
+    # int4 input columns per scale: 32 by default, llama.cpp's Q4 group (docs/quantization.md
+    # measures 64 re-quantizing a 135M model's weights at 2.5x the perplexity).
+    group_size: Literal[32, 64, 128] = 32
+    symmetric: bool = False  # int4 without zero points (int8 is always symmetric)
+    quantize_lm_head: bool = False
+    # The head's mode when it is quantized; None: the layers' (an int8 head beside int4 layers
+    # keeps most of the head's quality, docs/quantization.md).
+    lm_head_quantization: Literal["int8", "int4"] | None = None
 
 
 def build_engine_dir(
@@ -111,8 +126,9 @@ def _build_from_gguf(
     digest = sha256_file(gguf, advance)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.gguf-", dir=out.parent) as tmp:
-        advance = progress("dequantizing the GGUF file", 1)
-        summary = gguf_to_checkpoint(gguf, Path(tmp))
+        keep = _gguf_keep(options)
+        advance = progress("reading the GGUF file" if keep else "dequantizing the GGUF file", 1)
+        summary = gguf_to_checkpoint(gguf, Path(tmp), keep=keep)
         advance(1)
         source = Source(
             path=str(gguf.resolve()),
@@ -121,11 +137,28 @@ def _build_from_gguf(
             format="gguf",
             quantization=summary.quantization,
         )
-        return _build(Path(tmp), out, options, source, progress)
+        return _build(Path(tmp), out, options, source, progress, summary.kept)
+
+
+def _gguf_keep(options: BuildOptions) -> frozenset[str]:
+    """The GGUF tensor types kept quantized for ``--quantization``: none without it, the
+    ones of the asked width for int8/int4, all that can be kept for keep."""
+    from quanta.build.gguf_kept import KEEPABLE
+
+    if options.quantization is None:
+        return frozenset()
+    if options.quantization == "keep":
+        return frozenset(KEEPABLE)
+    return frozenset(t for t, mode in KEEPABLE.items() if mode == options.quantization)
 
 
 def _build(
-    checkpoint: Path, out: Path, options: BuildOptions, source: Source, progress: Progress
+    checkpoint: Path,
+    out: Path,
+    options: BuildOptions,
+    source: Source,
+    progress: Progress,
+    kept: GgufKept | None = None,
 ) -> EngineManifest:
     config, raw = _read_config(checkpoint)
     builder = builder_for(config.family, options.device)
@@ -133,15 +166,19 @@ def _build(
     dtype = resolve_dtype(options.dtype, torch.device(options.device))
     dtype_name = str(dtype).removeprefix("torch.")
     plan = _plan_tensors(checkpoint, config, builder)
+    quant = _quant_plan(options, config, plan, checkpoint)
     limits = _limits(options, config)
-    sizing = _cache_sizing(options, config, dtype, limits, plan.bytes_at(dtype))
+    weight_bytes = plan.bytes_at(dtype)
+    if quant is not None:
+        weight_bytes = quantized_weight_bytes(build_model_skeleton(config), quant, dtype)
+    sizing = _cache_sizing(options, config, dtype, limits, weight_bytes)
     chat_template = _check_tokenizer(checkpoint, config)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         tmp.chmod(0o755)
-        weights = _convert(checkpoint, tmp, plan, builder, dtype, options, progress)
+        weights = _convert(checkpoint, tmp, plan, builder, dtype, options, progress, quant)
         _copy_side_files(checkpoint, tmp)
         serving = builder.serving_config(raw, dtype_name)
         (tmp / "config.json").write_text(json.dumps(serving, indent=2) + "\n", encoding="utf-8")
@@ -166,6 +203,7 @@ def _build(
             chat_template=chat_template,
             weights=weights,
             source=source,
+            quantization=_quant_manifest(quant, plan, kept),
         )
         manifest.write(tmp)
         move_into_place(tmp, out)
@@ -191,6 +229,8 @@ class _Plan:
 
     keys: dict[Path, list[tuple[str, str]]]  # file -> [(checkpoint key, parameter name)]
     numel: dict[str, int]
+    # Linear weights stored quantized already (a GGUF's kept tensors): name -> its parts.
+    prequantized: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_parameters(self) -> int:
@@ -211,6 +251,7 @@ def _plan_tensors(checkpoint: Path, config: ModelConfig, builder: FamilyBuilder)
     keys: dict[Path, list[tuple[str, str]]] = {}
     seen: dict[str, str] = {}
     unexpected: list[str] = []
+    prequantized: dict[str, set[str]] = {}
     try:
         files = checkpoint_files(checkpoint)
     except FileNotFoundError as exc:
@@ -219,6 +260,16 @@ def _plan_tensors(checkpoint: Path, config: ModelConfig, builder: FamilyBuilder)
         keys[path] = []
         with safe_open(str(path), framework="pt", device="cpu") as reader:
             for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                base, _, part = key.rpartition(".")
+                if "." + part in QUANT_SUFFIXES:
+                    weight = builder.tensor_name(base + ".weight", params | _head(params))
+                    if weight is None:
+                        unexpected.append(key)
+                        continue
+                    prequantized.setdefault(weight, set()).add(part)
+                    keys[path].append((key, weight.removesuffix(".weight") + "." + part))
+                    seen.setdefault(weight, key)
+                    continue
                 name = builder.tensor_name(key, params)
                 if name is None:
                     if not builder.droppable(key, config):
@@ -234,13 +285,72 @@ def _plan_tensors(checkpoint: Path, config: ModelConfig, builder: FamilyBuilder)
                 seen[name] = key
                 keys[path].append((key, name))
     missing = sorted(set(params) - set(seen))
+    incomplete = [n for n, parts in prequantized.items() if not {"qweight", "scales"} <= parts]
+    if incomplete:
+        raise BuildError(f"quantized weights without their qweight or scales: {incomplete[:3]}")
     if missing or unexpected:
         raise BuildError(
             f"{checkpoint} does not match its config.json: {len(missing)} tensor(s) missing "
             f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
         )
-    numel = {name: _numel(params[name]) for name in seen}
-    return _Plan(keys, numel)
+    numel = {name: _numel(params[name]) for name in seen if name in params}
+    return _Plan(keys, numel, prequantized)
+
+
+def _head(params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A tied head's own name: a quantized head is stored apart from the embedding."""
+    embed = params.get("model.embed_tokens.weight")
+    return {"lm_head.weight": embed} if embed is not None else {}
+
+
+def _quant_plan(
+    options: BuildOptions, config: ModelConfig, plan: _Plan, checkpoint: Path
+) -> QuantPlan | None:
+    """What the build quantizes: every linear not stored quantized already (int8, int4), or
+    nothing more than the GGUF kept (keep, or no ``--quantization`` on a kept GGUF)."""
+    mode = options.quantization
+    if mode == "keep" and not plan.prequantized:
+        raise BuildError(
+            f"{checkpoint}: --quantization keep needs a GGUF file with Q8_0, Q4_0 or Q4_1 "
+            "tensors; use int8 or int4 to quantize a float checkpoint"
+        )
+    if mode is None and not plan.prequantized:
+        return None
+    if mode in (None, "keep"):
+        return QuantPlan("keep", 0, True, False, frozenset(), False)
+    skeleton = build_model_skeleton(config)
+    return plan_quantization(
+        skeleton,
+        mode,
+        options.group_size,
+        options.symmetric,
+        options.quantize_lm_head,
+        tied=config.tie_word_embeddings,
+        already=frozenset(plan.prequantized),
+        head_mode=options.lm_head_quantization,
+    )
+
+
+def _quant_manifest(
+    quant: QuantPlan | None, plan: _Plan, kept: GgufKept | None
+) -> Quantization | None:
+    if quant is None:
+        return None
+    kept_types = kept.kept if kept else {}
+    dequantized = kept.dequantized if kept else {}
+    if quant.mode != "keep":
+        groups = tuple(kept.groups) if kept else ()
+        return quant.manifest(kept_types, dequantized, groups, kept.symmetric if kept else True)
+    assert kept is not None, "keep needs a GGUF's kept tensors"
+    modes, groups = set(kept.modes), set(kept.groups)
+    return Quantization(
+        mode=modes.pop() if len(modes) == 1 else "mixed",  # type: ignore[arg-type]
+        group_size=groups.pop() if len(groups) == 1 else None,
+        symmetric=kept.symmetric,
+        lm_head="lm_head.weight" in plan.prequantized,
+        kept=kept_types,
+        dequantized=dequantized,
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -349,6 +459,7 @@ def _convert(
     dtype: torch.dtype,
     options: BuildOptions,
     progress: Progress,
+    quant: QuantPlan | None = None,
 ) -> list[WeightFile]:
     """Stream tensors into shards of at most ``max_shard_size`` bytes (HF's sharded layout
     when more than one), so a build never holds the whole converted model."""
@@ -358,7 +469,14 @@ def _convert(
         for path, pairs in plan.keys.items():
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for key, name in pairs:
-                    add(name, builder.convert(name, reader.get_tensor(key), dtype))
+                    tensor = reader.get_tensor(key)
+                    if name.endswith(QUANT_SUFFIXES):  # stored quantized: written as it is
+                        add(name, tensor.contiguous())
+                    elif quant is not None:
+                        for part, t in quant.tensors(name, tensor, dtype):
+                            add(part, t)
+                    else:
+                        add(name, builder.convert(name, tensor, dtype))
                     advance(1)
     files = _name_shards(out, shards)
     return [WeightFile(name=p.name, bytes=p.stat().st_size, sha256=sha256_file(p)) for p in files]

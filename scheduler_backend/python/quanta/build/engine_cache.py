@@ -21,28 +21,37 @@ def engine_for_gguf(
     gguf: Path,
     *,
     dtype: str | None = None,
+    quantization: str | None = None,
     cache: Path | None = None,
     progress: Progress | None = None,
 ) -> Path:
-    """The engine directory for ``gguf`` in ``dtype`` (default: the machine's fastest),
-    built the first time and found in the cache afterwards."""
+    """The engine directory for ``gguf`` in ``dtype`` (default: the machine's fastest) and
+    ``quantization`` (``quanta build --quantization``; None dequantizes), built the first time
+    and found in the cache afterwards."""
     gguf = Path(gguf)
     digest = sha256_file(gguf)
     dtype_name = str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
-    out = (cache or cache_dir()) / "engines" / f"{gguf.stem}-{dtype_name}-{digest[:12]}"
-    if _matches(out, digest, dtype_name):
+    quant = f"-{quantization}" if quantization else ""
+    out = (cache or cache_dir()) / "engines" / f"{gguf.stem}-{dtype_name}{quant}-{digest[:12]}"
+    if _matches(out, digest, dtype_name, quantization):
         return out
-    options = BuildOptions(name=gguf.stem, dtype=dtype_name)  # type: ignore[arg-type]
+    options = BuildOptions(
+        name=gguf.stem,
+        dtype=dtype_name,  # type: ignore[arg-type]
+        quantization=quantization,  # type: ignore[arg-type]
+    )
     try:
         build_engine_dir(gguf, out, options, overwrite=True, progress=progress)
     except FileExistsError:
-        if not _matches(out, digest, dtype_name):  # another process built it meanwhile
+        if not _matches(out, digest, dtype_name, quantization):  # built by another meanwhile
             raise
     return out
 
 
-def _matches(engine: Path, digest: str, dtype: str) -> bool:
+def _matches(engine: Path, digest: str, dtype: str, quantization: str | None) -> bool:
     if not engine.is_dir():
         return False
     manifest = read_manifest(engine)
-    return manifest is not None and manifest.source.sha256 == digest and manifest.dtype == dtype
+    if manifest is None or manifest.source.sha256 != digest or manifest.dtype != dtype:
+        return False
+    return (manifest.quantization is None) == (quantization is None)

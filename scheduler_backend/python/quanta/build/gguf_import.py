@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from build_scripts.base import BuildError
+from quanta.build.gguf_kept import GgufKept, kept_weight
 
 # llama.cpp's token types (llama_token_type): 3 control (special), 4 user-defined (added).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -54,6 +55,7 @@ _TOP_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 SHARD_BYTES = 1 << 30
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class GgufSummary:
     name: str | None
     file_type: str
     tensor_types: dict[str, int]  # type name -> number of tensors stored in it
+    kept: GgufKept | None = None  # with ``keep``: what stayed quantized, what did not
 
     @property
     def quantization(self) -> str:
@@ -83,9 +86,12 @@ def _by_n(item: tuple[str, int]) -> tuple[int, str]:
     return (-item[1], item[0])
 
 
-def gguf_to_checkpoint(path: Path, out: Path) -> GgufSummary:
+def gguf_to_checkpoint(path: Path, out: Path, keep: frozenset[str] = frozenset()) -> GgufSummary:
     """Write an HF-layout float32 checkpoint of the GGUF file ``path`` into the directory
-    ``out`` (which must exist and be empty); raises ``BuildError`` naming what cannot be read."""
+    ``out`` (which must exist and be empty); raises ``BuildError`` naming what cannot be read.
+
+    Linear weights of a type in ``keep`` (``gguf_kept.KEEPABLE``) are written quantized
+    (``X.qweight``/``X.scales``/``X.zeros``) instead of dequantized."""
     reader = _open(path)
     meta = _Metadata(reader)
     arch = meta.get("general.architecture")
@@ -97,7 +103,8 @@ def gguf_to_checkpoint(path: Path, out: Path) -> GgufSummary:
     tensors = {t.name: t for t in reader.tensors}
     config = _llama_config(meta, tensors, path)
     tokenizer = _tokenizer(meta, path)
-    _write_weights(tensors, config, out, path)
+    kept = GgufKept() if keep else None
+    _write_weights(tensors, config, out, path, keep, kept)
     _write_json(out / "config.json", config)
     special = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
@@ -113,6 +120,7 @@ def gguf_to_checkpoint(path: Path, out: Path) -> GgufSummary:
         name=meta.get("general.name"),
         file_type=_file_type_name(meta.get("general.file_type")),
         tensor_types=types,
+        kept=kept,
     )
 
 
@@ -216,13 +224,20 @@ def _rope_scaling(meta: _Metadata, path: Path) -> dict[str, Any] | None:
 
 
 # -- weights ------------------------------------------------------------------------------------
-def _write_weights(tensors: dict[str, Any], config: dict[str, Any], out: Path, path: Path) -> None:
-    """Dequantize tensor by tensor into float32 safetensors shards of at most SHARD_BYTES."""
+def _write_weights(
+    tensors: dict[str, Any],
+    config: dict[str, Any],
+    out: Path,
+    path: Path,
+    keep: frozenset[str],
+    kept: GgufKept | None,
+) -> None:
+    """Dequantize tensor by tensor (or keep quantized) into safetensors shards of at most
+    SHARD_BYTES."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for hf_name, array in _hf_tensors(tensors, config, path):
-        tensor = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-        nbytes = tensor.numel() * 4
+    for hf_name, tensor in _hf_tensors(tensors, config, path, keep, kept):
+        nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append({})
             size = 0
@@ -241,19 +256,44 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], out: Path, p
 
 
 def _hf_tensors(
-    tensors: dict[str, Any], config: dict[str, Any], path: Path
-) -> Iterator[tuple[str, np.ndarray]]:
+    tensors: dict[str, Any],
+    config: dict[str, Any],
+    path: Path,
+    keep: frozenset[str] = frozenset(),
+    kept: GgufKept | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for name, tensor in tensors.items():
         hf_name = _hf_name(name)
         if hf_name is None:
             raise BuildError(f"{path.name}: tensor {name!r} has no counterpart in a LLaMA model")
-        array = _dequantize(tensor, path)
+        rope_heads = None
         if hf_name.endswith("q_proj.weight"):
-            array = unpermute_rope_rows(array, heads)
+            rope_heads = heads
         elif hf_name.endswith("k_proj.weight"):
-            array = unpermute_rope_rows(array, kv_heads)
-        yield hf_name, array
+            rope_heads = kv_heads
+        type_name = tensor.tensor_type.name
+        linear = hf_name.endswith("proj.weight") or hf_name == "lm_head.weight"
+        if kept is not None and type_name not in _FLOAT_TYPES:
+            kept.count(type_name, linear and type_name in keep)
+        if linear and type_name in keep:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+            permute = None
+            if rope_heads is not None:
+                n = rope_heads
+
+                def permute(a: np.ndarray, n: int = n) -> np.ndarray:
+                    return unpermute_rope_rows(a, n)
+
+            weight = kept_weight(tensor.data, type_name, shape, permute)
+            base = hf_name.removesuffix(".weight")
+            for part, t in weight.tensors().items():
+                yield f"{base}.{part}", t
+            continue
+        array = _dequantize(tensor, path)
+        if rope_heads is not None:
+            array = unpermute_rope_rows(array, rope_heads)
+        yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
 
 
 def _hf_name(name: str) -> str | None:

@@ -95,6 +95,26 @@ class Source(_Frozen):
     quantization: str | None = None
 
 
+class Quantization(_Frozen):
+    """How the engine's linear layers are stored (``docs/quantization.md``): ``mode`` int8 or
+    int4 (``mixed`` when a GGUF's kept tensors differ), ``group_size`` input columns per scale
+    (None: int8 per output channel, or mixed), and for a GGUF which of its tensor types were
+    kept quantized and which were dequantized."""
+
+    mode: Literal["int8", "int4", "mixed"]
+    group_size: int | None = None
+    symmetric: bool = True
+    lm_head: bool = False
+    lm_head_mode: Literal["int8", "int4"] | None = None  # the head's, when quantized
+    embedding: bool = False
+    kept: dict[str, int] = Field(default_factory=dict)
+    dequantized: dict[str, int] = Field(default_factory=dict)
+    # Linears left in the serving dtype (int4 groups must divide their input width).
+    not_quantized: list[str] = Field(default_factory=list)
+    # Linears in smaller int4 groups than group_size (the largest that divides their width).
+    smaller_groups: dict[str, int] = Field(default_factory=dict)
+
+
 class EngineManifest(_Frozen):
     """``quanta_engine.json``."""
 
@@ -113,6 +133,7 @@ class EngineManifest(_Frozen):
     chat_template: bool
     weights: list[WeightFile]
     source: Source
+    quantization: Quantization | None = None  # None: every weight in ``dtype``
 
     def write(self, engine_dir: Path) -> Path:
         path = Path(engine_dir) / MANIFEST_FILE
@@ -194,6 +215,13 @@ def apply_manifest(config: EngineConfig, manifest: EngineManifest) -> EngineConf
         raise EngineManifestError(
             f"{where} was built for dtype {manifest.dtype}, the server asks for "
             f"{config.dtype}: drop the dtype setting or rebuild with --dtype {config.dtype}"
+        )
+    built = manifest.quantization.mode if manifest.quantization else "none"
+    if config.quantization is not None and config.quantization != built:
+        raise EngineManifestError(
+            f"{where} was built with quantization {built}, the server asks for "
+            f"{config.quantization}: drop the quantization setting or rebuild with "
+            f"--quantization {config.quantization}"
         )
     device_kind = config.device.split(":", 1)[0]
     if device_kind != manifest.device:

@@ -66,6 +66,9 @@ class EngineConfig(BaseModel):
     # How projections run: prepacked oneDNN weights (CPU) or torch's F.linear; auto: oneDNN
     # wherever it runs the dtype (see quanta.runner.linear for the measurements behind it).
     linear_kernel: LinearKernel = "auto"
+    # The weight quantization the engine must hold (none, int8, int4); None: whatever it holds.
+    # Like dtype, a mismatch with the engine's manifest is refused at load.
+    quantization: Literal["none", "int8", "int4", "mixed"] | None = None
     # Decode attention: the native C kernel, fused by torch.compile, or eager; auto: native on
     # CPU with one torch thread where a C compiler is found (see quanta.runner.decode_kernel).
     attention_kernel: AttentionKernel = "auto"

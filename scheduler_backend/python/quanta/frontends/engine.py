@@ -56,6 +56,7 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "linear_kernel": self.runner.linear_kernel,
+            "quantized_kernel": self.runner.quantized_kernel,
             "attention_kernel": self.runner.attention_kernel,
             "cpu_isa": cpu_isa(),
             "max_num_seqs": str(c.scheduler.max_num_seqs),

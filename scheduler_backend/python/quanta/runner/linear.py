@@ -182,6 +182,12 @@ class ProjectionFactory:
     def __call__(self, linears: Sequence[nn.Linear], activation: str = "none") -> Projection:
         if activation not in _FUSABLE_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} cannot be fused into a product")
+        if any(hasattr(lin, "quantized") for lin in linears):  # set by the loader
+            from quanta.runner.quantized import make_quantized
+
+            product = make_quantized(linears, activation, linears[0].weight.dtype)
+            if product is not None:
+                return product
         weights = [lin.weight.detach() for lin in linears]
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         biases = [lin.bias for lin in linears]

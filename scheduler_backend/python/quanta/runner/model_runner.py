@@ -38,6 +38,7 @@ from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import load_weights
 from quanta.runner.models.safepoints import Safepoints
+from quanta.runner.quantized import quantized_kernels
 from quanta.runner.sampler import sample
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -126,6 +127,8 @@ class ModelRunner:
         load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
         self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
         fuse_model(self.model, self.linear_kernel)
+        # Quantized products' kernels (int8pack, int4pack, dequant), "none" for a float model.
+        self.quantized_kernel = ",".join(quantized_kernels(self.model)) or "none"
         self.model.eval()
         use_layer_ops = getattr(self.model, "use_layer_ops", None)
         if use_layer_ops is not None:  # models whose layers run through quanta.runner.layer_ops

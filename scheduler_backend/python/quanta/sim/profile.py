@@ -160,10 +160,17 @@ def _sweep(
         )
 
     bytes_per_block = runner.bytes_per_block
+    # Measured, so the fit's weight read already is the quantized one; recorded so that a
+    # profile says which weights it streamed (``CostModel.with_weight_bytes``).
+    from quanta.runner.models import build_model_skeleton
+    from quanta.runner.quantized import resident_weight_bytes
+
+    params = sum(p.numel() for p in build_model_skeleton(runner.model_config).parameters())
     common = dict(
         name=f"measured-{Path(model_dir).name}",
-        source=f"quanta profile of {model_dir} on {device} ({runner.dtype}), "
-        f"median of {repeats} runs per point, least-squares fit",
+        source=f"quanta profile of {model_dir} on {device} ({runner.dtype}, quantized "
+        f"{runner.quantized_kernel}), median of {repeats} runs per point, least-squares fit",
+        weight_bytes_per_param=resident_weight_bytes(runner.model) / max(1, params),
         swap_overlaps_compute=False,  # the runner copies blocks inside execute()
         kv_bytes_per_token=max(1, bytes_per_block // block_size),
         device_kv_bytes=device_blocks * bytes_per_block,

@@ -55,6 +55,7 @@ class _Parameters(BaseModel):
     policy: str = "fcfs"
     policy_options: Json[dict[str, Any]] = Field(default_factory=dict)
     dtype: str | None = None
+    quantization: Literal["none", "int8", "int4", "mixed"] | None = None
     device: str = "cpu"
     linear_kernel: LinearKernel = "auto"
     attention_kernel: AttentionKernel = "auto"
@@ -118,6 +119,7 @@ def parse_parameters(
             policy=p.policy,
             policy_options=p.policy_options,
             dtype=p.dtype,
+            quantization=p.quantization,
             device=p.device,
             linear_kernel=p.linear_kernel,
             attention_kernel=p.attention_kernel,

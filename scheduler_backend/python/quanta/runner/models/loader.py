@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from quanta.runner.quantized import QUANT_SUFFIXES, QuantizedWeight
+
 _PREFIXES: tuple[str, ...] = ("", "model.", "model.decoder.")
 
 
@@ -60,9 +62,18 @@ def load_weights(
     params = dict(model.named_parameters())  # a tied head appears once, under the embedding
     loaded: set[str] = set()
     unexpected: list[str] = []
+    quantized: dict[str, dict[str, torch.Tensor]] = {}  # linear's weight name -> its parts
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as reader:
             for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                base, dot, part = key.rpartition(".")
+                if dot and "." + part in QUANT_SUFFIXES:
+                    name = resolve_name(base + ".weight", _with_head(model, params))
+                    if name is None:
+                        unexpected.append(key)
+                    else:
+                        quantized.setdefault(name, {})[part] = reader.get_tensor(key)
+                    continue
                 name = resolve_name(key, params)
                 if name is None:
                     if not _ignorable(model, key):
@@ -78,6 +89,9 @@ def load_weights(
                     )
                 _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
                 loaded.add(name)
+    for name, parts in quantized.items():
+        _set_quantized(model, name, parts, dtype=dtype, device=device)
+        loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing or unexpected:
         raise ValueError(
@@ -86,6 +100,46 @@ def load_weights(
             f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})"
         )
     model.tie_weights()  # type: ignore[operator]
+
+
+def _with_head(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
+    """Parameter names plus a tied head's own (a quantized head is stored under its name,
+    apart from the embedding it is tied to)."""
+    names = set(params)
+    if hasattr(model, "lm_head"):
+        names.add("lm_head.weight")
+    return names
+
+
+def _set_quantized(
+    model: nn.Module,
+    name: str,
+    parts: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Hang the quantized weight on its ``nn.Linear`` (``quanta.runner.quantized``), where
+    ``fuse`` finds it; the float weight stays an empty meta tensor of the serving dtype, so the
+    product knows its activation dtype and nothing is allocated for it."""
+    if "qweight" not in parts or "scales" not in parts:
+        raise ValueError(f"quantized weight {name!r} lacks its qweight or scales")
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if not isinstance(owner, nn.Linear) or attr != "weight":
+        raise ValueError(f"{name!r} is quantized, but only linear layers' weights can be")
+    weight = QuantizedWeight.from_tensors({k: v.to(device) for k, v in parts.items()})
+    expected = (owner.out_features, owner.in_features)
+    if (weight.out_features, weight.in_features) != expected:
+        raise ValueError(
+            f"quantized {name!r} is {weight.out_features}x{weight.in_features}, the model "
+            f"expects {expected[0]}x{expected[1]}"
+        )
+    owner.quantized = weight  # type: ignore[assignment]
+    # A tied head becomes its own (quantized) module: untie it from the embedding.
+    owner._parameters["weight"] = nn.Parameter(
+        torch.empty(expected, dtype=dtype, device="meta"), requires_grad=False
+    )
 
 
 def _ignorable(model: nn.Module, key: str) -> bool:

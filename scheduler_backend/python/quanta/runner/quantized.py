@@ -1,0 +1,311 @@
+"""Weight-only quantized linears: int8 and int4 weights, bf16 or fp32 activations.
+
+The stored layout (what ``quanta build --quantization`` and the GGUF import write beside each
+linear ``X``, in place of ``X.weight``), groups running along the input dimension:
+
+- ``X.qweight``: int8 ``[out, in]`` (int8), or uint8 ``[out, in/2]`` (int4: column ``2j`` in
+  the low nibble of byte ``j``, ``2j+1`` in the high one, unsigned 0..15);
+- ``X.scales``: float32 ``[out, in/group]`` (int8 per output channel: ``[out, 1]``);
+- ``X.zeros``: float32 ``[out, in/group]``, int4 only and absent when symmetric.
+
+The weight is ``q * scale`` (int8) and ``(q - 8) * scale + zero`` (int4). The int4 form is
+torch's own ``_weight_int4pack_mm_for_cpu`` convention (checked numerically in
+``tests/test_quantized.py``), so llama.cpp's Q4_0 (``d * (q - 8)``) is ``zero = 0`` and Q4_1
+(``d * q + m``) is ``zero = m + 8d``: both are kept exactly, without a round trip through bf16.
+
+Kernels are torch's, chosen per call by row count (``kernel_names`` says which can run):
+
+- int8 per-channel, bf16: ``_weight_int8pack_mm`` up to ``DEQUANT_ROWS`` rows (decode); above
+  it the weight is dequantized to bf16 for the call and the bf16 GEMM runs (prefill), since
+  torch's int8 kernel is slower than dequantize-then-GEMM there (measured: 3.5 ms against
+  1.2 + 1.9 ms for a 3072x576 product at 32 rows, one thread);
+- int4 grouped, bf16: ``_weight_int4pack_mm_for_cpu`` at every row count (the packed layout
+  cannot be dequantized cheaply, and keeping an unpacked copy would double the memory);
+- grouped int8 (GGUF Q8_0, group 32) and every fp32 engine: dequantize per call, then the
+  float GEMM. ``_weight_int8pack_mm`` takes one scale per output channel only, and torch's
+  int kernels have no fast fp32 path on CPU (5-15x slower than the fp32 GEMM, measured), so
+  those keep the memory saving but not the speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quanta.runner.linear import Projection
+
+log = logging.getLogger(__name__)
+
+# Rows above which an int8 product dequantizes to bf16 and runs the bf16 GEMM.
+DEQUANT_ROWS = 32
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+QUANT_SUFFIXES = (".qweight", ".scales", ".zeros")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One linear's weight as stored: ``mode`` int8 or int4, ``group_size`` input columns per
+    scale (``in_features`` for int8 per channel); ``zeros`` None when symmetric."""
+
+    mode: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        cols = int(self.qweight.shape[1])
+        return cols * 2 if self.mode == "int4" else cols
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // int(self.scales.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.qweight, self.scales] + ([] if self.zeros is None else [self.zeros])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """From the ``qweight``/``scales``/``zeros`` of one linear (suffixes without dots)."""
+        q = tensors["qweight"]
+        mode = "int8" if q.dtype == torch.int8 else "int4"
+        if mode == "int4" and q.dtype != torch.uint8:
+            raise ValueError(f"qweight of dtype {q.dtype}: expected int8 or uint8 (int4)")
+        scales = tensors["scales"].float()
+        zeros = tensors.get("zeros")
+        return QuantizedWeight(mode, q, scales, None if zeros is None else zeros.float())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"qweight": self.qweight, "scales": self.scales}
+        if self.zeros is not None:
+            out["zeros"] = self.zeros
+        return out
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes ``[out, in]`` as int32 (int4: unsigned 0..15)."""
+        if self.mode == "int8":
+            return self.qweight.to(torch.int32)
+        q = self.qweight
+        return torch.stack((q & 0x0F, q >> 4), dim=-1).reshape(q.shape[0], -1).to(torch.int32)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out, in]`` in ``dtype``: computed in fp32, rounded once."""
+        groups = self.scales.shape[1]
+        q = self.codes().float().view(self.out_features, groups, -1)
+        if self.mode == "int4":
+            q = q - 8
+        w = q * self.scales[..., None]
+        if self.zeros is not None:
+            w = w + self.zeros[..., None]
+        return w.view(self.out_features, self.in_features).to(dtype)
+
+
+def quantize(weight: torch.Tensor, mode: str, group_size: int, symmetric: bool) -> QuantizedWeight:
+    """Round-to-nearest weight-only quantization of ``weight [out, in]``.
+
+    int8 is symmetric per output channel (``group_size`` is ignored: the torch kernel takes one
+    scale per channel). int4 is per group of ``group_size`` input columns; symmetric maps
+    ``[-8 s, 7 s]`` with ``s = absmax / 8`` (zero = 0), asymmetric maps ``[min, max]`` onto 0..15.
+    """
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    if mode == "int8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", q, scale, None)
+    if mode != "int4":
+        raise ValueError(f"unknown quantization {mode!r}; use int8 or int4")
+    if group_size not in INT4_GROUP_SIZES or in_features % group_size:
+        raise ValueError(
+            f"int4 group size {group_size} must be one of {INT4_GROUP_SIZES} and divide "
+            f"in_features {in_features}"
+        )
+    g = w.view(out_features, in_features // group_size, group_size)
+    zeros: torch.Tensor | None
+    if symmetric:
+        scale = (g.abs().amax(dim=-1) / 8).clamp(min=1e-12)
+        codes = torch.round(g / scale[..., None]) + 8
+        zeros = None
+    else:
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        codes = torch.round((g - lo[..., None]) / scale[..., None])
+        zeros = lo + 8 * scale  # (q - 8) * scale + zero == q * scale + lo
+    u = codes.clamp(0, 15).to(torch.uint8).view(out_features, in_features)
+    packed = u[:, 0::2] | (u[:, 1::2] << 4)
+    return QuantizedWeight("int4", packed.contiguous(), scale, zeros)
+
+
+def concat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose output rows are each part's in turn (a fused q/k/v or gate/up)."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    if any(w.mode != first.mode or w.group_size != first.group_size for w in weights):
+        raise ValueError("fused projections must share one quantization mode and group size")
+    zeros = None
+    if any(w.zeros is not None for w in weights):
+        zeros = torch.cat([w.zeros if w.zeros is not None else 0 * w.scales for w in weights])
+    return QuantizedWeight(
+        first.mode,
+        torch.cat([w.qweight for w in weights]),
+        torch.cat([w.scales for w in weights]),
+        zeros,
+    )
+
+
+class QuantizedLinear(Projection):
+    """``act(x W^T + b)`` with ``W`` kept quantized; ``kernel`` names what runs (see the
+    module docstring): ``int8pack``, ``int4pack`` or ``dequant``."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        activation: str,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.activation = activation
+        self.mode, self.group_size = weight.mode, weight.group_size
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.kernel = _pick_kernel(weight, dtype)
+        if self.kernel == "int8pack":
+            # NOTE: a fresh (64-byte aligned) copy: torch 2.13's int8pack kernel crashes
+            # (SIGSEGV) at 2+ rows on a weight whose data is not aligned, as a tensor read from
+            # a safetensors file can be (tests/test_quantized.py holds the case).
+            self.register_buffer("qweight", torch.empty_like(weight.qweight).copy_(weight.qweight))
+            self.register_buffer("scales", weight.scales.view(-1).to(dtype))
+        elif self.kernel == "int4pack":
+            self.register_buffer(
+                "qweight",
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes().contiguous(), 1),
+            )
+            zeros = weight.zeros if weight.zeros is not None else torch.zeros_like(weight.scales)
+            # torch's layout: [in/group, out, 2], scale then zero.
+            packed = torch.stack((weight.scales, zeros), dim=-1).transpose(0, 1).contiguous()
+            self.register_buffer("scales_and_zeros", packed.to(dtype))
+        else:
+            self.register_buffer("qweight", weight.qweight)
+            self.register_buffer("scales", weight.scales)
+            self.register_buffer("zeros", weight.zeros)
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight holds in memory (quantized codes, scales and zeros)."""
+        return sum(
+            b.numel() * b.element_size()
+            for n, b in self.named_buffers()
+            if n != "bias" and b is not None
+        )
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.kernel == "int8pack" and rows <= DEQUANT_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+        elif self.kernel == "int8pack":
+            w = self.qweight.to(x.dtype) * self.scales[:, None]
+            return F.linear(x, w, self.bias)
+        elif self.kernel == "int4pack":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
+            )
+        else:
+            weight = QuantizedWeight(self.mode, self.qweight, self.scales, self.zeros)
+            return F.linear(x, weight.dequantize(x.dtype), self.bias)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        return torch.relu_(y) if self.activation == "relu" else y
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self._product(x).add_(residual)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.mode} "
+            f"group {self.group_size}, {self.kernel}"
+        )
+
+
+def _pick_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> str:
+    """The fastest correct kernel for this weight and activation dtype (module docstring)."""
+    if dtype != torch.bfloat16 or weight.qweight.device.type != "cpu":
+        return "dequant"
+    if weight.mode == "int8":
+        return "int8pack" if weight.group_size == weight.in_features else "dequant"
+    if weight.group_size in INT4_GROUP_SIZES and weight.out_features % 16 == 0:
+        return "int4pack"
+    return "dequant"
+
+
+def make_quantized(
+    linears: Sequence[nn.Linear], activation: str, dtype: torch.dtype
+) -> QuantizedLinear | None:
+    """The fused product of ``linears``, each carrying a ``quantized`` weight (the loader sets
+    it). Parts that cannot run as one quantized product (a float part beside quantized ones,
+    or parts of different modes or group sizes, as a GGUF mixing Q4_0 with Q8_0 or a K-quant
+    gives) are dequantized into their ``weight`` instead, with a warning, and None is
+    returned: the caller builds the float product, so the model loads and runs at the float
+    size for that product."""
+    parts = [getattr(lin, "quantized", None) for lin in linears]
+    kinds = {(p.mode, p.group_size) if p is not None else None for p in parts}
+    if len(kinds) == 1 and None not in kinds:
+        weight = concat([p for p in parts if p is not None])
+        return QuantizedLinear(weight, _fused_bias(linears), activation, dtype)
+    log.warning(
+        "a fused product mixes %s: its quantized parts are dequantized to %s",
+        sorted(str(k) for k in kinds),
+        dtype,
+    )
+    for lin, part in zip(linears, parts, strict=True):
+        if part is not None:
+            lin.weight = nn.Parameter(part.dequantize(dtype), requires_grad=False)
+            del lin.quantized
+    return None
+
+
+def _fused_bias(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [
+            b.detach() if b is not None else torch.zeros(lin.out_features)
+            for lin, b in zip(linears, biases, strict=True)
+        ]
+    )
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold in memory: parameters and buffers (packed and quantized
+    weights, scales), each storage once (a tied head counts once)."""
+    # By tensor identity: oneDNN's packed weights are opaque (no data pointer), and a tied
+    # parameter is listed once by ``parameters()`` already.
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is None or t.device.type == "meta" or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def quantized_kernels(model: nn.Module) -> list[str]:
+    """The kernels the model's quantized products run, sorted (empty when none)."""
+    return sorted({m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)})

@@ -1,0 +1,324 @@
+"""Weight-only quantization: the stored layout, torch's kernels against a dequantized
+reference, GGUF blocks kept exactly, and engines that answer as their dequantized twins.
+
+The reference is always the same quantized values dequantized to fp32 (never the float
+weights before quantization): what is checked is that the kernels and repacking compute
+what the codes mean, not how much quantization loses (``quanta bench quality`` measures that).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from quanta.build.checkpoint import make_checkpoint
+from quanta.build.engine_build import BuildOptions, build_engine_dir
+from quanta.build.gguf_export import write_gguf
+from quanta.build.gguf_import import gguf_to_checkpoint
+from quanta.build.gguf_kept import kept_weight
+from quanta.build.manifest import EngineManifestError, apply_manifest, read_manifest
+from quanta.build.quantization import write_dequantized
+from quanta.core.config import EngineConfig
+from quanta.core.request import SamplingParams
+from quanta.runner.quantized import QuantizedLinear, QuantizedWeight, concat, quantize
+from safetensors.torch import load_file
+
+from build_scripts import BuildError
+
+Q = gguf.GGMLQuantizationType
+PROMPTS = ["Hello, world!", "The quick brown fox 12345"]
+
+
+def _weight(rows: int = 64, cols: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("mode", "group", "symmetric", "bound"),
+    [("int8", 0, True, 1 / 254), ("int4", 32, False, 1 / 30), ("int4", 64, True, 1 / 16)],
+)
+def test_quantize_rounds_each_weight_to_its_nearest_code(mode, group, symmetric, bound):
+    w = _weight()
+    q = quantize(w, mode, group, symmetric)
+    assert (q.out_features, q.in_features) == tuple(w.shape)
+    assert (q.zeros is None) == (symmetric or mode == "int8")
+    error = (q.dequantize() - w).abs()
+    # within half a step of the range each scale covers
+    span = w.abs().amax() * 2 if symmetric else (w.amax() - w.amin())
+    assert float(error.max()) <= float(span) * bound + 1e-6
+
+
+def test_int4_codes_round_trip_through_the_nibble_layout():
+    codes = torch.randint(0, 16, (32, 64), dtype=torch.int32)
+    u = codes.to(torch.uint8)
+    packed = u[:, 0::2] | (u[:, 1::2] << 4)
+    weight = QuantizedWeight("int4", packed, torch.ones(32, 2), None)
+    assert torch.equal(weight.codes(), codes)
+
+
+@pytest.mark.parametrize(
+    ("mode", "group", "symmetric"), [("int8", 0, True), ("int4", 32, False), ("int4", 128, True)]
+)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_torch_kernels_compute_the_dequantized_product(mode, group, symmetric, rows):
+    """int8pack / int4pack in bf16 (both sides of DEQUANT_ROWS) against fp32 on the
+    dequantized weight: torch's int4pack convention is (q - 8) * scale + zero."""
+    w = quantize(_weight(96, 256), mode, group, symmetric)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(96)
+    layer = QuantizedLinear(w, bias, "none", torch.bfloat16)
+    assert layer.kernel == ("int8pack" if mode == "int8" else "int4pack")
+    ref = x.bfloat16().float() @ w.dequantize().T + bias
+    got = layer(x.bfloat16()).float()
+    assert torch.allclose(got, ref, rtol=2e-2, atol=0.15 * ref.abs().mean().item())
+
+
+def test_int8pack_runs_on_a_weight_whose_data_is_not_aligned():
+    """A weight read from safetensors may start at any byte; torch's kernel needs alignment."""
+    w = quantize(_weight(576, 576), "int8", 0, True)
+    buffer = torch.zeros(w.qweight.numel() + 1, dtype=torch.int8)
+    unaligned = buffer[1:].view(576, 576).copy_(w.qweight)
+    layer = QuantizedLinear(
+        QuantizedWeight("int8", unaligned, w.scales, None), None, "none", torch.bfloat16
+    )
+    x = torch.randn(6, 576).bfloat16()
+    assert torch.allclose(layer(x).float(), x.float() @ w.dequantize().T, rtol=2e-2, atol=0.5)
+
+
+def test_fp32_and_grouped_int8_dequantize_per_call():
+    w = quantize(_weight(), "int4", 32, False)
+    layer = QuantizedLinear(w, None, "relu", torch.float32)
+    assert layer.kernel == "dequant"
+    x = torch.randn(3, 128)
+    assert torch.allclose(layer(x), torch.relu(x @ w.dequantize().T), atol=1e-5)
+    grouped = QuantizedWeight("int8", w.codes().to(torch.int8) - 8, w.scales, None)
+    assert QuantizedLinear(grouped, None, "none", torch.bfloat16).kernel == "dequant"
+
+
+def test_fused_products_concatenate_rows_with_their_scales():
+    parts = [quantize(_weight(32 * (i + 1), seed=i), "int4", 32, False) for i in range(3)]
+    fused = concat(parts)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_gguf_blocks_are_kept_exactly(qtype):
+    """Repacked codes and scales dequantize to what llama.cpp's own dequantizer gives."""
+    w = _weight(64, 96, seed=3).numpy()
+    raw = gguf.quants.quantize(w, qtype)
+    want = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+    kept = kept_weight(raw, qtype.name, w.shape)
+    assert kept.group_size == 32
+    assert np.allclose(kept.dequantize().numpy(), want, atol=1e-6)
+
+
+# -- engines --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint("llama-tiny", tmp_path_factory.mktemp("ck") / "llama-tiny", seed=5)
+
+
+def _options(**kw) -> BuildOptions:
+    return BuildOptions(kv_cache_memory=1 << 20, host_cache_memory=0, **kw)
+
+
+def test_build_records_the_quantization_and_stores_codes(checkpoint, tmp_path):
+    m = build_engine_dir(
+        checkpoint, tmp_path / "e", _options(dtype="float32", quantization="int4", group_size=32)
+    )
+    q = m.quantization
+    assert q is not None and (q.mode, q.group_size, q.symmetric) == ("int4", 32, False)
+    # llama-tiny's down projection is 176 wide: no whole groups of 32, so it stays float
+    assert all(n.endswith("down_proj.weight") for n in q.not_quantized)
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert stored["model.layers.0.self_attn.q_proj.qweight"].dtype == torch.uint8
+    assert "model.layers.0.self_attn.q_proj.weight" not in stored
+    assert "model.embed_tokens.weight" in stored  # the embedding is not quantized
+    assert read_manifest(tmp_path / "e") == m
+
+
+def test_the_load_check_refuses_another_quantization(checkpoint, tmp_path):
+    m = build_engine_dir(checkpoint, tmp_path / "e", _options(quantization="int8"))
+    apply_manifest(EngineConfig(model="e", quantization="int8"), m)
+    with pytest.raises(EngineManifestError, match="built with quantization int8"):
+        apply_manifest(EngineConfig(model="e", quantization="int4"), m)
+    plain = build_engine_dir(checkpoint, tmp_path / "f", _options())
+    with pytest.raises(EngineManifestError, match="quantization none"):
+        apply_manifest(EngineConfig(model="f", quantization="int8"), plain)
+
+
+def test_keep_needs_a_quantized_gguf(checkpoint, tmp_path):
+    with pytest.raises(BuildError, match="keep needs a GGUF"):
+        build_engine_dir(checkpoint, tmp_path / "e", _options(quantization="keep"))
+
+
+def test_gguf_keep_writes_kept_tensors_with_q_and_k_rows_unpermuted(checkpoint, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(checkpoint, path, qtype=Q.Q4_1)
+    floats, kept = tmp_path / "floats", tmp_path / "kept"
+    floats.mkdir()
+    kept.mkdir()
+    gguf_to_checkpoint(path, floats)
+    summary = gguf_to_checkpoint(path, kept, keep=frozenset({"Q4_1"}))
+    assert summary.kept is not None and summary.kept.kept["Q4_1"] > 0
+    want = load_file(str(floats / "model.safetensors"))
+    got = load_file(str(kept / "model.safetensors"))
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj"):
+        base = f"model.layers.1.{name}"
+        weight = QuantizedWeight.from_tensors(
+            {p: got[f"{base}.{p}"] for p in ("qweight", "scales", "zeros")}
+        )
+        assert torch.allclose(weight.dequantize(), want[f"{base}.weight"], atol=1e-6), name
+
+
+def _answers(engine: Path, dtype: str) -> list[list[int]]:
+    from quanta.frontends.offline import LLM
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return [list(r.token_ids) for r in LLM(str(engine), dtype=dtype).generate(PROMPTS, params)]
+
+
+def _logprobs(engine: Path, dtype: str) -> torch.Tensor:
+    from quanta.bench.quality import quanta_token_logprobs
+    from quanta.frontends.offline import LLM
+
+    ids = [(7 * i + 3) % 200 + 1 for i in range(40)]
+    return torch.tensor(quanta_token_logprobs(LLM(str(engine), dtype=dtype), ids))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(
+    ("source", "quantization"),
+    [("hf", "int8"), ("hf", "int4"), ("gguf-Q4_1", "keep"), ("opt", "int8"), ("opt", "int4")],
+)
+def test_quantized_engine_answers_as_its_dequantized_reference(
+    checkpoint, tmp_path, source, quantization
+):
+    """fp32 (the dequantizing kernel): greedy answers equal those of a float engine holding
+    the same quantized values dequantized (OPT: biases and the ReLU fused on the product)."""
+    src: Path = checkpoint
+    if source == "opt":
+        src = make_checkpoint("opt-tiny", tmp_path / "opt", seed=3)
+    if source.startswith("gguf"):
+        src = tmp_path / "m.gguf"
+        write_gguf(checkpoint, src, qtype=Q[source.removeprefix("gguf-")])
+    engine = tmp_path / "quantized"
+    options = _options(dtype="float32", quantization=quantization, group_size=32)
+    build_engine_dir(src, engine, options)
+    reference = write_dequantized(engine, tmp_path / "reference")
+    assert json.loads((reference / "config.json").read_text())["torch_dtype"] == "float32"
+    assert _answers(engine, "float32") == _answers(reference, "float32")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(("source", "quantization"), [("hf", "int8"), ("gguf-Q4_1", "keep")])
+def test_bf16_kernels_stay_within_bf16_rounding_of_the_reference(
+    checkpoint, tmp_path, source, quantization
+):
+    """bf16 (int8pack, int4pack): a random tiny model's logits are too flat for greedy
+    answers to survive any rounding, so the log-probabilities of a fixed text are compared:
+    the quantized engine is no further from the fp32 reference than the reference itself
+    run in bf16 (float kernels) is."""
+    src: Path = checkpoint
+    if source.startswith("gguf"):
+        src = tmp_path / "m.gguf"
+        write_gguf(checkpoint, src, qtype=Q[source.removeprefix("gguf-")])
+    engine = tmp_path / "quantized"
+    build_engine_dir(src, engine, _options(dtype="bfloat16", quantization=quantization))
+    reference = write_dequantized(engine, tmp_path / "reference")
+    want = _logprobs(reference, "float32")
+    rounding = float((_logprobs(reference, "bfloat16") - want).abs().max())
+    error = float((_logprobs(engine, "bfloat16") - want).abs().max())
+    assert error <= 2 * rounding + 1e-3, (error, rounding)
+
+
+@pytest.mark.engine
+def test_a_tied_head_is_quantized_from_the_embedding_in_a_group_that_divides(tmp_path):
+    """SmolLM2-like widths: 128 does not divide 576, so 64 is taken and recorded; the tied
+    head is written under its own name and the engine answers as its dequantized twin."""
+    from safetensors.torch import save_file
+
+    ck = make_checkpoint("llama-tiny", tmp_path / "ck", seed=2)
+    config = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    weights = load_file(str(ck / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    m = build_engine_dir(
+        ck,
+        tmp_path / "e",
+        _options(dtype="float32", quantization="int4", group_size=128, quantize_lm_head=True),
+    )
+    q = m.quantization
+    assert q is not None and q.lm_head and q.group_size is None  # 64-wide inputs: group 64
+    assert set(q.smaller_groups.values()) == {64}
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert "lm_head.qweight" in stored and "model.embed_tokens.weight" in stored
+    reference = write_dequantized(tmp_path / "e", tmp_path / "reference")
+    assert _answers(tmp_path / "e", "float32") == _answers(reference, "float32")
+
+
+def test_the_cli_takes_tensorrt_llms_weight_only_flags(checkpoint, tmp_path):
+    from quanta.cli import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    base = ["build", str(checkpoint), "--kv-cache-memory", "1MiB", "--host-cache-memory", "0"]
+    result = runner.invoke(
+        app,
+        [*base, "--out", str(tmp_path / "e"), "--use_weight_only", "--weight_only_precision",
+         "int4", "--group-size", "32"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "quantization: int4, group 32, asymmetric" in result.output
+    m = read_manifest(tmp_path / "e")
+    assert m is not None and m.quantization is not None and m.quantization.mode == "int4"
+    clash = runner.invoke(
+        app,
+        [*base, "--out", str(tmp_path / "f"), "--quantization", "int8", "--use-weight-only",
+         "--weight-only-precision", "int4"],
+    )  # fmt: skip
+    assert clash.exit_code != 0 and "contradicts" in clash.output
+
+
+def test_a_triton_model_can_require_the_engines_quantization(tmp_path):
+    from quanta.frontends.triton.settings import parse_parameters
+
+    engine, _ = parse_parameters({"model_dir": "engines/x", "quantization": "int4"}, cwd=tmp_path)
+    assert engine.quantization == "int4"
+
+
+def test_a_product_mixing_quantized_and_float_parts_runs_dequantized(caplog):
+    """A GGUF may store q as Q4_1 and v as Q8_0 or a K-quant (dequantized): the fused q/k/v
+    cannot be one quantized product, so its parts are dequantized and it runs in float."""
+    from quanta.runner.linear import ProjectionFactory, TorchLinear
+    from torch import nn
+
+    q = nn.Linear(64, 32, bias=False)
+    v = nn.Linear(64, 32, bias=False)
+    k = nn.Linear(64, 32, bias=False)
+    q.quantized = quantize(q.weight.detach(), "int4", 32, False)
+    k.quantized = quantize(k.weight.detach(), "int8", 0, True)
+    want = torch.cat([q.quantized.dequantize(), k.quantized.dequantize(), v.weight.detach()])
+    product = ProjectionFactory("torch")([q, k, v])
+    assert isinstance(product, TorchLinear)
+    assert "mixes" in caplog.text
+    x = torch.randn(3, 64)
+    assert torch.allclose(product(x), x @ want.T, atol=1e-5)
+
+
+def test_the_head_can_take_another_mode_than_the_layers(checkpoint, tmp_path):
+    m = build_engine_dir(
+        checkpoint,
+        tmp_path / "e",
+        _options(quantization="int4", quantize_lm_head=True, lm_head_quantization="int8"),
+    )
+    assert m.quantization is not None
+    assert (m.quantization.mode, m.quantization.lm_head_mode) == ("int4", "int8")
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert stored["lm_head.qweight"].dtype == torch.int8
+    assert stored["model.layers.0.mlp.gate_proj.qweight"].dtype == torch.uint8
