@@ -24,6 +24,7 @@ from quanta.build.manifest import EngineManifestError, apply_manifest, read_mani
 from quanta.build.quantization import write_dequantized
 from quanta.core.config import EngineConfig
 from quanta.core.request import SamplingParams
+from quanta.runner import panel_linear, quantized
 from quanta.runner.quantized import QuantizedLinear, QuantizedWeight, concat, quantize
 from safetensors.torch import load_file
 
@@ -71,22 +72,53 @@ def test_torch_kernels_compute_the_dequantized_product(mode, group, symmetric, r
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(96)
     layer = QuantizedLinear(w, bias, "none", torch.bfloat16)
-    assert layer.kernel == ("int8pack" if mode == "int8" else "int4pack")
+    int8 = (
+        "native-int8" if panel_linear.supports(torch.bfloat16, torch.device("cpu")) else "int8pack"
+    )
+    assert layer.kernel == (int8 if mode == "int8" else "int4pack")
     ref = x.bfloat16().float() @ w.dequantize().T + bias
     got = layer(x.bfloat16()).float()
     assert torch.allclose(got, ref, rtol=2e-2, atol=0.15 * ref.abs().mean().item())
 
 
-def test_int8pack_runs_on_a_weight_whose_data_is_not_aligned():
-    """A weight read from safetensors may start at any byte; torch's kernel needs alignment."""
+@pytest.mark.parametrize("panel", [True, False])
+def test_int8pack_runs_on_a_weight_whose_data_is_not_aligned(panel, monkeypatch):
+    """A weight read from safetensors may start at any byte; torch's kernel needs alignment
+    (run with the panel kernel, which packs a copy, and without it, as on CPUs lacking it)."""
+    if panel and not panel_linear.supports(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no AVX512_BF16 here")
+    if not panel:
+        monkeypatch.setattr(quantized.panel_linear, "supports", lambda *_: False)
     w = quantize(_weight(576, 576), "int8", 0, True)
     buffer = torch.zeros(w.qweight.numel() + 1, dtype=torch.int8)
     unaligned = buffer[1:].view(576, 576).copy_(w.qweight)
     layer = QuantizedLinear(
         QuantizedWeight("int8", unaligned, w.scales, None), None, "none", torch.bfloat16
     )
+    assert layer.kernel == ("native-int8" if panel else "int8pack")
     x = torch.randn(6, 576).bfloat16()
     assert torch.allclose(layer(x).float(), x.float() @ w.dequantize().T, rtol=2e-2, atol=0.5)
+
+
+@pytest.mark.skipif(
+    not panel_linear.supports(torch.bfloat16, torch.device("cpu")), reason="no AVX512_BF16"
+)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize(("n", "k"), [(130, 37), (64, 576)])
+def test_native_int8_rounds_the_exact_product_once(rows, n, k):
+    """The panel kernel on int8 codes, both of its paths (codes read directly up to 4 rows,
+    the panel widened once above): the exact sum of x * code, times the column's scale, plus
+    the bias, rounded once to bf16 (one bf16 step for the order of the fp32 sums)."""
+    gen = torch.Generator().manual_seed(rows + n + k)
+    w = quantize(torch.randn(n, k, generator=gen), "int8", 0, True)
+    bias = torch.randn(n, generator=gen)
+    layer = QuantizedLinear(w, bias, "none", torch.bfloat16)
+    assert layer.kernel == "native-int8"
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    exact = x.double() @ w.qweight.double().T * w.scales.double().view(1, -1)
+    exact = exact + bias.bfloat16().double()
+    got = layer(x).double()
+    assert ((got - exact).abs() <= exact.abs().clamp_min(1e-2) * 2.0**-7 + 1e-6 * k).all()
 
 
 def test_fp32_and_grouped_int8_dequantize_per_call():

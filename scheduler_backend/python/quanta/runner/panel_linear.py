@@ -44,6 +44,11 @@ class PanelLibrary:
         self._product = library.quanta_panel_bf16
         self._product.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         self._product.restype = None
+        self._pack_i8 = library.quanta_panel_pack_i8
+        self._pack_i8.argtypes, self._pack_i8.restype = [p, p, i64, i64], None
+        self._product_i8 = library.quanta_panel_i8
+        self._product_i8.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
+        self._product_i8.restype = None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` ``[N, K]`` bf16 in the kernel's panel layout (a flat bf16 tensor)."""
@@ -52,6 +57,40 @@ class PanelLibrary:
         packed = torch.empty(self._size(n, k), dtype=torch.bfloat16)
         self._pack(packed.data_ptr(), weight.data_ptr(), n, k)
         return packed
+
+    def pack_int8(self, codes: torch.Tensor) -> torch.Tensor:
+        """int8 ``codes`` ``[N, K]`` in the same panel layout (a flat int8 tensor)."""
+        codes = codes.detach().contiguous()
+        n, k = codes.shape
+        packed = torch.empty(self._size(n, k), dtype=torch.int8)
+        self._pack_i8(packed.data_ptr(), codes.data_ptr(), n, k)
+        return packed
+
+    def product_int8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+    ) -> torch.Tensor:
+        """``x [rows, K] (codes * scales)^T (+ bias)``: bf16 in and out, fp32 ``scales [N]``."""
+        x = x.contiguous()
+        rows, k = x.shape
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        if rows:
+            self._product_i8(
+                y.data_ptr(),
+                x.data_ptr(),
+                packed.data_ptr(),
+                scales.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                rows,
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+        return y
 
     def product(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int

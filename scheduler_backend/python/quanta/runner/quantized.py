@@ -13,12 +13,18 @@ torch's own ``_weight_int4pack_mm_for_cpu`` convention (checked numerically in
 ``tests/test_quantized.py``), so llama.cpp's Q4_0 (``d * (q - 8)``) is ``zero = 0`` and Q4_1
 (``d * q + m``) is ``zero = m + 8d``: both are kept exactly, without a round trip through bf16.
 
-Kernels are torch's, chosen per call by row count (``kernel_names`` says which can run):
+Kernels, chosen at load (``kernel`` names the one that runs):
 
-- int8 per-channel, bf16: ``_weight_int8pack_mm`` up to ``DEQUANT_ROWS`` rows (decode); above
-  it the weight is dequantized to bf16 for the call and the bf16 GEMM runs (prefill), since
-  torch's int8 kernel is slower than dequantize-then-GEMM there (measured: 3.5 ms against
-  1.2 + 1.9 ms for a 3072x576 product at 32 rows, one thread);
+- int8 per-channel, bf16, on a CPU with AVX512_BF16: ``native-int8``, the panel kernel of
+  ``panel_linear.c`` reading int8 codes (widened to bf16 in registers, which holds every
+  code exactly; the column's scale applied to the fp32 sum): half bf16's bytes at one row,
+  1.5x the bf16 panel kernel and 1.6-1.9x torch's int8 kernel there; from 5 rows up each
+  64-column panel is widened once into L2 and the bf16 path reads it (0.9-0.95x bf16's
+  speed, 1.1-1.4x torch's int8 kernel; micro-benchmark in docs/quantization.md);
+- int8 per-channel, bf16, elsewhere: ``_weight_int8pack_mm`` up to ``DEQUANT_ROWS`` rows
+  (decode); above it the weight is dequantized to bf16 for the call and the bf16 GEMM runs
+  (prefill), since torch's int8 kernel is slower than dequantize-then-GEMM there (measured:
+  3.5 ms against 1.2 + 1.9 ms for a 3072x576 product at 32 rows, one thread);
 - int4 grouped, bf16: ``_weight_int4pack_mm_for_cpu`` at every row count (the packed layout
   cannot be dequantized cheaply, and keeping an unpacked copy would double the memory);
 - grouped int8 (GGUF Q8_0, group 32) and every fp32 engine: dequantize per call, then the
@@ -37,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quanta.runner import panel_linear
 from quanta.runner.linear import Projection
 
 log = logging.getLogger(__name__)
@@ -182,7 +189,12 @@ class QuantizedLinear(Projection):
         self.mode, self.group_size = weight.mode, weight.group_size
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.kernel = _pick_kernel(weight, dtype)
-        if self.kernel == "int8pack":
+        library = panel_linear.load() if self.kernel == "native-int8" else None
+        self._library = library
+        if library is not None:
+            self.register_buffer("qweight", library.pack_int8(weight.qweight))
+            self.register_buffer("scales", weight.scales.view(-1).float().contiguous())
+        elif self.kernel == "int8pack":
             # NOTE: a fresh (64-byte aligned) copy: torch 2.13's int8pack kernel crashes
             # (SIGSEGV) at 2+ rows on a weight whose data is not aligned, as a tensor read from
             # a safetensors file can be (tests/test_quantized.py holds the case).
@@ -214,6 +226,10 @@ class QuantizedLinear(Projection):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self._library is not None:
+            return self._library.product_int8(
+                x, self.qweight, self.scales, self.bias, self.out_features
+            )
         if self.kernel == "int8pack" and rows <= DEQUANT_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
         elif self.kernel == "int8pack":
@@ -247,7 +263,9 @@ def _pick_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> str:
     if dtype != torch.bfloat16 or weight.qweight.device.type != "cpu":
         return "dequant"
     if weight.mode == "int8":
-        return "int8pack" if weight.group_size == weight.in_features else "dequant"
+        if weight.group_size != weight.in_features:
+            return "dequant"
+        return "native-int8" if panel_linear.supports(dtype, weight.qweight.device) else "int8pack"
     if weight.group_size in INT4_GROUP_SIZES and weight.out_features % 16 == 0:
         return "int4pack"
     return "dequant"
