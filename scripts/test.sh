@@ -3,22 +3,40 @@
 # not marked live (a running tritonserver), engine (a real forward pass or HF transformers) or
 # slow (opt-125m, Locust, packaging, supervision). `--all` runs the whole suite, as CI does.
 # Other arguments go to pytest (`bash scripts/test.sh tests/test_sim.py -k repro`).
+#
+# A whole tier runs on QUANTA_TEST_WORKERS pytest-xdist workers (default 2, one per core of
+# the CI machine; 0 runs in this process): most live and engine tests wait on servers and
+# subprocesses, so a second worker uses the core the first leaves idle. Each module is one
+# unit of work and the modules on the shared server one more (tests/conftest.py). A run that
+# picks tests (a path, a node id or -k) runs in this process, with no workers to start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=(-m "not live and not engine and not slow")
 args=()
+workers=${QUANTA_TEST_WORKERS:-2}
 for arg in "$@"; do
     if [ "$arg" = "--all" ]; then
         tier=()
     else
         args+=("$arg")
+        case "$arg" in
+            -k* | *::* | -n* | --numprocesses*) workers=0 ;;
+            -*) ;;
+            *) [ -e "$arg" ] && workers=0 ;;
+        esac
     fi
 done
+parallel=()
+if [ "$workers" -gt 1 ]; then
+    # one module a unit of work, the shared server's modules one more (tests/conftest.py)
+    parallel=(-n "$workers" --dist loadscope --no-loadscope-reorder)
+fi
 bash scripts/setup.sh
 .venv/bin/ruff check .
 # --durations: a slow test that lands in the fast tier shows at the top of this list.
 status=0
-.venv/bin/python -m pytest -q --durations=25 ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"} || status=$?
+.venv/bin/python -m pytest -q --durations=25 ${parallel[@]+"${parallel[@]}"} \
+    ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"} || status=$?
 # 5: no test was selected (a -k or a path outside the tier), which is not a failure
 if [ "$status" -eq 5 ]; then
     status=0

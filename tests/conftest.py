@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ast
 import os
 import sys
 from pathlib import Path
@@ -69,11 +70,64 @@ class LoopFactory:
 
 
 @pytest.hookimpl(tryfirst=True)  # NOTE: before `-m` deselects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the shared server is ``live`` whether or not it says so."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that uses the shared server is ``live`` whether or not it says so; on a
+    pytest-xdist worker (``scripts/test.sh``), the heaviest modules come first."""
     for item in items:
         if "triton" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.live)
+    if hasattr(config, "workerinput"):
+        heaviest_first(items)
+
+
+# -- pytest-xdist: what each worker runs -------------------------------------------------------
+# A module holding slow tests weighs most, then one with live or engine tests, then the rest.
+_WEIGHT = {"slow": 0, "live": 1, "engine": 2}
+SHARED_SERVER = "the shared tritonserver"
+
+
+def heaviest_first(items: list[pytest.Item]) -> None:
+    """Modules ordered by weight (stably: collection order among equals), so the long ones
+    start at once and the short ones fill in at the end and the workers finish together. The
+    scheduler hands out work units in this order (``--no-loadscope-reorder``)."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def weight(module: list[pytest.Item]) -> int:
+        marks = {mark.name for item in module for mark in item.iter_markers()}
+        return min((w for name, w in _WEIGHT.items() if name in marks), default=len(_WEIGHT))
+
+    items[:] = [item for module in sorted(modules.values(), key=weight) for item in module]
+
+
+def shared_server_modules(tests: Path) -> set[str]:
+    """Test modules (as node ids name them) with a test or fixture taking ``triton``."""
+    found = set()
+    for path in tests.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        functions = (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+        if any(arg.arg == "triton" for f in functions for arg in f.args.args):
+            found.add(f"{tests.name}/{path.name}")
+    return found
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # NOTE: a pytest-xdist hook; before its own
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Each module is one unit of work for one worker, so its module-scoped fixtures (servers
+    included) are built once, except that the modules on the shared server form one unit, so
+    a run starts one tritonserver, not one per worker. (``--dist loadgroup`` with marks would
+    say this, but pytest-xdist 3.8 groups by renaming node ids, which pytest 9.2 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    shared = shared_server_modules(Path(__file__).parent)
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_SERVER if module in shared else module
+
+    return ModuleScheduling(config, log)
 
 
 # -- shared, built once per session -----------------------------------------------------------

@@ -52,6 +52,12 @@ def prompt_ids(engine: Path) -> list[list[int]]:
     return [quality.tokenize(engine, p) for p in quality.chat_prompts(engine)]
 
 
+@pytest.fixture(scope="module")
+def fp32_answers(engine: Path, prompt_ids) -> list[list[int]]:
+    """The fp32 engine's greedy answers, run once for the two tests that compare with them."""
+    return quality.quanta_greedy(engine, prompt_ids, max_tokens=32)
+
+
 def test_the_manifest_names_the_gguf_source(engine: Path, gguf: Path):
     manifest = json.loads((engine / "quanta_engine.json").read_text())
     assert manifest["source"]["format"] == "gguf"
@@ -59,10 +65,10 @@ def test_the_manifest_names_the_gguf_source(engine: Path, gguf: Path):
     assert manifest["model"]["num_layers"] == 30 and manifest["model"]["num_kv_heads"] == 3
 
 
-def test_greedy_answers_equal_hf_fp32(engine: Path, hf, prompt_ids):
+def test_greedy_answers_equal_hf_fp32(engine: Path, hf, prompt_ids, fp32_answers):
     assert len(prompt_ids) >= 20
     eos = load_model_config(engine).eos_token_ids
-    ours = quality.quanta_greedy(engine, prompt_ids, max_tokens=32)
+    ours = fp32_answers
     theirs = quality.hf_greedy(hf, prompt_ids, 32, eos)
     comparison = quality.compare_greedy(ours, theirs)
     assert comparison.identical == len(CHAT_QUESTIONS), comparison.first_difference
@@ -70,14 +76,13 @@ def test_greedy_answers_equal_hf_fp32(engine: Path, hf, prompt_ids):
     assert "Paris" in answer, answer
 
 
-def test_bf16_answers_and_agreement_with_fp32(gguf: Path, engine: Path, prompt_ids, capsys):
+def test_bf16_answers_and_agreement_with_fp32(gguf: Path, prompt_ids, fp32_answers, capsys):
     import torch
     from quanta.runner.linear import onednn_supports
 
     if not onednn_supports(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this CPU runs no bf16 through oneDNN")
     bf16 = engine_for_gguf(gguf, dtype="bfloat16")
-    fp32_answers = quality.quanta_greedy(engine, prompt_ids, max_tokens=32)
     bf16_answers = quality.quanta_greedy(bf16, prompt_ids, max_tokens=32)
     comparison = quality.compare_greedy(bf16_answers, fp32_answers)
     with capsys.disabled():
