@@ -3,6 +3,7 @@ from __future__ import annotations
 import ast
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -165,11 +166,23 @@ def llama_tiny(tiny_checkpoint: TinyCheckpoints) -> Path:
 def triton(tmp_path_factory: pytest.TempPathFactory, opt_tiny: Path):
     """The session's one tritonserver, serving ``opt_tiny`` in every variant the live tests
     need (``serving.shared_models``); started on first use, always stopped."""
+    from quanta.frontends.triton.launcher import LaunchError
     from serving import SharedTriton
 
     shared = SharedTriton(tmp_path_factory.mktemp("triton"), opt_tiny)
     try:
-        yield shared.start()
+        try:
+            shared.start(timeout=150)
+        except LaunchError as exc:
+            # NOTE: once, on a machine at load 7, one of the repository's Python-backend
+            # models logged "serving" and Triton never marked it loaded. A second server is
+            # started rather than failing every live test; the first one's log stays in
+            # the report (a real failure fails the second start too).
+            warnings.warn(f"the shared tritonserver did not start: {exc}", stacklevel=1)
+            shared.stop()
+            shared = SharedTriton(tmp_path_factory.mktemp("triton"), opt_tiny)
+            shared.start()
+        yield shared
     finally:
         shared.stop()
 
