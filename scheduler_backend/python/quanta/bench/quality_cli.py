@@ -58,11 +58,14 @@ def bench_quality(
         python = llama_cpp_venv / "bin" / "python"
         if not python.is_file():
             raise typer.BadParameter(f"no {python}", param_hint="--llama-cpp-venv")
+    bf16_runs = onednn_supports(torch.bfloat16, torch.device("cpu"))
     if bf16 is None:
-        bf16 = onednn_supports(torch.bfloat16, torch.device("cpu"))
+        bf16 = bf16_runs
     fp32_engine = engine_from_gguf(gguf, "float32")
     bf16_engine = engine_from_gguf(gguf, "bfloat16") if bf16 else None
-    q_dtype = "bfloat16" if bf16 else "float32"
+    # Quantized engines run bf16 activations wherever the CPU runs bf16 (their packed kernels
+    # need it; in fp32 every call dequantizes), whether or not the bf16 check is asked for.
+    q_dtype = "bfloat16" if bf16_runs else "float32"
     quantized = {
         f"quanta-{mode}-{q_dtype}": engine_from_gguf(gguf, q_dtype, mode)
         for mode in quantization or []
