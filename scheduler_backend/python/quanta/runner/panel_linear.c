@@ -43,31 +43,33 @@ int64_t quanta_panel_packed_size(int64_t n, int64_t k) {
     return ((n + PANEL - 1) / PANEL) * PANEL * ((k + 1) / 2) * 2;
 }
 
-/* w [n, k] row-major -> packed (zeros where n or k is padded). */
-void quanta_panel_pack(uint16_t *packed, const uint16_t *w, int64_t n, int64_t k) {
+/* w [n, k] row-major -> packed, for elements of `size` bytes (zeros where n or k is padded). */
+static inline __attribute__((always_inline)) void pack(void *packed, const void *w, int64_t n,
+                                                      int64_t k, size_t size) {
     int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
+    char *out = packed;
+    const char *in = w;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t kp = 0; kp < pairs; kp++)
             for (int64_t i = 0; i < PANEL; i++)
                 for (int64_t c = 0; c < 2; c++) {
                     int64_t row = p * PANEL + i, col = kp * 2 + c;
-                    packed[((p * pairs + kp) * PANEL + i) * 2 + c] =
-                        row < n && col < k ? w[row * k + col] : 0;
+                    char *at = out + (((p * pairs + kp) * PANEL + i) * 2 + c) * size;
+                    if (row < n && col < k)
+                        memcpy(at, in + (row * k + col) * size, size);
+                    else
+                        memset(at, 0, size);
                 }
 }
 
-/* The same layout for int8 codes (one byte each): weight-only int8 with a scale per output
- * column, the weight being code * scale. */
+void quanta_panel_pack(uint16_t *packed, const uint16_t *w, int64_t n, int64_t k) {
+    pack(packed, w, n, k, sizeof *w);
+}
+
+/* The same layout for int8 codes: weight-only int8 with a scale per output column, the
+ * weight being code * scale. */
 void quanta_panel_pack_i8(int8_t *packed, const int8_t *w, int64_t n, int64_t k) {
-    int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t kp = 0; kp < pairs; kp++)
-            for (int64_t i = 0; i < PANEL; i++)
-                for (int64_t c = 0; c < 2; c++) {
-                    int64_t row = p * PANEL + i, col = kp * 2 + c;
-                    packed[((p * pairs + kp) * PANEL + i) * 2 + c] =
-                        row < n && col < k ? w[row * k + col] : 0;
-                }
+    pack(packed, w, n, k, sizeof *w);
 }
 
 #if QUANTA_PANEL
@@ -78,20 +80,30 @@ static inline int32_t pair(const uint16_t *x, int64_t k, int64_t kp) {
     return (int32_t)(lo | (hi << 16));
 }
 
-/* R rows of x against one panel: y[r, n0 .. n0 + PANEL) for r < R. */
+/* 32 int8 codes widened to bf16 (exact: bf16 holds every integer of -128..127). */
+static inline __m512bh widen(const int8_t *codes) {
+    __m256i c = _mm256_loadu_si256((const __m256i *)codes);
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* R rows of x against one panel: y[r, n0 .. n0 + PANEL) for r < R. The panel holds bf16
+ * weights, or int8 codes (`int8`, a constant at every call, so each instance has one path)
+ * widened in registers for the same pair dot product: half the bytes for four more
+ * instructions per 32 weights, still memory-bound at one row. With `scales` each column's
+ * scale multiplies the fp32 sum. */
 static inline __attribute__((always_inline)) void panel_rows(
-    uint16_t *y, const uint16_t *x, const uint16_t *panel, const float *scales,
+    uint16_t *y, const uint16_t *x, const void *panel, int int8, const float *scales,
     const uint16_t *bias, int R, int64_t n, int64_t k, int64_t n0) {
-    const int64_t pairs = (k + 1) / 2, even = k / 2;
+    const int64_t pairs = (k + 1) / 2, even = k / 2, size = int8 ? 1 : 2;
     __m512 acc[ROWS][PANEL / 16];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < PANEL / 16; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < pairs; kp++) {
-        const uint16_t *wp = panel + kp * PANEL * 2;
-        _mm_prefetch((const char *)wp + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)wp + PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)wp + PREFETCH + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)wp + PREFETCH + 192, _MM_HINT_T0);
+        const char *wp = (const char *)panel + kp * PANEL * 2 * size;
+        for (int line = 0; line < 2 * size; line++)
+            _mm_prefetch(wp + PREFETCH + 64 * line, _MM_HINT_T0);
         __m512bh xv[ROWS];
         for (int r = 0; r < R; r++) {
             const uint16_t *xr = x + r * k;
@@ -103,7 +115,9 @@ static inline __attribute__((always_inline)) void panel_rows(
             xv[r] = (__m512bh)_mm512_set1_epi32(word);
         }
         for (int v = 0; v < PANEL / 16; v++) {
-            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wp + v * 32));
+            const char *at = wp + v * 32 * size;
+            __m512bh wv = int8 ? widen((const int8_t *)at)
+                               : (__m512bh)_mm512_loadu_si512((const void *)at);
             for (int r = 0; r < R; r++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv, xv[r]);
         }
     }
@@ -124,18 +138,30 @@ static inline __attribute__((always_inline)) void panel_rows(
 }
 
 /* Every row of x against one panel, ROWS rows at a time (the panel stays in L2). */
-static void panel_all(uint16_t *y, const uint16_t *x, const uint16_t *panel,
-                      const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
-                      int64_t k, int64_t n0) {
+static inline __attribute__((always_inline)) void panel_all(
+    uint16_t *y, const uint16_t *x, const void *panel, int int8, const float *scales,
+    const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t n0) {
     int64_t r = 0;
     for (; r + ROWS <= rows; r += ROWS)
-        panel_rows(y + r * n, x + r * k, panel, scales, bias, ROWS, n, k, n0);
+        panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, ROWS, n, k, n0);
     switch (rows - r) {
-    case 3: panel_rows(y + r * n, x + r * k, panel, scales, bias, 3, n, k, n0); break;
-    case 2: panel_rows(y + r * n, x + r * k, panel, scales, bias, 2, n, k, n0); break;
-    case 1: panel_rows(y + r * n, x + r * k, panel, scales, bias, 1, n, k, n0); break;
+    case 3: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, 3, n, k, n0); break;
+    case 2: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, 2, n, k, n0); break;
+    case 1: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, 1, n, k, n0); break;
     default: break;
     }
+}
+
+static void panel_all_bf16(uint16_t *y, const uint16_t *x, const uint16_t *panel,
+                           const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
+                           int64_t k, int64_t n0) {
+    panel_all(y, x, panel, 0, scales, bias, rows, n, k, n0);
+}
+
+static void panel_all_i8(uint16_t *y, const uint16_t *x, const int8_t *panel,
+                         const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
+                         int64_t k, int64_t n0) {
+    panel_all(y, x, panel, 1, scales, bias, rows, n, k, n0);
 }
 
 /* y [rows, n] = x [rows, k] W^T (+ bias [n]); W packed by quanta_panel_pack; bf16,
@@ -145,68 +171,7 @@ void quanta_panel_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
     const int64_t panels = (n + PANEL - 1) / PANEL, stride = ((k + 1) / 2) * PANEL * 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t p = 0; p < panels; p++)
-        panel_all(y, x, packed + p * stride, NULL, bias, rows, n, k, p * PANEL);
-}
-
-/* int8 codes: 32 codes (16 columns x 2 pairs) widened to fp32 and narrowed to bf16, which
- * holds every integer of -128..127 exactly, then the same pair dot product as bf16 weights;
- * the column's scale multiplies the fp32 sum. Half the bytes of bf16 for four more
- * instructions per 32 weights: still memory-bound at one row. */
-static inline __attribute__((always_inline)) void panel_rows_i8(
-    uint16_t *y, const uint16_t *x, const int8_t *panel, const float *scales,
-    const uint16_t *bias, int R, int64_t n, int64_t k, int64_t n0) {
-    const int64_t pairs = (k + 1) / 2, even = k / 2;
-    __m512 acc[ROWS][PANEL / 16];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < PANEL / 16; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < pairs; kp++) {
-        const int8_t *wp = panel + kp * PANEL * 2;
-        _mm_prefetch((const char *)wp + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)wp + PREFETCH + 64, _MM_HINT_T0);
-        __m512bh xv[ROWS];
-        for (int r = 0; r < R; r++) {
-            const uint16_t *xr = x + r * k;
-            int32_t word;
-            if (kp < even)
-                memcpy(&word, xr + 2 * kp, sizeof word);
-            else
-                word = pair(xr, k, kp);
-            xv[r] = (__m512bh)_mm512_set1_epi32(word);
-        }
-        for (int v = 0; v < PANEL / 16; v++) {
-            __m256i codes = _mm256_loadu_si256((const __m256i *)(wp + v * 32));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
-            __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-            for (int r = 0; r < R; r++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv, xv[r]);
-        }
-    }
-    for (int v = 0; v < PANEL / 16; v++) {
-        int64_t col = n0 + v * 16;
-        if (col >= n) break;
-        int64_t left = n - col;
-        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        __m512 s = _mm512_maskz_loadu_ps(m, scales + col);
-        __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, bias + col))
-                        : _mm512_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            __m256bh out = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][v], s, b));
-            _mm256_mask_storeu_epi16(y + r * n + col, m, (__m256i)out);
-        }
-    }
-}
-
-static void panel_all_i8(uint16_t *y, const uint16_t *x, const int8_t *panel, const float *scales,
-                         const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t n0) {
-    int64_t r = 0;
-    for (; r + ROWS <= rows; r += ROWS)
-        panel_rows_i8(y + r * n, x + r * k, panel, scales, bias, ROWS, n, k, n0);
-    switch (rows - r) {
-    case 3: panel_rows_i8(y + r * n, x + r * k, panel, scales, bias, 3, n, k, n0); break;
-    case 2: panel_rows_i8(y + r * n, x + r * k, panel, scales, bias, 2, n, k, n0); break;
-    case 1: panel_rows_i8(y + r * n, x + r * k, panel, scales, bias, 1, n, k, n0); break;
-    default: break;
-    }
+        panel_all_bf16(y, x, packed + p * stride, NULL, bias, rows, n, k, p * PANEL);
 }
 
 /* y [rows, n] = x [rows, k] (codes * scales)^T (+ bias [n]); codes packed by
@@ -229,14 +194,9 @@ void quanta_panel_i8(uint16_t *y, const uint16_t *x, const int8_t *packed, const
         for (int64_t p = 0; p < panels; p++) {
             const int8_t *codes = packed + p * stride;
             if (wide) {
-                for (int64_t i = 0; i < stride; i += 32) {
-                    __m256i c = _mm256_loadu_si256((const __m256i *)(codes + i));
-                    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c)));
-                    __m512 hi =
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1)));
-                    _mm512_storeu_si512((void *)(wide + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                }
-                panel_all(y, x, wide, scales, bias, rows, n, k, p * PANEL);
+                for (int64_t i = 0; i < stride; i += 32)
+                    _mm512_storeu_si512((void *)(wide + i), (__m512i)widen(codes + i));
+                panel_all_bf16(y, x, wide, scales, bias, rows, n, k, p * PANEL);
             } else {  // no memory for the scratch: the slower direct path, never a failure
                 panel_all_i8(y, x, codes, scales, bias, rows, n, k, p * PANEL);
             }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -52,18 +53,19 @@ class PanelLibrary:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` ``[N, K]`` bf16 in the kernel's panel layout (a flat bf16 tensor)."""
-        weight = weight.detach().contiguous()
-        n, k = weight.shape
-        packed = torch.empty(self._size(n, k), dtype=torch.bfloat16)
-        self._pack(packed.data_ptr(), weight.data_ptr(), n, k)
-        return packed
+        return self._packed(self._pack, weight, torch.bfloat16)
 
     def pack_int8(self, codes: torch.Tensor) -> torch.Tensor:
         """int8 ``codes`` ``[N, K]`` in the same panel layout (a flat int8 tensor)."""
-        codes = codes.detach().contiguous()
-        n, k = codes.shape
-        packed = torch.empty(self._size(n, k), dtype=torch.int8)
-        self._pack_i8(packed.data_ptr(), codes.data_ptr(), n, k)
+        return self._packed(self._pack_i8, codes, torch.int8)
+
+    def _packed(
+        self, fn: Callable[..., None], weight: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        weight = weight.detach().to(dtype).contiguous()
+        n, k = weight.shape
+        packed = torch.empty(self._size(n, k), dtype=dtype)
+        fn(packed.data_ptr(), weight.data_ptr(), n, k)
         return packed
 
     def product_int8(
@@ -75,41 +77,27 @@ class PanelLibrary:
         n: int,
     ) -> torch.Tensor:
         """``x [rows, K] (codes * scales)^T (+ bias)``: bf16 in and out, fp32 ``scales [N]``."""
-        x = x.contiguous()
-        rows, k = x.shape
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
-        if rows:
-            self._product_i8(
-                y.data_ptr(),
-                x.data_ptr(),
-                packed.data_ptr(),
-                scales.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                rows,
-                n,
-                k,
-                torch.get_num_threads(),
-            )
-        return y
+        return self._run(self._product_i8, x, n, packed.data_ptr(), scales.data_ptr(), bias)
 
     def product(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
         """``x [rows, K] W^T (+ bias)`` in bf16, on torch's thread count."""
+        return self._run(self._product, x, n, packed.data_ptr(), bias)
+
+    @staticmethod
+    def _run(
+        fn: Callable[..., None], x: torch.Tensor, n: int, *weights: int | torch.Tensor | None
+    ) -> torch.Tensor:
+        """``y [rows, n]`` from ``fn(y, x, *weights, bias, rows, n, k, threads)``; the last of
+        ``weights`` is the bias tensor (or None), the others data pointers."""
         x = x.contiguous()
         rows, k = x.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         if rows:
-            self._product(
-                y.data_ptr(),
-                x.data_ptr(),
-                packed.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                rows,
-                n,
-                k,
-                torch.get_num_threads(),
-            )
+            *pointers, bias = weights
+            bias_ptr = None if bias is None else bias.data_ptr()  # type: ignore[union-attr]
+            fn(y.data_ptr(), x.data_ptr(), *pointers, bias_ptr, rows, n, k, torch.get_num_threads())
         return y
 
 
