@@ -40,12 +40,17 @@ from quanta.build.manifest import (
     Dtype,
     EngineManifest,
     Limits,
-    Quantization,
     Source,
     WeightFile,
     sha256_file,
 )
-from quanta.build.quantization import QuantPlan, plan_quantization, quantized_weight_bytes
+from quanta.build.quantization import (
+    QuantPlan,
+    gguf_keep_types,
+    quant_manifest,
+    quant_plan,
+    quantized_weight_bytes,
+)
 from quanta.build.shape import model_shape
 from quanta.core.output import RunnerCapabilities
 from quanta.frontends.devices import device_memory_bytes
@@ -126,7 +131,7 @@ def _build_from_gguf(
     digest = sha256_file(gguf, advance)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.gguf-", dir=out.parent) as tmp:
-        keep = _gguf_keep(options)
+        keep = gguf_keep_types(options.quantization)
         advance = progress("reading the GGUF file" if keep else "dequantizing the GGUF file", 1)
         summary = gguf_to_checkpoint(gguf, Path(tmp), keep=keep)
         advance(1)
@@ -138,18 +143,6 @@ def _build_from_gguf(
             quantization=summary.quantization,
         )
         return _build(Path(tmp), out, options, source, progress, summary.kept)
-
-
-def _gguf_keep(options: BuildOptions) -> frozenset[str]:
-    """The GGUF tensor types kept quantized for ``--quantization``: none without it, the
-    ones of the asked width for int8/int4, all that can be kept for keep."""
-    from quanta.build.gguf_kept import KEEPABLE
-
-    if options.quantization is None:
-        return frozenset()
-    if options.quantization == "keep":
-        return frozenset(KEEPABLE)
-    return frozenset(t for t, mode in KEEPABLE.items() if mode == options.quantization)
 
 
 def _build(
@@ -166,7 +159,7 @@ def _build(
     dtype = resolve_dtype(options.dtype, torch.device(options.device))
     dtype_name = str(dtype).removeprefix("torch.")
     plan = _plan_tensors(checkpoint, config, builder)
-    quant = _quant_plan(options, config, plan, checkpoint)
+    quant = quant_plan(options, config, frozenset(plan.prequantized), checkpoint)
     limits = _limits(options, config)
     weight_bytes = plan.bytes_at(dtype)
     if quant is not None:
@@ -203,7 +196,7 @@ def _build(
             chat_template=chat_template,
             weights=weights,
             source=source,
-            quantization=_quant_manifest(quant, plan, kept),
+            quantization=quant_manifest(quant, frozenset(plan.prequantized), kept),
         )
         manifest.write(tmp)
         move_into_place(tmp, out)
@@ -301,56 +294,6 @@ def _head(params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """A tied head's own name: a quantized head is stored apart from the embedding."""
     embed = params.get("model.embed_tokens.weight")
     return {"lm_head.weight": embed} if embed is not None else {}
-
-
-def _quant_plan(
-    options: BuildOptions, config: ModelConfig, plan: _Plan, checkpoint: Path
-) -> QuantPlan | None:
-    """What the build quantizes: every linear not stored quantized already (int8, int4), or
-    nothing more than the GGUF kept (keep, or no ``--quantization`` on a kept GGUF)."""
-    mode = options.quantization
-    if mode == "keep" and not plan.prequantized:
-        raise BuildError(
-            f"{checkpoint}: --quantization keep needs a GGUF file with Q8_0, Q4_0 or Q4_1 "
-            "tensors; use int8 or int4 to quantize a float checkpoint"
-        )
-    if mode is None and not plan.prequantized:
-        return None
-    if mode in (None, "keep"):
-        return QuantPlan("keep", 0, True, False, frozenset(), False)
-    skeleton = build_model_skeleton(config)
-    return plan_quantization(
-        skeleton,
-        mode,
-        options.group_size,
-        options.symmetric,
-        options.quantize_lm_head,
-        tied=config.tie_word_embeddings,
-        already=frozenset(plan.prequantized),
-        head_mode=options.lm_head_quantization,
-    )
-
-
-def _quant_manifest(
-    quant: QuantPlan | None, plan: _Plan, kept: GgufKept | None
-) -> Quantization | None:
-    if quant is None:
-        return None
-    kept_types = kept.kept if kept else {}
-    dequantized = kept.dequantized if kept else {}
-    if quant.mode != "keep":
-        groups = tuple(kept.groups) if kept else ()
-        return quant.manifest(kept_types, dequantized, groups, kept.symmetric if kept else True)
-    assert kept is not None, "keep needs a GGUF's kept tensors"
-    modes, groups = set(kept.modes), set(kept.groups)
-    return Quantization(
-        mode=modes.pop() if len(modes) == 1 else "mixed",  # type: ignore[arg-type]
-        group_size=groups.pop() if len(groups) == 1 else None,
-        symmetric=kept.symmetric,
-        lm_head="lm_head.weight" in plan.prequantized,
-        kept=kept_types,
-        dequantized=dequantized,
-    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

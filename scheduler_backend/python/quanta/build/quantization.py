@@ -15,13 +15,18 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 from quanta.build.manifest import MANIFEST_FILE, Quantization
 from quanta.runner.quantized import QUANT_SUFFIXES, QuantizedWeight, quantize
+
+if TYPE_CHECKING:  # the build imports this module
+    from quanta.build.engine_build import BuildOptions
+    from quanta.build.gguf_kept import GgufKept
+    from quanta.runner.models.config import ModelConfig
 
 QuantMode = Literal["int8", "int4", "keep"]
 # TensorRT-LLM's spelling (--use_weight_only --weight_only_precision int8|int4).
@@ -166,6 +171,72 @@ def quantized_weight_bytes(skeleton: nn.Module, plan: QuantPlan, dtype: torch.dt
         else:
             total += n * itemsize
     return total
+
+
+def gguf_keep_types(mode: str | None) -> frozenset[str]:
+    """The GGUF tensor types kept quantized for ``--quantization mode``: none without it, the
+    ones of the asked width for int8/int4, all that can be kept for keep."""
+    from quanta.build.gguf_kept import KEEPABLE
+
+    if mode is None:
+        return frozenset()
+    if mode == "keep":
+        return frozenset(KEEPABLE)
+    return frozenset(t for t, kept_mode in KEEPABLE.items() if kept_mode == mode)
+
+
+def quant_plan(
+    options: BuildOptions, config: ModelConfig, prequantized: frozenset[str], checkpoint: Path
+) -> QuantPlan | None:
+    """What the build quantizes: every linear not stored quantized already (``prequantized``,
+    a GGUF's kept weights) for int8 and int4, or nothing more than the GGUF kept (keep, or no
+    ``--quantization`` on a kept GGUF)."""
+    from build_scripts import BuildError
+    from quanta.runner.models import build_model_skeleton
+
+    mode = options.quantization
+    if mode == "keep" and not prequantized:
+        raise BuildError(
+            f"{checkpoint}: --quantization keep needs a GGUF file with Q8_0, Q4_0 or Q4_1 "
+            "tensors; use int8 or int4 to quantize a float checkpoint"
+        )
+    if mode is None and not prequantized:
+        return None
+    if mode in (None, "keep"):
+        return QuantPlan("keep", 0, True, False, frozenset(), False)
+    return plan_quantization(
+        build_model_skeleton(config),
+        mode,
+        options.group_size,
+        options.symmetric,
+        options.quantize_lm_head,
+        tied=config.tie_word_embeddings,
+        already=prequantized,
+        head_mode=options.lm_head_quantization,
+    )
+
+
+def quant_manifest(
+    quant: QuantPlan | None, prequantized: frozenset[str], kept: GgufKept | None
+) -> Quantization | None:
+    """The manifest's ``quantization`` record of what the build stored."""
+    if quant is None:
+        return None
+    kept_types = kept.kept if kept else {}
+    dequantized = kept.dequantized if kept else {}
+    if quant.mode != "keep":
+        groups = tuple(kept.groups) if kept else ()
+        return quant.manifest(kept_types, dequantized, groups, kept.symmetric if kept else True)
+    assert kept is not None, "keep needs a GGUF's kept tensors"
+    modes, groups = set(kept.modes), set(kept.groups)
+    return Quantization(
+        mode=modes.pop() if len(modes) == 1 else "mixed",  # type: ignore[arg-type]
+        group_size=groups.pop() if len(groups) == 1 else None,
+        symmetric=kept.symmetric,
+        lm_head="lm_head.weight" in prequantized,
+        kept=kept_types,
+        dequantized=dequantized,
+    )
 
 
 def write_dequantized(engine: Path, out: Path) -> Path:
