@@ -19,15 +19,13 @@ import hashlib
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from build_scripts import BuildError, FamilyBuilder, builder_for
 from quanta.build.checkpoint import PRESET_FILE, move_into_place
@@ -52,6 +50,7 @@ from quanta.build.quantization import (
     quantized_weight_bytes,
 )
 from quanta.build.shape import model_shape
+from quanta.build.shards import name_shards, shard_writer
 from quanta.core.output import RunnerCapabilities
 from quanta.frontends.devices import device_memory_bytes
 from quanta.runner.model_runner import ModelRunner, offers_hidden_cache, resolve_dtype
@@ -408,7 +407,7 @@ def _convert(
     when more than one), so a build never holds the whole converted model."""
     advance = progress(f"converting to {str(dtype).removeprefix('torch.')}", len(plan.numel))
     shards: list[tuple[Path, list[str]]] = []
-    with _shard_writer(out, options.max_shard_size, shards) as add:
+    with shard_writer(out, options.max_shard_size, shards) as add:
         for path, pairs in plan.keys.items():
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for key, name in pairs:
@@ -421,57 +420,8 @@ def _convert(
                     else:
                         add(name, builder.convert(name, tensor, dtype))
                     advance(1)
-    files = _name_shards(out, shards)
+    files = name_shards(out, shards)
     return [WeightFile(name=p.name, bytes=p.stat().st_size, sha256=sha256_file(p)) for p in files]
-
-
-@contextmanager
-def _shard_writer(
-    out: Path, limit: int, shards: list[tuple[Path, list[str]]]
-) -> Iterator[Callable[[str, torch.Tensor], None]]:
-    pending: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush() -> None:
-        nonlocal size
-        if pending:
-            path = out / f".shard-{len(shards):05d}.safetensors"
-            save_file(pending, str(path), metadata={"format": "pt"})
-            shards.append((path, list(pending)))
-            pending.clear()
-            size = 0
-
-    def add(name: str, tensor: torch.Tensor) -> None:
-        nonlocal size
-        nbytes = tensor.numel() * tensor.element_size()
-        if pending and size + nbytes > limit:
-            flush()
-        pending[name] = tensor
-        size += nbytes
-
-    yield add
-    flush()
-
-
-def _name_shards(out: Path, shards: list[tuple[Path, list[str]]]) -> list[Path]:
-    """One shard is ``model.safetensors``; more are numbered with an index, as HF writes."""
-    if len(shards) == 1:
-        final = out / "model.safetensors"
-        shards[0][0].rename(final)
-        final.chmod(0o644)
-        return [final]
-    files: list[Path] = []
-    weight_map: dict[str, str] = {}
-    for i, (path, names) in enumerate(shards, start=1):
-        final = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        path.rename(final)
-        final.chmod(0o644)
-        files.append(final)
-        weight_map |= {name: final.name for name in names}
-    total = sum(p.stat().st_size for p in files)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
 
 
 def _copy_side_files(checkpoint: Path, out: Path) -> None:
