@@ -77,27 +77,30 @@ class PanelLibrary:
         n: int,
     ) -> torch.Tensor:
         """``x [rows, K] (codes * scales)^T (+ bias)``: bf16 in and out, fp32 ``scales [N]``."""
-        return self._run(self._product_i8, x, n, packed.data_ptr(), scales.data_ptr(), bias)
+        return self._run(self._product_i8, x, n, (packed.data_ptr(), scales.data_ptr()), bias)
 
     def product(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
         """``x [rows, K] W^T (+ bias)`` in bf16, on torch's thread count."""
-        return self._run(self._product, x, n, packed.data_ptr(), bias)
+        return self._run(self._product, x, n, (packed.data_ptr(),), bias)
 
     @staticmethod
     def _run(
-        fn: Callable[..., None], x: torch.Tensor, n: int, *weights: int | torch.Tensor | None
+        fn: Callable[..., None],
+        x: torch.Tensor,
+        n: int,
+        weights: tuple[int, ...],
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``y [rows, n]`` from ``fn(y, x, *weights, bias, rows, n, k, threads)``; the last of
-        ``weights`` is the bias tensor (or None), the others data pointers."""
+        """``y [rows, n]`` from ``fn(y, x, *weights, bias, rows, n, k, threads)``, ``weights``
+        being the data pointers the product reads."""
         x = x.contiguous()
         rows, k = x.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         if rows:
-            *pointers, bias = weights
-            bias_ptr = None if bias is None else bias.data_ptr()  # type: ignore[union-attr]
-            fn(y.data_ptr(), x.data_ptr(), *pointers, bias_ptr, rows, n, k, torch.get_num_threads())
+            bias_ptr = None if bias is None else bias.data_ptr()
+            fn(y.data_ptr(), x.data_ptr(), *weights, bias_ptr, rows, n, k, torch.get_num_threads())
         return y
 
 
