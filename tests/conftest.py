@@ -50,12 +50,15 @@ class LoopFactory:
         policy: str = "fcfs",
         decode=decode_chars,
         fail_on: set[str] | None = None,
+        prefix_caching: bool = False,
+        policy_options: dict[str, object] | None = None,
         **sched: object,
     ) -> EngineLoop:
+        runner = HashRunner(device, host, block_size, fail_on=fail_on, keep_sources=prefix_caching)
         loop = EngineLoop(
-            runner=HashRunner(device, host, block_size, fail_on=fail_on),
-            policy=make_policy(policy, SchedulerConfig(**sched)),  # type: ignore[arg-type]
-            blocks=BlockManager(block_size, device, host),
+            runner=runner,
+            policy=make_policy(policy, SchedulerConfig(**sched), **(policy_options or {})),  # type: ignore[arg-type]
+            blocks=BlockManager(block_size, device, host, prefix_caching=prefix_caching),
             clock=VirtualClock(),
             max_model_len=max_model_len,
             decode=decode,

@@ -23,8 +23,12 @@ class HashRunner:
         block_size: int,
         vocab: int = 50,
         fail_on: set[str] | None = None,
+        keep_sources: bool = False,
     ) -> None:
         self.block_size = block_size
+        # NOTE: a copy's source is wiped, so a stale read shows, unless the prefix cache may
+        # read it again (a freed named block stays valid where it is)
+        self.keep_sources = keep_sources
         self.vocab = vocab
         self.device = [[-1] * block_size for _ in range(num_device_blocks)]
         self.host = [[-1] * block_size for _ in range(num_host_blocks)]
@@ -37,10 +41,14 @@ class HashRunner:
             raise RuntimeError("injected failure")
         for d, h in so.swap_out:
             self.host[h] = list(self.device[d])
-            self.device[d] = [-1] * self.block_size  # a stale read would now show
+        for d, _ in so.swap_out:
+            if not self.keep_sources:
+                self.device[d] = [-1] * self.block_size  # a stale read would now show
         for h, d in so.swap_in:
             self.device[d] = list(self.host[h])
-            self.host[h] = [-1] * self.block_size
+        for h, _ in so.swap_in:
+            if not self.keep_sources:
+                self.host[h] = [-1] * self.block_size
         sampled: list[int | None] = []
         for s in so.seqs:
             for i, tok in enumerate(s.token_ids):

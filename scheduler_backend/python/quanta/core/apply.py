@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from quanta.core.blocks import BlockManager
-from quanta.core.decision import Decision, PreemptMode
+from quanta.core.blocks import BlockManager, Tier
+from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
 from quanta.core.output import LogitsProcessing, PromptLogprobsAsk, ScheduledSeq, SchedulerOutput
 from quanta.core.plan import PoolView, StepPlan
@@ -21,6 +21,8 @@ class DecisionApplier:
 
     def __init__(self, blocks: BlockManager) -> None:
         self.blocks = blocks
+        self.prefix_queries = 0  # tokens of requests that started with K/V, cache asked
+        self.prefix_hits = 0  # of them, tokens found cached
 
     def validate(self, d: Decision, live: Mapping[str, Request]) -> None:
         """Raise ``PolicyError`` unless ``d`` can be applied as a whole.
@@ -29,7 +31,7 @@ class DecisionApplier:
         policies' packers and this check share one ledger.
         """
         plan = StepPlan(PoolView(self.blocks))
-        for p in d.preempt:
+        for p in _preempt_order(d, live):
             plan.preempt_req(_get(live, p.request_id), p.mode)
         for rid in d.swap_in:
             plan.swap_in_req(_get(live, rid))
@@ -42,45 +44,92 @@ class DecisionApplier:
             raise PolicyError(f"hidden cache for requests that do not run: {stray}")
 
     def apply(self, d: Decision, live: Mapping[str, Request], now: float) -> SchedulerOutput:
-        """Validate, then update blocks and statuses and describe the step for the runner."""
+        """Validate, then update blocks and statuses and describe the step for the runner.
+
+        NOTE: the order matters with prefix caching. Host blocks this step copies from (prefix
+        hits, swap-ins) are kept from reuse for the whole step: the copies run after every
+        allocation is made. The cached device blocks prefix hits share are taken right after
+        the preemptions (which may free them), before anything else allocates (which may
+        evict them)."""
         self.validate(d, live)
         bm = self.blocks
+        starting = {rid for rid, _ in d.run if self._starts_with_hit(live[rid], _kind(d, rid))}
+        for rid in starting:
+            hit = bm.prefix_hit(rid)
+            assert hit is not None
+            bm.reserve(Tier.HOST, hit.of(Tier.HOST))
+        for rid in d.swap_in:  # NOTE: a plan never credits what a swap-in frees on the host
+            bm.reserve(Tier.HOST, bm.block_table(rid))
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
-        for p in d.preempt:
-            r = live[p.request_id]
-            r.num_preemptions += 1
-            if p.mode is PreemptMode.SWAP:
-                pairs = bm.swap_out(r.request_id, r.num_computed_tokens)
-                assert pairs is not None  # NOTE: validated above
-                swap_out.extend(pairs)
-                r.num_swap_outs += 1
-                r.num_swapped_blocks += len(pairs)  # copies: a checkpoint saves some
-                r.set_status(RequestStatus.SWAPPED)
-            else:
-                bm.free(r.request_id)
-                r.num_recomputed_tokens += r.num_computed_tokens
-                r.num_computed_tokens = 0
-                r.set_status(RequestStatus.WAITING)
-        for rid in d.swap_in:
-            pairs = bm.swap_in(rid)
-            assert pairs is not None
-            swap_in.extend(pairs)
-            live[rid].set_status(RequestStatus.RUNNING)
-        seqs = [self._schedule(live[rid], n, now, _kind(d, rid)) for rid, n in d.run]
-        ran = dict(d.run)
-        checkpoint: list[tuple[int, int]] = []
-        for rid in d.checkpoint:
-            r = live[rid]
-            pairs = bm.checkpoint(rid, r.num_computed_tokens + ran.get(rid, 0))
-            assert pairs is not None
-            checkpoint.extend(pairs)
+        try:
+            for p in _preempt_order(d, live):
+                swap_out.extend(self._preempt(live[p.request_id], p.mode))
+            for rid in starting:
+                bm.pin_prefix(rid)
+            for rid in d.swap_in:
+                pairs = bm.swap_in(rid)
+                assert pairs is not None
+                swap_in.extend(pairs)
+                live[rid].set_status(RequestStatus.RUNNING)
+            seqs = []
+            for rid, n in d.run:
+                r = live[rid]
+                if rid in starting:
+                    loads = bm.load_prefix(rid)
+                    assert loads is not None
+                    swap_in.extend(loads)
+                    r.num_computed_tokens = r.num_cached_tokens
+                seqs.append(self._schedule(r, n, now, _kind(d, rid)))
+            ran = dict(d.run)
+            checkpoint: list[tuple[int, int]] = []
+            for rid in d.checkpoint:
+                r = live[rid]
+                pairs = bm.checkpoint(rid, r.num_computed_tokens + ran.get(rid, 0))
+                assert pairs is not None
+                checkpoint.extend(pairs)
+        finally:
+            bm.end_reservations()
+        swap_out.extend(bm.take_offloads())
         return SchedulerOutput(tuple(seqs), tuple(swap_out), tuple(swap_in), tuple(checkpoint))
+
+    def _starts_with_hit(self, r: Request, kind: CacheKind) -> bool:
+        """``r`` starts now with K/V and the cache holds a prefix of it (counted either way)."""
+        if r.status is not RequestStatus.WAITING or self.blocks.kind_of(r.request_id):
+            return False
+        if kind is not CacheKind.KV or not self.blocks.prefix_caching:
+            r.num_cached_tokens = 0
+            return False
+        hit = self.blocks.prefix_hit(r.request_id)
+        self.prefix_queries += r.num_tokens
+        if hit is None:
+            return False
+        if hit.num_tokens != r.num_cached_tokens:
+            raise PolicyError(f"{r.request_id}: cached prefix changed since the lookup")
+        self.prefix_hits += hit.num_tokens
+        return True
+
+    def _preempt(self, r: Request, mode: PreemptMode) -> list[tuple[int, int]]:
+        """Preempt ``r``; the (device, host) copies a swap-out makes."""
+        r.num_preemptions += 1
+        if mode is PreemptMode.SWAP:
+            pairs = self.blocks.swap_out(r.request_id, r.num_computed_tokens)
+            assert pairs is not None  # NOTE: validated above
+            r.num_swap_outs += 1
+            r.num_swapped_blocks += len(pairs)  # copies: a checkpoint saves some
+            r.set_status(RequestStatus.SWAPPED)
+            return pairs
+        self.blocks.free(r.request_id)
+        r.num_recomputed_tokens += r.num_computed_tokens
+        r.num_computed_tokens = 0
+        r.set_status(RequestStatus.WAITING)
+        return []
 
     def _schedule(self, r: Request, n: int, now: float, kind: CacheKind) -> ScheduledSeq:
         start = r.num_computed_tokens
         new = self.blocks.allocate_slots(r.request_id, start + n, kind)
         assert new is not None
+        r.num_cached_tokens = 0
         if r.status is RequestStatus.WAITING:
             r.set_status(RequestStatus.RUNNING)
         if r.first_scheduled_time is None:
@@ -137,6 +186,20 @@ def _prompt_logprobs(r: Request, start: int, n: int) -> PromptLogprobsAsk | None
     if first >= end:
         return None
     return PromptLogprobsAsk(first, tuple(r.prompt_token_ids[first + 1 : end + 1]), top)
+
+
+def _preempt_order(d: Decision, live: Mapping[str, Request]) -> list[Preemption]:
+    """The decision's preemptions, those that free host blocks (recomputes of swapped
+    requests) first: every host block a swap-out takes is then taken after every one freed,
+    so a plan that fits in total fits at each point."""
+    frees_host = [
+        p
+        for p in d.preempt
+        if p.mode is PreemptMode.RECOMPUTE
+        and p.request_id in live
+        and live[p.request_id].status is RequestStatus.SWAPPED
+    ]
+    return frees_host + [p for p in d.preempt if p not in frees_host]
 
 
 def _kind(d: Decision, rid: str) -> CacheKind:

@@ -16,7 +16,9 @@ checkpoint is complete leaves the device with no copy at all.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, blocks_for
@@ -28,39 +30,181 @@ class Tier(StrEnum):
 
 
 class BlockPool:
-    """Free list of one tier's block ids."""
+    """One tier's blocks: reference counts, the free blocks, and the prefix cache's names.
+
+    A block is free when no table or checkpoint refers to it. A free block that still holds
+    a full block's KV under a name (``core/prefix.py``) stays findable in ``cached`` until it
+    is needed: allocation takes never-named free blocks first, then evicts named ones least
+    recently freed first. Without prefix caching nothing is ever named, and the pool is the
+    plain first-in first-out free list it always was.
+    """
 
     def __init__(self, tier: Tier, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError(f"{tier.value} pool size must be >= 0, got {num_blocks}")
         self.tier = tier
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.ref = [0] * num_blocks
+        self.name_of: dict[int, bytes] = {}  # named blocks, free or not
+        self.cached: dict[bytes, int] = {}  # name -> the block that answers for it
+        self._plain: deque[int] = deque(range(num_blocks))  # free, never named
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free and named, oldest first
+        self.reserved: set[int] = set()  # blocks this step's copies read: not reallocated
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._plain) + len(self._lru)
 
-    def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` blocks, or ``None`` (and take nothing) when fewer are free."""
-        if n > len(self._free):
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a named block's KV (evictable)."""
+        return len(self._lru)
+
+    def num_allocatable(self, skip: frozenset[int] | set[int] = frozenset()) -> int:
+        """Free blocks ``allocate`` may hand out: not reserved, not in ``skip``."""
+        avoid = self.reserved | skip if skip else self.reserved
+        return self.num_free - sum(1 for b in avoid if self.ref[b] == 0)
+
+    def allocate(
+        self,
+        n: int,
+        on_evict: Callable[[int, bytes], None] | None = None,
+        skip: frozenset[int] | set[int] = frozenset(),
+    ) -> list[int] | None:
+        """Take ``n`` blocks, or ``None`` (and take nothing) when fewer can be had; never a
+        reserved one or one in ``skip``.
+
+        ``on_evict(block, name)`` hears of each named block given up, before it is reused."""
+        if n > self.num_allocatable(skip):
             return None
-        return [self._free.popleft() for _ in range(n)]
+        avoid = self.reserved | skip if skip else self.reserved
+        out: list[int] = []
+        if not avoid:
+            out = [self._plain.popleft() for _ in range(min(n, len(self._plain)))]
+        else:
+            kept: list[int] = []
+            while self._plain and len(out) < n:
+                b = self._plain.popleft()
+                (kept if b in avoid else out).append(b)
+            self._plain.extendleft(reversed(kept))
+        if len(out) < n:
+            victims = [b for b in self._lru if b not in avoid][: n - len(out)]
+            for b in victims:
+                del self._lru[b]
+                name = self._unname(b)
+                if on_evict is not None:
+                    on_evict(b, name)
+            out += victims
+        for b in out:
+            self.ref[b] = 1
+        return out
+
+    def pin(self, block: int) -> None:
+        """One more reference to a named block (a prefix hit or a shared copy)."""
+        if self.ref[block] == 0:
+            del self._lru[block]
+        self.ref[block] += 1
 
     def release(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+        """Drop one reference to each; a block nobody refers to is free (kept under its name
+        when it has one). Free ``block_ids`` in the order they should be evicted."""
+        for b in block_ids:
+            self.ref[b] -= 1
+            if self.ref[b] < 0:
+                raise RuntimeError(f"{self.tier.value} block {b} released twice")
+            if self.ref[b] == 0:
+                if b in self.name_of:
+                    self._lru[b] = None
+                else:
+                    self._plain.append(b)
+
+    def name(self, block: int, name: bytes) -> None:
+        """Record that ``block`` holds the K/V ``name`` stands for; it answers lookups for the
+        name unless another block already does (a duplicate is kept, never found)."""
+        if block in self.name_of:
+            return
+        self.name_of[block] = name
+        self.cached.setdefault(name, block)
+
+    def forget_names(self) -> int:
+        """Drop every name (a reset of the prefix cache); free named blocks become plain."""
+        n = len(self.cached)
+        self.cached.clear()
+        self.name_of.clear()
+        self._plain.extend(self._lru)
+        self._lru.clear()
+        return n
+
+    def _unname(self, block: int) -> bytes:
+        name = self.name_of.pop(block)
+        if self.cached.get(name) == block:
+            del self.cached[name]
+        return name
 
     def free_ids(self) -> list[int]:
-        return list(self._free)
+        return [*self._plain, *self._lru]
+
+    def check(self, owners: Counter[int]) -> None:
+        """Raise AssertionError unless the counts match ``owners`` (references per block)."""
+        where = self.tier.value
+        plain, lru = set(self._plain), set(self._lru)
+        if len(plain) != len(self._plain) or plain & lru:
+            raise AssertionError(f"{where}: a free block is listed twice")
+        for b in range(self.num_blocks):
+            if self.ref[b] != owners.get(b, 0):
+                raise AssertionError(
+                    f"{where}: block {b} has {self.ref[b]} references, {owners.get(b, 0)} owners"
+                )
+            if (self.ref[b] == 0) != (b in plain or b in lru):
+                raise AssertionError(f"{where}: block {b} is free and owned, or neither")
+        if set(owners) - set(range(self.num_blocks)):
+            raise AssertionError(f"{where}: a table names a block outside the pool")
+        if any(b in self.name_of for b in plain) or any(b not in self.name_of for b in lru):
+            raise AssertionError(f"{where}: a free block is on the wrong list for its name")
+        for name, b in self.cached.items():
+            if self.name_of.get(b) != name:
+                raise AssertionError(f"{where}: name and block disagree")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The longest cached prefix of a waiting request: for each of its first full blocks, in
+    order, the tier and block that hold it. Device blocks are shared as they are; host blocks
+    are copied back into new device blocks (cheaper than computing them again)."""
+
+    blocks: tuple[tuple[Tier, int], ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def of(self, tier: Tier) -> list[int]:
+        return [b for t, b in self.blocks if t is tier]
 
 
 class BlockManager:
-    """Per-request block tables over a device pool and a host pool."""
+    """Per-request block tables over a device pool and a host pool.
 
-    def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int) -> None:
+    With ``prefix_caching`` full KV blocks are named by their content (``core/prefix.py``) and
+    shared: a request starts with its longest cached prefix attached, a block lives as long as
+    some table refers to it, and a free named block stays cached in its tier until evicted. A
+    device block evicted from the cache is offloaded to the host tier when the host has room,
+    and a request swapped out copies only the blocks the host does not hold already.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        *,
+        prefix_caching: bool = False,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.pools = {
             Tier.DEVICE: BlockPool(Tier.DEVICE, num_device_blocks),
             Tier.HOST: BlockPool(Tier.HOST, num_host_blocks),
@@ -70,6 +214,10 @@ class BlockManager:
         self._ckpt: dict[str, list[int]] = {}  # host mirror of a device table's first blocks
         self._ckpt_tokens: dict[str, int] = {}  # tokens the mirror holds (copies done)
         self._ckpt_pending: dict[str, int] = {}  # tokens it will hold once this step's copies are
+        self._named: dict[str, int] = {}  # leading device blocks of a table already named
+        self._hits: dict[str, PrefixHit] = {}  # this step's lookups of waiting requests
+        self._offloads: list[tuple[int, int]] = []  # (device, host) copies of evicted blocks
+        self._offload_dst: set[int] = set()  # host blocks those copies write this step
 
     # -- queries -------------------------------------------------------------------------
     def num_free(self, tier: Tier) -> int:
@@ -77,6 +225,10 @@ class BlockManager:
 
     def num_total(self, tier: Tier) -> int:
         return self.pools[tier].num_blocks
+
+    def num_cached(self, tier: Tier) -> int:
+        """Named blocks in ``tier``: the prefix cache's content there."""
+        return len(self.pools[tier].cached)
 
     def blocks_for(self, num_tokens: int, kind: CacheKind = CacheKind.KV) -> int:
         return blocks_for(num_tokens, self.block_size, kind)
@@ -92,6 +244,17 @@ class BlockManager:
     def num_blocks(self, request_id: str) -> int:
         entry = self._tables.get(request_id)
         return len(entry[1]) if entry else 0
+
+    def refs(self, tier: Tier, block: int) -> int:
+        """Tables and checkpoints that refer to ``block``."""
+        return self.pools[tier].ref[block]
+
+    def name_of(self, tier: Tier, block: int) -> bytes | None:
+        return self.pools[tier].name_of.get(block)
+
+    def cached_block(self, tier: Tier, name: bytes) -> int | None:
+        """The block of ``tier`` that answers for ``name``, if any."""
+        return self.pools[tier].cached.get(name)
 
     def usage(self, kind: CacheKind, tier: Tier = Tier.DEVICE) -> tuple[int, int]:
         """(requests, blocks) holding a ``kind`` cache in ``tier``."""
@@ -119,12 +282,31 @@ class BlockManager:
         kind = self._kinds.get(request_id, CacheKind.KV)
         return max(0, self.blocks_for(num_tokens, kind) - self.checkpoint_blocks(request_id))
 
+    def swap_out_plan(self, request_id: str, num_tokens: int) -> tuple[list[int], list[int]]:
+        """What a swap-out of a request with ``num_tokens`` valid tokens takes from the host:
+        (blocks it must copy to new host blocks, host blocks it shares instead of copying).
+        Blocks its checkpoint mirrors are in neither list."""
+        _, table = self._tables[request_id]
+        keep = min(len(table), self.blocks_for(num_tokens, self._kinds[request_id]))
+        mirrored = min(len(self._ckpt.get(request_id, ())), keep)
+        host = self.pools[Tier.HOST]
+        device = self.pools[Tier.DEVICE]
+        new, shared = [], []
+        for b in table[mirrored:keep]:
+            name = device.name_of.get(b)
+            hit = host.cached.get(name) if name is not None else None
+            if hit is None:
+                new.append(b)
+            else:
+                shared.append(hit)
+        return new, shared
+
     def swap_out_need(self, request_id: str, num_tokens: int) -> int:
-        """Host blocks a swap-out of a request with ``num_tokens`` valid tokens allocates: the
-        blocks that hold them, less those its checkpoint already mirrors."""
-        kind = self._kinds.get(request_id, CacheKind.KV)
-        keep = min(self.num_blocks(request_id), self.blocks_for(num_tokens, kind))
-        return max(0, keep - self.checkpoint_blocks(request_id))
+        """Host blocks a swap-out of a request with ``num_tokens`` valid tokens takes from the
+        free pool: new copies, and shared host blocks that are free now (cached only)."""
+        new, shared = self.swap_out_plan(request_id, num_tokens)
+        host = self.pools[Tier.HOST]
+        return len(new) + sum(1 for b in set(shared) if host.ref[b] == 0)
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         entry = self._tables.get(request_id)
@@ -137,6 +319,111 @@ class BlockManager:
         (of the kind it holds, or ``kind`` when it holds none)."""
         kind = self._kinds.get(request_id, kind)
         return max(0, self.blocks_for(num_tokens, kind) - self.num_blocks(request_id))
+
+    # -- the prefix cache ----------------------------------------------------------------
+    def lookup(self, request_id: str, names: Sequence[bytes]) -> int:
+        """Find the longest cached prefix of a waiting request whose full blocks are named
+        ``names`` (as many as a hit may cover); remembered for this step's decision. Returns
+        its tokens."""
+        if not self.prefix_caching or request_id in self._tables:
+            self._hits.pop(request_id, None)
+            return 0
+        device, host = self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
+        found: list[tuple[Tier, int]] = []
+        for name in names:
+            b = device.get(name)
+            if b is not None:
+                found.append((Tier.DEVICE, b))
+                continue
+            b = host.get(name)
+            if b is None:
+                break
+            found.append((Tier.HOST, b))
+        if not found:
+            self._hits.pop(request_id, None)
+            return 0
+        hit = PrefixHit(tuple(found), self.block_size)
+        self._hits[request_id] = hit
+        return hit.num_tokens
+
+    def forget_lookups(self) -> None:
+        """A new step looks its waiting requests up again."""
+        self._hits.clear()
+
+    def prefix_hit(self, request_id: str) -> PrefixHit | None:
+        """This step's lookup of ``request_id``, if it found anything."""
+        return self._hits.get(request_id)
+
+    def reserve(self, tier: Tier, blocks: Sequence[int]) -> None:
+        """Keep free cached ``blocks`` from eviction until ``end_reservations``: this step
+        reads them."""
+        self.pools[tier].reserved.update(blocks)
+
+    def end_reservations(self) -> None:
+        for pool in self.pools.values():
+            pool.reserved.clear()
+
+    def pin_prefix(self, request_id: str) -> None:
+        """Start the request's table with the device blocks of its hit (shared, not copied);
+        its host blocks come with ``load_prefix``."""
+        hit = self._hits[request_id]
+        device = self.pools[Tier.DEVICE]
+        table = [-1] * len(hit.blocks)
+        for i, (tier, b) in enumerate(hit.blocks):
+            if tier is Tier.DEVICE:
+                device.pin(b)
+                table[i] = b
+        self._tables[request_id] = (Tier.DEVICE, table)
+        self._kinds[request_id] = CacheKind.KV
+
+    def load_prefix(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Copy the hit's host blocks into new device blocks: the (host, device) copies, or
+        ``None`` (nothing changed) when the device is short."""
+        hit = self._hits[request_id]
+        _, table = self._tables[request_id]
+        slots = [i for i, (tier, _) in enumerate(hit.blocks) if tier is Tier.HOST]
+        new = self._allocate(Tier.DEVICE, len(slots))
+        if new is None:
+            return None
+        host, device = self.pools[Tier.HOST], self.pools[Tier.DEVICE]
+        copies = []
+        for i, b in zip(slots, new, strict=True):
+            src = hit.blocks[i][1]
+            table[i] = b
+            device.name(b, host.name_of[src])
+            copies.append((src, b))
+        self._named[request_id] = len(table)
+        del self._hits[request_id]
+        return copies
+
+    def name_blocks(self, request_id: str, names: Sequence[bytes]) -> None:
+        """The request's first ``len(names)`` blocks are full and computed: name them, so
+        later requests with the same prefix share them."""
+        if not self.prefix_caching or self._kinds.get(request_id) is not CacheKind.KV:
+            return
+        tier, table = self._tables[request_id]
+        if tier is not Tier.DEVICE:
+            return
+        pool = self.pools[Tier.DEVICE]
+        first = self._named.get(request_id, 0)
+        last = min(len(names), len(table))
+        for i in range(first, last):
+            pool.name(table[i], names[i])
+        self._named[request_id] = max(first, last)
+
+    def take_offloads(self) -> list[tuple[int, int]]:
+        """(device, host) copies that keep evicted cached blocks on the host; made before the
+        step's forward pass, with the swap-outs."""
+        out, self._offloads = self._offloads, []
+        self._offload_dst.clear()
+        return out
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every name in both tiers (new requests share nothing cached before); blocks
+        in use stay with their requests. Returns the names dropped."""
+        self._named = {rid: len(t) for rid, (_, t) in self._tables.items()}
+        self._hits.clear()
+        return sum(pool.forget_names() for pool in self.pools.values())
 
     # -- mutations -----------------------------------------------------------------------
     def allocate_slots(
@@ -155,7 +442,7 @@ class BlockManager:
         need = self.blocks_for(num_tokens, kind) - len(table)
         if need <= 0:
             return []
-        new = self.pools[Tier.DEVICE].allocate(need)
+        new = self._allocate(Tier.DEVICE, need)
         if new is None:
             return None
         table.extend(new)
@@ -171,30 +458,59 @@ class BlockManager:
 
         With ``num_tokens`` (the tokens whose KV is valid) blocks past them are dropped rather
         than copied (an aborted step allocates some), and a checkpoint's mirror is reused: only
-        the blocks it lacks are copied."""
+        the blocks it lacks are copied. A named block the host already holds is shared with
+        the host's copy, not copied again."""
         tier, table = self._tables[request_id]
         if tier is not Tier.DEVICE:
             raise RuntimeError(f"request {request_id} is in {tier.value}, not device")
         held = self._ckpt.get(request_id, [])
+        kind = self._kinds[request_id]
         if num_tokens is None:
-            keep, done, mirror = len(table), 0, []
+            keep, done = len(table), 0
         else:
-            keep = min(len(table), self.blocks_for(num_tokens, self._kinds[request_id]))
+            keep = min(len(table), self.blocks_for(num_tokens, kind))
             mirrored = self._ckpt_tokens.get(request_id, 0)
             # NOTE: a partly filled last block is complete on the host when every valid
             # token is
             done = keep if mirrored >= num_tokens else self._full_blocks(request_id, mirrored)
-            mirror = held
-        reuse = mirror[:keep]
-        new = self.pools[Tier.HOST].allocate(keep - len(reuse))
-        if new is None:
+        reuse = held[:keep] if num_tokens is not None else []
+        device, host = self.pools[Tier.DEVICE], self.pools[Tier.HOST]
+        shares: dict[int, int] = {}  # table index -> host block already holding it
+        for i in range(len(reuse), keep):
+            name = device.name_of.get(table[i])
+            hit = host.cached.get(name) if name is not None else None
+            if hit is not None:
+                shares[i] = hit
+        fresh = keep - len(reuse) - len(shares)
+        taken = {b for b in shares.values() if host.ref[b] == 0} - host.reserved
+        if fresh + len(taken) > host.num_allocatable():
             return None
+        for b in shares.values():
+            host.pin(b)
+        new = iter(self._allocate(Tier.HOST, fresh) or [])
         self._drop_checkpoint(request_id, release=False)
-        self.pools[Tier.HOST].release(held[len(reuse) :])
-        host = reuse + new
-        self.pools[Tier.DEVICE].release(table)
-        self._tables[request_id] = (Tier.HOST, host)
-        return [(table[i], host[i]) for i in range(min(done, keep), keep)]
+        host.release(held[len(reuse) :])
+        out: list[int] = []
+        copies: list[tuple[int, int]] = []
+        full = self._full_blocks(request_id, num_tokens) if num_tokens is not None else 0
+        for i in range(keep):
+            if i < len(reuse):
+                b = reuse[i]
+                if i >= done:
+                    copies.append((table[i], b))
+            elif i in shares:
+                b = shares[i]
+            else:
+                b = next(new)
+                copies.append((table[i], b))
+            name = device.name_of.get(table[i])
+            if name is not None and i < full:
+                host.name(b, name)
+            out.append(b)
+        device.release(table[::-1])
+        self._tables[request_id] = (Tier.HOST, out)
+        self._named.pop(request_id, None)
+        return copies
 
     def checkpoint(self, request_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
         """Mirror the request's first ``num_tokens`` tokens on the host: the (device, host)
@@ -210,7 +526,7 @@ class BlockManager:
             raise RuntimeError(f"checkpoint of {request_id} past its {len(table)} blocks")
         mirror = self._ckpt.get(request_id, [])
         if want > len(mirror):
-            new = self.pools[Tier.HOST].allocate(want - len(mirror))
+            new = self._allocate(Tier.HOST, want - len(mirror))
             if new is None:
                 return None
             mirror = mirror + new
@@ -232,32 +548,77 @@ class BlockManager:
         self._ckpt_pending.clear()
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move the request's blocks host -> device; (host, device) pairs or ``None``."""
-        return self._move(request_id, Tier.HOST, Tier.DEVICE)
+        """Move the request's blocks host -> device; (host, device) pairs or ``None``.
 
-    def _move(self, request_id: str, src: Tier, dst: Tier) -> list[tuple[int, int]] | None:
+        A named block the device still caches is shared there instead of copied, and the
+        host blocks it leaves that are named stay cached, so swapping the request out again
+        copies only what it computed since."""
         tier, table = self._tables[request_id]
-        if tier is not src:
-            raise RuntimeError(f"request {request_id} is in {tier.value}, not {src.value}")
-        new = self.pools[dst].allocate(len(table))
-        if new is None:
+        if tier is not Tier.HOST:
+            raise RuntimeError(f"request {request_id} is in {tier.value}, not host")
+        host, device = self.pools[Tier.HOST], self.pools[Tier.DEVICE]
+        cached: dict[int, int] = {}  # table index -> device block that holds it
+        if self.prefix_caching:
+            for i, b in enumerate(table):
+                name = host.name_of.get(b)
+                hit = device.cached.get(name) if name is not None else None
+                if hit is not None:
+                    cached[i] = hit
+        taken = {b for b in cached.values() if device.ref[b] == 0} - device.reserved
+        if len(table) - len(cached) + len(taken) > device.num_allocatable():
             return None
+        for b in cached.values():
+            device.pin(b)
+        fresh = iter(self._allocate(Tier.DEVICE, len(table) - len(cached)) or [])
         self._drop_checkpoint(request_id)
-        self.pools[src].release(table)
-        self._tables[request_id] = (dst, new)
-        return list(zip(table, new, strict=True))
+        new, copies = [], []
+        for i, src in enumerate(table):
+            dst = cached[i] if i in cached else next(fresh)
+            if i not in cached:
+                copies.append((src, dst))
+            name = host.name_of.get(src)
+            if name is not None:
+                device.name(dst, name)
+            new.append(dst)
+        host.release(table[::-1])
+        self._tables[request_id] = (Tier.DEVICE, new)
+        named = 0
+        while named < len(new) and new[named] in device.name_of:
+            named += 1
+        self._named[request_id] = named
+        return copies
 
     def free(self, request_id: str) -> int:
-        """Return all the request's blocks to their pool (its checkpoint's too); the number
-        of table blocks freed."""
+        """Drop the request's references to its blocks (its checkpoint's too); the number of
+        table blocks it held. Shared blocks stay with their other holders, and named ones
+        stay cached."""
         entry = self._tables.pop(request_id, None)
         self._kinds.pop(request_id, None)
+        self._named.pop(request_id, None)
+        self._hits.pop(request_id, None)
         self._drop_checkpoint(request_id)
         if entry is None:
             return 0
         tier, table = entry
-        self.pools[tier].release(table)
+        self.pools[tier].release(table[::-1])
         return len(table)
+
+    def _allocate(self, tier: Tier, n: int) -> list[int] | None:
+        """Take ``n`` blocks of ``tier``; a device block evicted from the prefix cache is
+        copied to the host first when the host has room and lacks it."""
+        on_evict = self._offload if tier is Tier.DEVICE and self.prefix_caching else None
+        return self.pools[tier].allocate(n, on_evict)
+
+    def _offload(self, block: int, name: bytes) -> None:
+        host = self.pools[Tier.HOST]
+        # NOTE: one copy per host block per step: the step's copies run as one batch
+        if name in host.cached or host.num_allocatable(self._offload_dst) == 0:
+            return
+        (dst,) = host.allocate(1, skip=self._offload_dst) or ()
+        self._offload_dst.add(dst)
+        host.name(dst, name)
+        host.release([dst])  # free, but cached: the host tier keeps it until it needs room
+        self._offloads.append((block, dst))
 
     def _full_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks that ``num_tokens`` tokens fill completely."""
@@ -269,11 +630,12 @@ class BlockManager:
         self._ckpt_tokens.pop(request_id, None)
         self._ckpt_pending.pop(request_id, None)
         if mirror and release:
-            self.pools[Tier.HOST].release(mirror)
+            self.pools[Tier.HOST].release(mirror[::-1])
 
     # -- invariants ----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every block is either free or owned exactly once."""
+        """Raise AssertionError unless every block's reference count is exactly the number of
+        tables and checkpoints that name it, and it is free exactly when that is zero."""
         if set(self._kinds) != set(self._tables):
             raise AssertionError("a request has a cache kind without blocks, or blocks without one")
         for rid in self._ckpt:
@@ -282,17 +644,21 @@ class BlockManager:
             if len(self._ckpt[rid]) > self.num_blocks(rid):
                 raise AssertionError(f"{rid}'s checkpoint has more blocks than its table")
         for tier, pool in self.pools.items():
-            free = pool.free_ids()
-            owned = [b for t, table in self._tables.values() if t is tier for b in table]
+            owners: Counter[int] = Counter()
+            for t, table in self._tables.values():
+                if t is tier:
+                    if len(set(table)) != len(table):
+                        raise AssertionError(f"{tier.value}: a table names a block twice")
+                    owners.update(table)
             if tier is Tier.HOST:
-                owned += [b for mirror in self._ckpt.values() for b in mirror]
-            seen = free + owned
-            if len(seen) != len(set(seen)):
-                raise AssertionError(f"{tier.value}: a block is free and owned, or owned twice")
-            if sorted(seen) != list(range(pool.num_blocks)):
-                raise AssertionError(
-                    f"{tier.value}: {len(free)} free + {len(owned)} owned != {pool.num_blocks}"
-                )
+                for mirror in self._ckpt.values():
+                    owners.update(mirror)
+            pool.check(owners)
+        for rid, (tier, table) in self._tables.items():
+            if self._kinds[rid] is CacheKind.HIDDEN and any(
+                b in self.pools[tier].name_of for b in table
+            ):
+                raise AssertionError(f"{rid}: a hidden-state block is in the prefix cache")
 
     def all_free(self) -> bool:
         pools_full = all(p.num_free == p.num_blocks for p in self.pools.values())

@@ -14,6 +14,7 @@ from quanta.core.clock import Clock
 from quanta.core.detokenize import Decode, Detokenizer
 from quanta.core.errors import QuantaError
 from quanta.core.output import RunnerOutput, SchedulerOutput, TokenLogprob
+from quanta.core.prefix import block_hashes
 from quanta.core.request import Request, RequestStatus
 from quanta.core.stream import RequestMetrics, RequestOutput, Sink
 
@@ -51,6 +52,11 @@ class Committer:
         ):
             r = live[seq.request_id]
             r.num_computed_tokens += seq.num_new_tokens
+            if self.blocks.prefix_caching and not seq.hidden:
+                full = r.num_computed_tokens // self.blocks.block_size
+                self.blocks.name_blocks(
+                    r.request_id, block_hashes(r, self.blocks.block_size, full)[:full]
+                )
             r.attained_service += step_time
             if seq.prompt_logprobs is not None:
                 _record_prompt_logprobs(r, seq.prompt_logprobs.first, plp)

@@ -76,6 +76,9 @@ class EngineConfig(BaseModel):
     safepoint_interval: int = Field(8, ge=1)
     # Longest prompt + output a request may have; None: the model's own context length.
     max_seq_len: int | None = Field(None, ge=1)
+    # Share the K/V of full blocks of identical prefixes between requests (vLLM's automatic
+    # prefix caching, on by default there too); off: every prompt is computed from token 0.
+    enable_prefix_caching: bool = True
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 

@@ -28,6 +28,7 @@ from quanta.core.errors import (
 from quanta.core.output import Runner, SchedulerOutput
 from quanta.core.plan import PoolView
 from quanta.core.policy import Policy, check_capabilities
+from quanta.core.prefix import block_hashes, cacheable_blocks
 from quanta.core.request import CacheKind, Request, RequestStatus, validate_prompt
 from quanta.core.safepoint import AbortRule, AbortSignal, StepAborted
 from quanta.core.stream import RequestStream, Sink
@@ -57,6 +58,10 @@ class LoopStats:
     num_safepoint_aborts: int = 0  # steps stopped at a layer safepoint (ConServe)
     checkpoint_blocks_used: int = 0  # host blocks holding incremental checkpoints
     num_checkpoint_blocks_copied: int = 0  # block copies made by checkpoints
+    prefix_cache_queries: int = 0  # tokens of requests that started, cache asked
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
+    device_cached_blocks: int = 0  # named blocks: the prefix cache's content per tier
+    host_cached_blocks: int = 0
 
 
 class EngineLoop:
@@ -81,6 +86,7 @@ class EngineLoop:
         self._live: dict[str, Request] = {}  # NOTE: insertion order is arrival order
         self._inbox: list[tuple[Request, Sink]] = []
         self._cancels: list[str] = []
+        self._resets: list[threading.Event] = []  # prefix-cache resets asked for
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -92,6 +98,7 @@ class EngineLoop:
             "aborts": 0,
             "ckpt_copies": 0,
         }
+        self._dropped_names = 0  # by the latest reset
         self._abort = AbortSignal()  # raised by ``submit`` while a preemptible step runs
         self._abort_rule: AbortRule | None = None
         self._safepoints = runner.capabilities.layer_safepoints
@@ -140,6 +147,21 @@ class EngineLoop:
             self._cancels.append(request_id)
             self._cv.notify()
 
+    def reset_prefix_cache(self, wait: bool = True, timeout: float = 30.0) -> int | None:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``), e.g. after new weights:
+        requests that start later share nothing computed before. Blocks in use stay with their
+        requests. Done at the next step boundary by the loop thread (at once when no thread
+        runs the loop); with ``wait``, returns the names dropped once done."""
+        if self._thread is None:
+            return self.blocks.reset_prefix_cache()
+        done = threading.Event()
+        with self._cv:
+            self._resets.append(done)
+            self._cv.notify()
+        if wait and not done.wait(timeout):
+            raise TimeoutError("the prefix cache reset did not happen in time")
+        return self._dropped_names if wait else None
+
     def has_unfinished(self) -> bool:
         with self._cv:
             return bool(self._live or self._inbox)
@@ -153,7 +175,9 @@ class EngineLoop:
             return False
         now = self.clock.now()
         try:
-            decision = self.policy.schedule(self._view(now))
+            view = self._view(now)
+            self._look_up_prefixes(view.waiting)
+            decision = self.policy.schedule(view)
             self._count_preemptions(decision)
             sched = self._applier.apply(decision, self._live, now)
         except Exception as exc:  # a policy bug must not wedge every client
@@ -220,7 +244,9 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._inbox or self._cancels or self._live):
+                while not (
+                    self._stopping or self._inbox or self._cancels or self._live or self._resets
+                ):
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -234,6 +260,11 @@ class EngineLoop:
         with self._cv:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+            resets, self._resets = self._resets, []
+        if resets:
+            self._dropped_names = self.blocks.reset_prefix_cache()
+            for done in resets:
+                done.set()
         now = self.clock.now()
         for request, sink in inbox:
             self._committer.track(request, sink)
@@ -243,6 +274,21 @@ class EngineLoop:
                 self._fail([request], reason, ThrottledError)
         doomed = [self._live[rid] for rid in cancels if rid in self._live]
         self._fail(doomed, "request cancelled", RequestAbortedError)
+
+    def _look_up_prefixes(self, waiting: list[Request]) -> None:
+        """Find each waiting request's cached prefix for this step's decision: policies then
+        count only the rest as work (``Request.num_uncomputed_tokens``)."""
+        bm = self.blocks
+        if not bm.prefix_caching:
+            return
+        bm.forget_lookups()
+        size = bm.block_size
+        for r in waiting:
+            if bm.kind_of(r.request_id) is not None:
+                r.num_cached_tokens = 0
+                continue
+            names = block_hashes(r, size, cacheable_blocks(r, size))
+            r.num_cached_tokens = bm.lookup(r.request_id, names[: cacheable_blocks(r, size)])
 
     def _view(self, now: float) -> SchedulerView:
         by: dict[RequestStatus, list[Request]] = {s: [] for s in RequestStatus}
@@ -331,4 +377,8 @@ class EngineLoop:
             num_safepoint_aborts=self._counts["aborts"],
             checkpoint_blocks_used=self.blocks.num_checkpoint_blocks(),
             num_checkpoint_blocks_copied=self._counts["ckpt_copies"],
+            prefix_cache_queries=self._applier.prefix_queries,
+            prefix_cache_hits=self._applier.prefix_hits,
+            device_cached_blocks=self.blocks.num_cached(Tier.DEVICE),
+            host_cached_blocks=self.blocks.num_cached(Tier.HOST),
         )

@@ -16,7 +16,7 @@ swap-outs have already happened by then, so a plan never credits it.
 
 from __future__ import annotations
 
-from quanta.core.blocks import BlockManager, Tier
+from quanta.core.blocks import BlockManager, PrefixHit, Tier
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
 from quanta.core.request import CacheKind, Request, RequestStatus, blocks_for
@@ -75,6 +75,22 @@ class PoolView:
     def swap_out_need(self, request_id: str, num_tokens: int) -> int:
         return self._blocks.swap_out_need(request_id, num_tokens)
 
+    def swap_out_plan(self, request_id: str, num_tokens: int) -> tuple[list[int], list[int]]:
+        return self._blocks.swap_out_plan(request_id, num_tokens)
+
+    def table(self, request_id: str) -> tuple[int, ...]:
+        return self._blocks.block_table(request_id)
+
+    def refs(self, tier: Tier, block: int) -> int:
+        return self._blocks.refs(tier, block)
+
+    def prefix_hit(self, request_id: str) -> PrefixHit | None:
+        """What this step's lookup found cached for a waiting request (None: nothing)."""
+        return self._blocks.prefix_hit(request_id)
+
+    def num_cached(self, tier: Tier) -> int:
+        return self._blocks.num_cached(tier)
+
 
 class StepPlan:
     """A decision under construction, with the counts it leaves free.
@@ -98,10 +114,30 @@ class StepPlan:
         self.checkpoint: list[str] = []  # KV copied to the host after the forward pass
         self.abort_when: AbortRule | None = None  # the step is preemptible at safepoints
         self._ran: dict[str, int] = {}  # tokens each run computes
+        # NOTE: with prefix caching a block may be in several tables: the plan counts each
+        # block's references as the decision changes them, and a block is free when its count
+        # reaches zero, not when one holder lets go.
+        self._refs: dict[tuple[Tier, int], int] = {}
+        self._reserved: set[int] = set()  # host blocks this step's prefix hits copy from
 
     # -- queries -------------------------------------------------------------------------
     def held(self, req: Request) -> int:
+        """Blocks in ``req``'s table (what a swap-in of it takes on the device)."""
         return self.pool.num_blocks(req.request_id)
+
+    def frees(self, req: Request) -> int:
+        """Device blocks preempting resident ``req`` would free now: those of its table no
+        other request shares."""
+        return sum(1 for b in self.pool.table(req.request_id) if self._ref(Tier.DEVICE, b) == 1)
+
+    def prefix_hit(self, req: Request, kind: CacheKind | None = None) -> PrefixHit | None:
+        """The cached prefix ``req`` starts with if it runs now with a ``kind`` cache: only a
+        waiting request that holds nothing, and only a K/V cache, attaches one."""
+        if (kind or CacheKind.KV) is not CacheKind.KV or req.status is not RequestStatus.WAITING:
+            return None
+        if req.request_id in self.moved or self.cache_kind(req) is not None:
+            return None
+        return self.pool.prefix_hit(req.request_id)
 
     def is_resident(self, req: Request) -> bool:
         """Its KV is on the device after this plan's moves."""
@@ -120,10 +156,54 @@ class StepPlan:
         """Device blocks ``req`` needs to compute ``n`` more tokens, counting a swap-in; a
         request that holds a cache grows its own kind, one that starts takes ``kind``."""
         kind = self.cache_kind(req) or kind or CacheKind.KV
+        hit = self.prefix_hit(req, kind)
+        if hit is not None:
+            return self._hit_cost(hit, n)[0]
         target = self.pool.blocks_for(req.num_computed_tokens + n, kind)
         rid = req.request_id
         held = self._swapped_in.get(rid, self.held(req) if self.is_resident(req) else 0)
         return max(0, target - held)
+
+    def _hit_cost(self, hit: PrefixHit, n: int) -> tuple[int, int]:
+        """(device, host) blocks a start with ``hit`` and ``n`` new tokens takes: new device
+        blocks for the rest and for the host blocks copied back, plus the cached device blocks
+        it takes off the free list; the free cached host blocks it keeps from eviction."""
+        device = hit.of(Tier.DEVICE)
+        pins = sum(1 for b in device if self._ref(Tier.DEVICE, b) == 0)
+        grow = self.pool.blocks_for(hit.num_tokens + n) - len(device)
+        host = sum(
+            1
+            for b in set(hit.of(Tier.HOST))
+            if b not in self._reserved and self._ref(Tier.HOST, b) == 0
+        )
+        return grow + pins, host
+
+    def _ref(self, tier: Tier, block: int) -> int:
+        return self._refs.get((tier, block), self.pool.refs(tier, block))
+
+    def _drop(self, tier: Tier, blocks: tuple[int, ...] | list[int]) -> int:
+        """One reference fewer to each of ``blocks``; how many that frees (a host block a
+        prefix hit reads this step stays taken)."""
+        freed = 0
+        for b in blocks:
+            left = self._ref(tier, b) - 1
+            self._refs[(tier, b)] = left
+            if left == 0 and not (tier is Tier.HOST and b in self._reserved):
+                freed += 1
+        return freed
+
+    def _take(self, tier: Tier, block: int) -> int:
+        """One reference more to a cached block; 1 when that takes it off the free list."""
+        ref = self._ref(tier, block)
+        self._refs[(tier, block)] = ref + 1
+        return int(ref == 0 and not (tier is Tier.HOST and block in self._reserved))
+
+    def swap_out_need(self, req: Request) -> int:
+        """Host blocks a swap-out of resident ``req`` takes now: copies into new blocks,
+        and cached host blocks it shares that are free."""
+        new, shared = self.pool.swap_out_plan(req.request_id, req.num_computed_tokens)
+        free = {b for b in shared if self._ref(Tier.HOST, b) == 0 and b not in self._reserved}
+        return len(new) + len(free)
 
     def is_checkpointed(self, req: Request) -> bool:
         """Its host checkpoint holds all its computed tokens: preempting it by swap frees its
@@ -144,21 +224,26 @@ class StepPlan:
     def preempt_req(self, req: Request, mode: PreemptMode) -> int:
         """Preempt ``req``; returns the device blocks it frees."""
         self._touch(req)
-        n = self.held(req)
+        table = self.pool.table(req.request_id)
         running = req.status is RequestStatus.RUNNING
+        n = 0
         if running and mode is PreemptMode.SWAP:
-            need = self.pool.swap_out_need(req.request_id, req.num_computed_tokens)
+            need = self.swap_out_need(req)
             if need > self.free_host:
                 raise PolicyError(f"swap-out of {req.request_id} needs {need} host blocks")
+            _, shared = self.pool.swap_out_plan(req.request_id, req.num_computed_tokens)
+            for b in shared:
+                self._take(Tier.HOST, b)
             self.free_host -= need
+            n = self._drop(Tier.DEVICE, table)
             self.free_device += n
         elif running and mode is PreemptMode.RECOMPUTE:
+            n = self._drop(Tier.DEVICE, table)
             self.free_device += n
             self._dropped.add(req.request_id)
         elif req.status is RequestStatus.SWAPPED and mode is PreemptMode.RECOMPUTE:
-            self.free_host += n
+            self.free_host += self._drop(Tier.HOST, table)
             self._dropped.add(req.request_id)
-            n = 0
         else:
             raise PolicyError(f"cannot {mode.value}-preempt {req.request_id} ({req.status})")
         self.preempt.append(Preemption(req.request_id, mode))
@@ -167,8 +252,7 @@ class StepPlan:
     def evict(self, req: Request, mode: PreemptMode) -> int:
         """Preempt a resident; a swap falls back to recompute when the host is full, so
         eviction always succeeds. Returns the device blocks freed."""
-        need = self.pool.swap_out_need(req.request_id, req.num_computed_tokens)
-        if mode is PreemptMode.SWAP and need > self.free_host:
+        if mode is PreemptMode.SWAP and self.swap_out_need(req) > self.free_host:
             mode = PreemptMode.RECOMPUTE
         return self.preempt_req(req, mode)
 
@@ -181,6 +265,7 @@ class StepPlan:
         if n > self.free_device:
             raise PolicyError(f"swap-in of {req.request_id} needs {n} device blocks")
         self.free_device -= n
+        self._drop(Tier.HOST, self.pool.table(req.request_id))  # NOTE: never credited
         self.swap_in.append(req.request_id)
         self._swapped_in[req.request_id] = n
 
@@ -203,12 +288,20 @@ class StepPlan:
             raise PolicyError(f"run of swapped {rid} without a swap-in")
         if not 1 <= n <= req.num_uncomputed_tokens:
             raise PolicyError(f"run of {rid} with {n} tokens; {req.num_uncomputed_tokens} left")
-        need = self.blocks_to_grow(req, n, kind)
+        hit = self.prefix_hit(req, kind)
+        need, host = self._hit_cost(hit, n) if hit else (self.blocks_to_grow(req, n, kind), 0)
         if need > self.free_device:
             raise PolicyError(f"run of {rid} needs {need} device blocks, {self.free_device} free")
+        if host > self.free_host:
+            raise PolicyError(f"run of {rid} reads {host} cached host blocks, too many to keep")
         if not self.has_room(n):
             raise PolicyError(f"run of {rid}: the step's token budget or seats are used up")
+        if hit is not None:
+            for b in hit.of(Tier.DEVICE):
+                self._take(Tier.DEVICE, b)
+            self._reserved.update(hit.of(Tier.HOST))
         self.free_device -= need
+        self.free_host -= host
         self.run.append((rid, n))
         self._ran[rid] = n
         self.chosen.add(rid)
@@ -235,7 +328,7 @@ class StepPlan:
         rid = req.request_id
         if not (self.is_resident(req) or rid in self.chosen) or rid in self.checkpoint:
             raise PolicyError(f"checkpoint of {rid}: not resident, or repeated")
-        upto = req.num_computed_tokens + self._ran.get(rid, 0)
+        upto = req.num_context_tokens + self._ran.get(rid, 0)
         if upto == 0:
             raise PolicyError(f"checkpoint of {rid}, which has no KV yet")
         kind = self.cache_kind(req) or (CacheKind.HIDDEN if rid in self.hidden else CacheKind.KV)

@@ -197,6 +197,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prefix tokens a waiting request that holds no blocks would find in the prefix cache,
+    # as looked up before this step's schedule; 0 once it holds blocks. Attached when it runs,
+    # so a policy counts only the rest as work to do.
+    num_cached_tokens: int = 0
+    # Names of its full blocks (``core/prefix.py``), extended as its tokens are computed.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs were asked for
     # of prompt tokens 1.. in order, when asked for; kept across preemption so a recomputed
     # prompt is neither asked nor reported twice
@@ -234,7 +240,14 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens left to compute: neither computed nor found in the prefix cache."""
+        return self.num_tokens - self.num_computed_tokens - self.num_cached_tokens
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Position of the next token to compute: the tokens before it have KV, computed or
+        about to be attached from the prefix cache."""
+        return self.num_computed_tokens + self.num_cached_tokens
 
     @property
     def finished(self) -> bool:

@@ -65,6 +65,7 @@ class Engine:
             "block_size": str(self.runner.block_size),
             "device_blocks": str(self.runner.num_device_blocks),
             "host_blocks": str(self.runner.num_host_blocks),
+            "prefix_caching": str(c.enable_prefix_caching).lower(),
         }
 
     def make_request(
@@ -180,7 +181,12 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     loop = EngineLoop(
         runner=runner,
         policy=make_policy(config.policy, sched, **config.policy_options),
-        blocks=BlockManager(cache.block_size, num_device, num_host),
+        blocks=BlockManager(
+            cache.block_size,
+            num_device,
+            num_host,
+            prefix_caching=config.enable_prefix_caching,
+        ),
         clock=clock,
         max_model_len=max_model_len,
         decode=tokenizer.decode,

@@ -46,6 +46,7 @@ class LLM:
         device: str = "cpu",
         cache: CacheConfig | dict[str, Any] | None = None,
         scheduler: SchedulerConfig | dict[str, Any] | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -55,6 +56,7 @@ class LLM:
             device=device,
             cache=cache or CacheConfig(),
             scheduler=scheduler or SchedulerConfig(),
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine: Engine = build_engine(config)
 

@@ -1,0 +1,310 @@
+"""Automatic prefix caching: named, shared, refcounted blocks in both tiers.
+
+The block manager's accounting is checked directly; the loop's behaviour on the hashing fake
+runner, whose next token hashes the context it reads through the block tables, so any block
+shared or reused wrongly changes the output; and the real engine's greedy tokens with and
+without the cache, under preemption.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_requests
+from fakes import HashRunner, decode_chars
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from quanta.core.blocks import BlockManager, Tier
+from quanta.core.clock import VirtualClock
+from quanta.core.config import SchedulerConfig
+from quanta.core.loop import EngineLoop
+from quanta.core.prefix import block_hashes, cacheable_blocks
+from quanta.core.request import Request, SamplingParams
+from quanta.policies import make_policy
+
+BLOCK = 4
+
+
+def shared(n: int, prefix: int, own: int, *, max_tokens: int = 6, seed: int = 0) -> list[Request]:
+    """``n`` requests whose prompts share their first ``prefix`` tokens, then ``own`` of
+    their own."""
+    common = [(3 * j + 1) % 47 + 2 for j in range(prefix)]
+    return [
+        Request(
+            request_id=f"s{i}",
+            prompt_token_ids=common + [(11 * i + 5 * j) % 43 + 3 for j in range(own)],
+            params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            arrival_time=i * 1e-3,
+            seed=seed + i,
+        )
+        for i in range(n)
+    ]
+
+
+def names(req: Request) -> list[bytes]:
+    return block_hashes(req, BLOCK, cacheable_blocks(req, BLOCK))[: cacheable_blocks(req, BLOCK)]
+
+
+def resident(bm: BlockManager, req: Request) -> None:
+    """``req``'s prompt computed into fresh device blocks and named."""
+    assert bm.allocate_slots(req.request_id, req.num_prompt_tokens) is not None
+    req.num_computed_tokens = req.num_prompt_tokens
+    full = req.num_computed_tokens // BLOCK
+    bm.name_blocks(req.request_id, block_hashes(req, BLOCK, full)[:full])
+
+
+# -- names ---------------------------------------------------------------------------------
+def test_a_block_name_covers_its_whole_prefix_and_the_last_token_is_never_a_hit():
+    a, b = shared(2, 8, 5)
+    c = Request("c", [99, *a.prompt_token_ids[1:]], SamplingParams(), 0.0, 0)
+    assert names(a)[:2] == names(b)[:2] and names(a)[2] != names(b)[2]
+    assert names(c)[1] != names(a)[1]  # same tokens 4..7, different prefix
+    exact = Request("e", list(range(8)), SamplingParams(), 0.0, 0)
+    assert cacheable_blocks(exact, BLOCK) == 1  # 8 tokens: the second block holds the last
+
+
+# -- the block manager ---------------------------------------------------------------------
+def test_a_cached_prefix_is_shared_counted_once_and_outlives_its_requests():
+    bm = BlockManager(BLOCK, 10, 0, prefix_caching=True)
+    a, b = shared(2, 8, 3)
+    resident(bm, a)
+    assert bm.lookup("s1", names(b)) == 8
+    bm.pin_prefix("s1")
+    assert bm.load_prefix("s1") == []
+    assert bm.block_table("s1")[:2] == bm.block_table("s0")[:2]
+    assert bm.num_free(Tier.DEVICE) == 10 - 3
+    bm.check_integrity()
+    bm.free("s0")
+    assert bm.num_free(Tier.DEVICE) == 10 - 2  # its own last block only
+    bm.free("s1")
+    assert bm.num_free(Tier.DEVICE) == 10 and bm.num_cached(Tier.DEVICE) == 2
+    assert bm.lookup("again", names(b)) == 8  # still cached while free
+    bm.check_integrity()
+    assert bm.all_free()
+
+
+def test_eviction_takes_never_named_blocks_first_then_a_prefix_from_its_end():
+    bm = BlockManager(BLOCK, 4, 0, prefix_caching=True)
+    old, new = shared(1, 0, 9)[0], shared(2, 0, 9)[1]
+    resident(bm, old)  # 3 blocks, 2 named
+    bm.free("s0")
+    resident(bm, new)  # the 2 plain blocks, then old's last named one
+    bm.free("s1")
+    assert bm.lookup("x", names(old)) == 4  # its first block is still cached
+    assert bm.lookup("y", names(new)) == 8
+    bm.check_integrity()
+
+
+def test_an_evicted_device_block_goes_to_the_host_and_comes_back_by_copy():
+    bm = BlockManager(BLOCK, 3, 4, prefix_caching=True)
+    a = shared(1, 8, 1)[0]
+    resident(bm, a)
+    bm.free("s0")
+    assert bm.allocate_slots("other", 3 * BLOCK) is not None  # evicts both named blocks
+    offloads = bm.take_offloads()
+    assert len(offloads) == 2 and bm.num_cached(Tier.HOST) == 2
+    assert bm.num_free(Tier.HOST) == 4  # cached on the host, still free for anything
+    bm.free("other")
+    twin = shared(1, 8, 2)[0]
+    assert bm.lookup("t", names(twin)) == 8
+    bm.pin_prefix("t")
+    loads = bm.load_prefix("t")
+    assert loads is not None and sorted(h for h, _ in loads) == sorted(h for _, h in offloads)
+    bm.check_integrity()
+
+
+def test_a_swap_out_copies_only_what_the_host_does_not_hold():
+    bm = BlockManager(BLOCK, 8, 8, prefix_caching=True)
+    a = shared(1, 8, 2)[0]
+    resident(bm, a)
+    first = bm.swap_out("s0", a.num_computed_tokens)
+    assert first is not None and len(first) == 3
+    assert bm.swap_in("s0") is not None
+    again = bm.swap_out("s0", a.num_computed_tokens)
+    assert again is not None and len(again) == 1  # only the partly filled last block
+    bm.check_integrity()
+    bm.free("s0")
+    assert bm.all_free()
+
+
+def test_freeing_a_request_never_frees_a_block_another_still_reads():
+    bm = BlockManager(BLOCK, 6, 6, prefix_caching=True)
+    a, b = shared(2, 8, 2)
+    resident(bm, a)
+    bm.lookup("s1", names(b))
+    bm.pin_prefix("s1")
+    bm.load_prefix("s1")
+    assert bm.swap_out("s0", a.num_computed_tokens) is not None
+    shared_blocks = bm.block_table("s1")[:2]
+    assert all(bm.refs(Tier.DEVICE, blk) == 1 for blk in shared_blocks)
+    bm.free("s0")
+    assert all(bm.refs(Tier.DEVICE, blk) == 1 for blk in shared_blocks)
+    bm.check_integrity()
+
+
+def test_a_reset_forgets_every_name_and_keeps_blocks_in_use():
+    bm = BlockManager(BLOCK, 6, 6, prefix_caching=True)
+    a = shared(1, 8, 2)[0]
+    resident(bm, a)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.lookup("x", names(a)) == 0 and bm.num_blocks("s0") == 3
+    bm.check_integrity()
+
+
+# -- the loop on the hashing runner --------------------------------------------------------
+def loop_for(policy: str, *, caching: bool, device: int, host: int, **options: object):
+    return EngineLoop(
+        runner=HashRunner(device, host, BLOCK, keep_sources=caching),
+        policy=make_policy(
+            policy, SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4), **options
+        ),
+        blocks=BlockManager(BLOCK, device, host, prefix_caching=caching),
+        clock=VirtualClock(),
+        max_model_len=128,
+        decode=decode_chars,
+    )
+
+
+def run(loop: EngineLoop, requests: list[Request], stagger: int = 2) -> list[list[int]]:
+    """Submit one request every ``stagger`` steps (later ones find earlier prefixes cached),
+    checking the accounting after every step; outputs in submission order."""
+    streams = []
+    for r in requests:
+        streams.append(loop.submit(r))
+        for _ in range(stagger):
+            loop.step()
+            loop.blocks.check_integrity()
+    while loop.has_unfinished():
+        loop.step()
+        loop.blocks.check_integrity()
+    assert loop.blocks.all_free(), "blocks leaked"
+    results = [s.result(timeout=0) for s in streams]  # type: ignore[union-attr]
+    assert [r.error for r in results] == [None] * len(results)
+    return [list(r.token_ids) for r in results]
+
+
+POLICIES = [
+    ("fcfs", {}),
+    ("sj-mlfq", {"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1}),
+    ("fair", {}),
+    ("conserve", {"safepoints": False, "checkpoint_threshold": 1.0}),
+    ("apt", {"cache": "kv"}),
+]
+
+
+@pytest.mark.parametrize(("policy", "options"), POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.parametrize("host", [0, 24])
+def test_outputs_are_the_same_with_and_without_the_cache_under_preemption(policy, options, host):
+    """A pool too small for the batch forces swaps (host > 0) or recomputes; shared prompt
+    prefixes make later requests start from cached blocks, some of them freed, swapped or
+    evicted to the host in between."""
+
+    def requests() -> list[Request]:
+        return shared(8, 12, 5, max_tokens=10) + make_requests(3, prompt_len=9, max_tokens=6)
+
+    plain = run(loop_for(policy, caching=False, device=512, host=0, **options), requests())
+    loop = loop_for(policy, caching=True, device=14, host=host, **options)
+    assert run(loop, requests()) == plain
+    assert loop._applier.prefix_hits > 0
+
+
+def test_hits_save_prefill_and_are_counted_in_tokens(make_loop):
+    loop = make_loop(device=64, host=0, prefix_caching=True, max_num_batched_tokens=64)
+    first, second = shared(2, 16, 3)
+    run(loop, [first])
+    computed_before = sum(len(s.token_ids) for so in loop.runner.steps for s in so.seqs)
+    run(loop, [second])
+    computed = sum(len(s.token_ids) for so in loop.runner.steps for s in so.seqs)
+    assert computed - computed_before == 3 + 6 - 1  # its own 3 prompt tokens, then decodes
+    stats = loop.stats()
+    assert stats.prefix_cache_hits == 16 and stats.prefix_cache_queries == 2 * 19
+    assert stats.device_cached_blocks >= 4
+
+
+def test_a_reset_from_another_thread_is_done_by_the_loop_thread(make_loop):
+    loop = make_loop(device=64, host=0, prefix_caching=True)
+    first, second = shared(2, 16, 3)
+    run(loop, [first])
+    loop.start()
+    assert loop.reset_prefix_cache(wait=True) == 6  # 24 tokens computed: 6 full blocks
+    stream = loop.submit(second)
+    assert stream is not None and stream.result(timeout=10).error is None
+    loop.stop()
+    assert loop.stats().prefix_cache_hits == 0
+    assert loop.reset_prefix_cache() >= 6  # without a thread: at once, on the caller's
+
+
+def test_a_pool_too_small_to_share_anything_behaves_like_no_cache():
+    plain = run(loop_for("fcfs", caching=False, device=6, host=0), shared(4, 8, 2))
+    assert run(loop_for("fcfs", caching=True, device=6, host=0), shared(4, 8, 2)) == plain
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["arrive", "cancel", "step"]),
+            st.integers(0, 3),  # prefix group
+            st.integers(1, 14),  # own tokens
+        ),
+        min_size=4,
+        max_size=40,
+    ),
+    device=st.integers(8, 20),
+    host=st.sampled_from([0, 3, 16]),
+    policy=st.sampled_from(["fcfs", "sj-mlfq", "conserve"]),
+)
+def test_no_interleaving_of_shared_arrivals_evictions_and_frees_leaks_or_double_frees(
+    ops, device, host, policy
+):
+    options = {"safepoints": False, "checkpoint_threshold": 1.0} if policy == "conserve" else {}
+    loop = loop_for(policy, caching=True, device=device, host=host, **options)
+    prefixes = [[(5 * g + 3 * j) % 41 + 2 for j in range(4 * g + 3)] for g in range(4)]
+    live: list[str] = []
+    for i, (op, group, own) in enumerate(ops):
+        if op == "arrive":
+            req = Request(
+                f"q{i}",
+                prefixes[group] + [(i + j) % 37 + 1 for j in range(own)],
+                SamplingParams(max_tokens=1 + own % 5, ignore_eos=True),
+                float(i),
+                i,
+            )
+            loop.submit(req)
+            live.append(req.request_id)
+        elif op == "cancel" and live:
+            loop.cancel(live.pop(group % len(live)))
+        loop.step()
+        loop.blocks.check_integrity()
+    loop.run_until_idle()
+    loop.blocks.check_integrity()
+    assert loop.blocks.all_free()
+
+
+# -- the real engine -----------------------------------------------------------------------
+@pytest.mark.engine
+def test_real_engine_greedy_tokens_are_the_same_with_and_without_the_cache(opt_tiny):
+    """Shared-prefix prompts under sj-mlfq with a pool that forces swaps and recomputes."""
+    import quanta
+
+    common = [(13 * j) % 400 + 4 for j in range(21)]
+    prompts = [common + [(7 * i + j) % 300 + 9 for j in range(3 + i)] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [
+        r.token_ids
+        for r in quanta.LLM(str(opt_tiny), enable_prefix_caching=False).generate(prompts, params)
+    ]
+    cached = quanta.LLM(
+        str(opt_tiny),
+        policy="sj-mlfq",
+        policy_options={"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1},
+        cache={"block_size": 4, "num_device_blocks": 24, "num_host_blocks": 12},
+        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 16},
+    )
+    warm = cached.generate(prompts[:1], params)  # later prompts find its blocks cached
+    got = cached.generate(prompts, params)
+    assert warm[0].token_ids == expected[0]
+    assert [r.token_ids for r in got] == expected
+    stats = cached.engine.loop.stats()
+    assert stats.prefix_cache_hits >= 5 * 20
+    cached.engine.loop.blocks.check_integrity()
+    assert cached.engine.loop.blocks.all_free()
