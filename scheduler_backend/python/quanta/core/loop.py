@@ -176,6 +176,7 @@ class EngineLoop:
         now = self.clock.now()
         try:
             view = self._view(now)
+            self.blocks.forget_lookups()
             self._look_up_prefixes(view.waiting)
             decision = self.policy.schedule(view)
             self._count_preemptions(decision)
@@ -269,6 +270,7 @@ class EngineLoop:
         for request, sink in inbox:
             self._committer.track(request, sink)
             self._live[request.request_id] = request
+            self._look_up_prefixes([request])  # NOTE: admission sees what it will not compute
             reason = self.policy.admit(request, self._view(now))
             if reason is not None:
                 self._fail([request], reason, ThrottledError)
@@ -281,7 +283,6 @@ class EngineLoop:
         bm = self.blocks
         if not bm.prefix_caching:
             return
-        bm.forget_lookups()
         size = bm.block_size
         for r in waiting:
             if bm.kind_of(r.request_id) is not None:

@@ -25,6 +25,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from quanta.core.blocks import Tier
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.output import RunnerCapabilities
@@ -163,9 +164,14 @@ class AdaptivePacker(Packer):
             n = step.chunk(req)
             if n == 0:
                 continue
-            total = req.num_computed_tokens + n
+            total = req.num_context_tokens + n
             kv, hidden = self._open_kinds(req, step.plan.cache_kind(req), switchable)
-            m, half = pool.blocks_for(total), pool.blocks_for(total, CacheKind.HIDDEN)
+            # NOTE: a cached prefix's blocks are shared, so its K/V costs the pool only the
+            # rest; hidden states are never shared (a hidden start computes from token 0)
+            hit = step.plan.prefix_hit(req)
+            shared = len(hit.of(Tier.DEVICE)) if hit is not None else 0
+            m = pool.blocks_for(total) - shared
+            half = pool.blocks_for(req.num_computed_tokens + n, CacheKind.HIDDEN)
             items.append(Item(self.value(req, now), m, half, kv, hidden, n))
             reqs.append(req)
         return reqs, items

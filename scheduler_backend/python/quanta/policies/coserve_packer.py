@@ -127,7 +127,7 @@ class CoservePacker(Packer):
         if need <= plan.free_device:
             return True
         free = [v for v in victims if evictable(v, plan)]
-        if need > plan.free_device + sum(plan.held(v) for v in free):
+        if need > plan.free_device + sum(plan.frees(v) for v in free):
             return False
         for victim in free:
             if plan.blocks_to_grow(req, n) <= plan.free_device:
@@ -147,14 +147,14 @@ class _StepTime:
     ) -> None:
         self.cost, self.limit = cost, limit
         by_id = {r.request_id: r for r in ranking.order}
-        self.chunks = [(n, by_id[rid].num_computed_tokens) for rid, n in plan.run]
+        self.chunks = [(n, by_id[rid].num_context_tokens) for rid, n in plan.run]
 
     def fit(self, req: Request, n: int, chunked: bool) -> int:
         """The most of ``n`` tokens of ``req`` the step can take (0: none)."""
         cost, limit = self.cost, self.limit
         if cost is None or limit is None or n == 0:
             return n
-        start = req.num_computed_tokens
+        start = req.num_context_tokens
         if cost.step_time([*self.chunks, (n, start)]) <= limit:
             return n
         if n == 1 or not chunked:
@@ -162,4 +162,4 @@ class _StepTime:
         return largest(n - 1, lambda k: cost.step_time([*self.chunks, (k, start)]) <= limit)
 
     def add(self, req: Request, n: int) -> None:
-        self.chunks.append((n, req.num_computed_tokens))
+        self.chunks.append((n, req.num_context_tokens))

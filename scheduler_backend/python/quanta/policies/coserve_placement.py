@@ -80,7 +80,7 @@ class CoservePlacement(Placement):
         if self.prefetch and ran and not any(is_online(r) for r in ranking.order):
             self._prefetch(plan, ranking)
         if self.safepoints and offline_only:
-            chunks = [(n, by_id[rid].num_computed_tokens) for rid, n in plan.run]
+            chunks = [(n, by_id[rid].num_context_tokens) for rid, n in plan.run]
             assert self.cost is not None  # NOTE: checked at construction
             plan.abort_when = MissesTTFT(view.now + self.cost.step_time(chunks), self)
         if self.checkpoint:

@@ -83,7 +83,9 @@ class VTCOrder(_CounterOrder):
     def on_admit(self, request: Request, view: SchedulerView) -> None:
         super().on_admit(request, view)
         user = request.metadata.tenant
-        self.service.add(user, self.input_weight * request.num_prompt_tokens / self._w(user))
+        # NOTE: the prompt tokens the engine will compute: a prefix cached at arrival is free
+        uncached = request.num_prompt_tokens - request.num_cached_tokens
+        self.service.add(user, self.input_weight * uncached / self._w(user))
 
     def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
         for rid, token in zip(output.request_ids, output.sampled_token_ids, strict=True):
@@ -163,13 +165,14 @@ class WSCOrder(_CounterOrder):
     # -- service (Eq. 3), as tokens are computed -----------------------------------------
     def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
         sampled = dict(zip(output.request_ids, output.sampled_token_ids, strict=True))
-        for rid, _ in decision.run:
+        for rid, n in decision.run:
             r = self._live.get(rid)
             if r is None:
                 continue
             meta = r.metadata
             done = min(r.num_computed_tokens, r.num_prompt_tokens)
-            start = self._charged.get(rid, 0)
+            # NOTE: only what this step computed: a prefix found cached costs nothing
+            start = max(self._charged.get(rid, 0), min(r.num_computed_tokens - n, done))
             system = max(0, min(done, meta.system_tokens) - min(start, meta.system_tokens))
             tokens = self.alpha * (max(0, done - start) - system) + self.beta * system
             if sampled.get(rid) is not None:

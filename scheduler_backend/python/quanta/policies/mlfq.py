@@ -160,7 +160,10 @@ class SkipJoinMLFQ(PriorityOrder):
         return self.level_for(iteration_time)
 
     def _initial_level(self, request: Request) -> int:
-        return self._fit_level(self.cost.prefill_time(request.num_prompt_tokens))
+        """Skip-join by the prefill the request needs: its uncached tokens, after the prefix
+        the cache holds for it at arrival."""
+        prefill = self.cost.prefill_time(request.num_uncomputed_tokens, request.num_context_tokens)
+        return self._fit_level(prefill)
 
     def _key(self, job: Job) -> tuple[float, ...]:
         return (job.level, job.ticket)
@@ -182,7 +185,7 @@ class SkipJoinMLFQ(PriorityOrder):
         req = job.request
         left = req.num_uncomputed_tokens
         next_time = (
-            self.cost.prefill_time(left, req.num_computed_tokens)
+            self.cost.prefill_time(left, req.num_context_tokens)
             if left > 1
             else self.cost.min_iteration_time
         )
@@ -229,7 +232,7 @@ class SRPT(PriorityOrder):
         decodes = req.params.max_tokens - req.num_output_tokens
         prefill = 0.0
         if left > 1:  # the prefill samples one token itself
-            prefill, decodes = self.cost.prefill_time(left, req.num_computed_tokens), decodes - 1
+            prefill, decodes = self.cost.prefill_time(left, req.num_context_tokens), decodes - 1
         return (prefill + decodes * self.cost.min_iteration_time, job.ticket)
 
 

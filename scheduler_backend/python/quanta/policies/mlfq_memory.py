@@ -204,7 +204,7 @@ class ProactiveSwap(ReactiveSwap):
 
     @staticmethod
     def _swap_out(plan: StepPlan, req: Request) -> bool:
-        if plan.held(req) > plan.free_host:
+        if plan.swap_out_need(req) > plan.free_host:
             return False
         plan.evict(req, PreemptMode.SWAP)
         return True

@@ -122,11 +122,11 @@ class PriorityPacker(Packer):
         keep = int(self.headroom * view.total_device_blocks) if in_use else 0
         seats = plan.seats if plan.seats is not None else len(lane.order)
         # NOTE: blocks held by evictable residents ranked below the walk's position.
-        below = sum(plan.held(r) for r in lane.order if evictable(r, plan))
+        below = sum(plan.frees(r) for r in lane.order if evictable(r, plan))
         prefills: list[Request] = []
         for req in lane.order:
             if evictable(req, plan):
-                below -= plan.held(req)
+                below -= plan.frees(req)
             if seats <= 0 or tokens_left(lane, plan) == 0:
                 break
             if req.request_id in plan.chosen or (
@@ -146,7 +146,7 @@ class PriorityPacker(Packer):
             n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
             i = pos[req.request_id]
             room = sum(
-                plan.held(v) for v in victims if pos[v.request_id] > i and evictable(v, plan)
+                plan.frees(v) for v in victims if pos[v.request_id] > i and evictable(v, plan)
             )
             if n and plan.has_room(n) and self._could_fit(req, n, plan, keep, room):
                 self._evict_for(req, n, pos, victims, plan, placement)
@@ -176,6 +176,5 @@ class PriorityPacker(Packer):
             if need <= plan.free_device:
                 break
             if pos[victim.request_id] > i and evictable(victim, plan):
-                freed += plan.held(victim)
-                plan.evict(victim, placement.yield_mode(victim, plan))
+                freed += plan.evict(victim, placement.yield_mode(victim, plan))
         return freed

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from quanta.core.config import SchedulerConfig
 from quanta.policies.fcfs import ArrivalOrder, ReactivePreemption
 from quanta.policies.packers import InOrderPacker
-from quanta.policies.stages import Admission, Lanes, Stage, StagedPolicy
+from quanta.policies.stages import Admission, Lanes, Reorder, Stage, StagedPolicy
 from quanta.policies.systems import Stages, System, SystemOptions
 
 S = TypeVar("S", bound=Stage)
@@ -122,6 +122,7 @@ class PolicySpec:
             packer=_or(stack.packer, InOrderPacker(config)),
             placement=_or(stack.placement, ReactivePreemption()),
             observers=stack.observers,
+            reorder=_or(stack.reorder, Reorder()),
         )
 
 
@@ -135,6 +136,7 @@ def _stack(below: Stages, above: Stages) -> Stages:
         _or(above.packer, below.packer),
         _or(above.placement, below.placement),
         below.observers + above.observers,
+        _or(above.reorder, below.reorder),
     )
 
 

@@ -7,6 +7,8 @@ forwards every event to every stage so the ones that learn (service counters, qu
 - admission: accept or refuse a new request, with a reason the client sees;
 - ordering: rank the live requests, highest priority first, with each one's estimated next
   scheduled time (FastServe's ENST; placement moves KV by it);
+- reorder: refine that ranking (cache affinity: waiting requests with the longest cached
+  prefix first), whichever system ranked;
 - lanes: split the ranking into classes, each with its own limits (a token budget, a step
   time), so the packer reads everything it needs from the lane it is packing;
 - packer: fill the step from the lanes within the token budget, the seats and the blocks,
@@ -101,6 +103,14 @@ class Ordering(Stage):
         raise NotImplementedError
 
 
+class Reorder(Stage):
+    """Refines the ordering's ranking (none here: it is kept as it is). A slot of its own, so
+    a refinement such as cache affinity stacks with whichever system ranks."""
+
+    def reorder(self, ranking: Ranking, view: SchedulerView) -> Ranking:
+        return ranking
+
+
 class Lanes(Stage):
     def split(self, ranking: Ranking, view: SchedulerView) -> list[Lane]:
         """One lane with everything: no classes."""
@@ -155,6 +165,7 @@ class StagedPolicy:
     packer: Packer
     placement: Placement
     observers: Sequence[Stage] = ()
+    reorder: Reorder = field(default_factory=Reorder)
     requires: RunnerCapabilities = field(init=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +183,7 @@ class StagedPolicy:
         for s in (
             self.admission,
             self.ordering,
+            self.reorder,
             self.lanes,
             self.packer,
             self.placement,
@@ -188,7 +200,7 @@ class StagedPolicy:
         return reason
 
     def schedule(self, view: SchedulerView) -> Decision:
-        ranking = self.ordering.rank(view)
+        ranking = self.reorder.reorder(self.ordering.rank(view), view)
         plan = view.plan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         for lane in self.lanes.split(ranking, view):
             self.packer.pack(lane, view, plan, ranking, self.placement)

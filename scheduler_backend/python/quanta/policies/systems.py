@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.core.config import SchedulerConfig
 from quanta.costmodel import PRESETS, CostModel, get_profile, load_profile
-from quanta.policies.stages import Admission, Lanes, Ordering, Packer, Placement, Stage
+from quanta.policies.stages import Admission, Lanes, Ordering, Packer, Placement, Reorder, Stage
 
 
 class SystemOptions(BaseModel):
@@ -65,6 +65,7 @@ class Stages:
     packer: Packer | None = None
     placement: Placement | None = None
     observers: tuple[Stage, ...] = ()
+    reorder: Reorder | None = None
 
     def filled(self) -> dict[str, Stage]:
         """The slots set here, by name (observers aside)."""
@@ -74,6 +75,7 @@ class Stages:
             "lanes": self.lanes,
             "packer": self.packer,
             "placement": self.placement,
+            "reorder": self.reorder,
         }
         return {name: stage for name, stage in slots.items() if stage is not None}
 
