@@ -9,7 +9,8 @@ run can be fed exactly the same requests.
 
 One module per concern: ``model`` (the request), ``lengths`` (length samplers, ``DATASETS``),
 ``arrivals`` (renewal processes, rate schedules), ``tenants`` (tenants, apps, interactions,
-offline batches), ``agents`` (FairServe-like multi-call interactions and abusers),
+offline batches), ``agents`` (FairServe-like multi-call interactions and abusers), ``prompts``
+(the token ids of a row without text, shared exactly along its prefix group),
 ``transforms`` (merge, rebase, rescale, fit to a model), ``files`` (load and
 save; formats in ``jsonl`` and ``csv_traces``) and ``options`` (the command-line options of
 tools that read workload files). Pure Python: the simulator imports it.
@@ -36,6 +37,7 @@ from quanta.workloads.model import (
     WorkloadError,
     WorkloadRequest,
 )
+from quanta.workloads.prompts import DEFAULT_ID_RANGE, PromptIds, prompt_ids
 from quanta.workloads.tenants import App, Tenant, offline_batch, synthesize, tenant_mix
 from quanta.workloads.transforms import (
     TOO_LONG,
@@ -124,6 +126,7 @@ __all__ = [
     "AGENTS",
     "CLASSES",
     "DATASETS",
+    "DEFAULT_ID_RANGE",
     "TOO_LONG",
     "AgentApp",
     "App",
@@ -131,6 +134,7 @@ __all__ = [
     "LengthDist",
     "LengthSampler",
     "PriorityClass",
+    "PromptIds",
     "RateSchedule",
     "Tenant",
     "TooLong",
@@ -147,6 +151,7 @@ __all__ = [
     "merge",
     "offline_batch",
     "on_off",
+    "prompt_ids",
     "ramp",
     "rebase",
     "save_workload",
