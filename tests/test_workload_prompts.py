@@ -168,7 +168,10 @@ def test_jsonl_ids_give_the_prompt_length(tmp_path: Path):
         ({"prefix_group": ""}, "prefix_group must be a non-empty string"),
         ({"prefix_tokens": 2}, "prefix_tokens needs a prefix_group"),
         ({"prefix_group": "g", "prefix_tokens": -1}, "prefix_tokens must be an integer >= 0"),
-        ({"prefix_group": "g", "prefix_tokens": 9}, r"prefix_tokens \(9\) must be <= prompt"),
+        (
+            {"prefix_group": "g", "prefix_tokens": 9},
+            r"prefix_tokens \(9\) must be in \[0, prompt_tokens \(4\)\]",
+        ),
         ({"prompt_token_ids": []}, "prompt_token_ids must be a non-empty list"),
         ({"prompt_token_ids": "1 2"}, "prompt_token_ids must be a non-empty list"),
         ({"prompt_token_ids": [1, -2, 3, 4]}, r"prompt_token_ids\[1\] must be an integer >= 0"),

@@ -9,11 +9,11 @@
      "prefix_group": "chat/c7", "prefix_tokens": 96}
 
 Only ``output_tokens`` and one of ``prompt_tokens`` / ``prompt`` / ``prompt_token_ids`` are
-required. ``arrival_time``
-is an offset in seconds from the start of the run and is kept as is; ``timestamp`` is a trace's
-own clock and is rebased so the first request arrives at 0. Accepted aliases: ``input_len`` /
-``input_tokens`` (prompt_tokens), ``output_len`` / ``max_tokens`` (output_tokens), ``user``
-(tenant). Unknown keys are errors, so a typo cannot silently drop a field.
+required. ``arrival_time`` is an offset in seconds from the start of the run and is kept as
+is; ``timestamp`` is a trace's own clock and is rebased so the first request arrives at 0.
+Accepted aliases: ``input_len`` / ``input_tokens`` (prompt_tokens), ``output_len`` /
+``max_tokens`` (output_tokens), ``user`` (tenant). Unknown keys are errors, so a typo cannot
+silently drop a field.
 
 The interaction keys describe one call of a multi-call interaction (agents):
 ``interaction_stage`` (its index, 0 first; needs ``interaction_id``), ``interaction_last``
@@ -128,10 +128,6 @@ def _parse_object(
         fields["prompt_tokens"] = len(ids)
     else:
         raise WorkloadError("needs prompt_tokens or prompt (or prompt_token_ids)")
-    if ids is not None and len(ids) != fields["prompt_tokens"]:
-        raise WorkloadError(
-            f"prompt_token_ids has {len(ids)} ids but prompt_tokens is {fields['prompt_tokens']}"
-        )
     if "output_tokens" not in fields:
         raise WorkloadError("needs output_tokens")
     fields["output_tokens"] = parse_count(fields["output_tokens"], "output_tokens")
@@ -193,18 +189,10 @@ def _parse_token_ids(fields: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 def _parse_prefix(fields: dict[str, Any]) -> None:
-    """Check and normalise the prefix keys in place (after the lengths are known)."""
+    """Check and normalise the prefix keys in place; how they fit the prompt and each other
+    ``WorkloadRequest`` checks, for files and generators alike."""
     group = fields.get("prefix_group")
     if group is not None and (not isinstance(group, str) or not group):
         raise WorkloadError(f"prefix_group must be a non-empty string, got {group!r}")
-    if "prefix_tokens" not in fields:
-        return
-    prefix = fields["prefix_tokens"] = parse_count(
-        fields["prefix_tokens"], "prefix_tokens", minimum=0
-    )
-    if prefix > fields["prompt_tokens"]:
-        raise WorkloadError(
-            f"prefix_tokens ({prefix}) must be <= prompt_tokens ({fields['prompt_tokens']})"
-        )
-    if prefix and group is None:
-        raise WorkloadError("prefix_tokens needs a prefix_group")
+    if "prefix_tokens" in fields:
+        fields["prefix_tokens"] = parse_count(fields["prefix_tokens"], "prefix_tokens", minimum=0)
