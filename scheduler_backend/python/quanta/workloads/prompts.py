@@ -41,9 +41,9 @@ DEFAULT_ID_RANGE = (4, 32000)  # ids of a model-less run: past the usual special
 class PromptIds:
     """The scheme of the module doc for one id range and seed.
 
-    NOTE: group streams are memoised (the ``max_groups`` used last), so a workload whose
-    requests share long prefixes draws each prefix once; the ids do not depend on what is
-    memoised, only the time to make them.
+    NOTE: group streams are memoised (the ``max_groups`` most recently used), so a workload
+    whose requests share long prefixes draws each prefix once; the ids do not depend on what
+    is memoised, only the time to make them.
     """
 
     def __init__(
