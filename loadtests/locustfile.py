@@ -17,7 +17,9 @@ Two ways to make requests:
 - ``--workload FILE``: replay a workload file in the format ``quanta bench`` and ``quanta
   simulate`` read (``quanta bench workload`` writes one; BurstGPT and Azure LLM trace CSVs work
   too). Users take the file's requests in arrival order, each with its tenant, app,
-  interaction, class and SLOs; a prompt given only as a length is sent as seeded token ids.
+  interaction, class and SLOs; a prompt given only as a length is sent as seeded token ids
+  (those of ``quanta bench serve`` and the simulator: rows of one ``prefix_group`` share
+  their first ``prefix_tokens``).
   ``--time-scale``, ``--token-scale`` and ``--too-long`` (against ``--max-len``) act as in
   ``quanta simulate`` and ``quanta bench serve``. With ``--workload-timing arrival``
   (default) a request is sent at its ``arrival_time`` after the first user started, so give
@@ -214,6 +216,7 @@ class Replay:
         from quanta.bench.client import Target, to_client_requests, triton_inputs
         from quanta.workloads import load_workload
         from quanta.workloads.dependencies import Call, Interactions
+        from quanta.workloads.prompts import PromptIds
 
         lo, hi = _range(options.token_id_range)
         target = Target(url=options.host or "", transport="http", token_id_range=(lo, hi))
@@ -229,8 +232,9 @@ class Replay:
             Call(r.request_id, r.arrival_s, r.interaction_id, r.interaction_stage, r.think_time_s)
             for r in rows
         )
+        ids = PromptIds(target.token_id_range)  # NOTE: one for the file: prefixes drawn once
         replay = cls(
-            {r.request_id: triton_inputs(r, target) for r in rows},
+            {r.request_id: triton_inputs(r, target, ids) for r in rows},
             plan,
             options.workload_timing,
             {r.request_id: i for i, r in enumerate(rows)},

@@ -21,6 +21,7 @@ from quanta.policies.systems import Stages, System, SystemOptions
 from quanta.sim import SimSetup, simulate, summarize
 from quanta.sim.fairness import fairness
 from quanta.workloads import (
+    PromptIds,
     WorkloadError,
     WorkloadRequest,
     agent_apps,
@@ -118,6 +119,18 @@ def test_abusers_start_interactions_far_more_often_and_outputs_are_heavy_tailed(
     assert 0.08 < long_outputs < 0.4
     calls = len(trace) / trace[-1].arrival_time
     assert calls == pytest.approx(8.0, rel=0.35)  # the rate is calls per second
+
+
+def test_calls_of_an_app_share_its_system_prompt_and_nothing_else():
+    trace = agents(200, 4.0, num_users=6, seed=2)
+    assert all(r.prefix_group == r.app and r.prefix_tokens == r.system_tokens for r in trace)
+    ids = PromptIds()
+    prompts = {r.request_id: ids.of(r) for r in trace}
+    for a, b in itertools.combinations(trace[:60], 2):
+        shared = min(a.system_tokens, b.system_tokens) if a.app == b.app else 0
+        pa, pb = prompts[a.request_id], prompts[b.request_id]
+        assert pa[:shared] == pb[:shared]
+        assert pa[shared : shared + 4] != pb[shared : shared + 4]
 
 
 # -- the file format ---------------------------------------------------------------------------

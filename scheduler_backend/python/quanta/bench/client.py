@@ -9,10 +9,12 @@ failed (``quanta.workloads.dependencies``) — and the client stamps the send,
 every streamed chunk that carries tokens, and the end, on one monotonic clock — the numbers a
 user sees, network and queueing included.
 
-A prompt is text, or a length in tokens, sent as token ids (``input_ids`` to Triton, a token
-array to ``/v1/completions``) so lengths are exact on any tokenizer; the ids are a function of
-the request id. Scheduling metadata (tenant, app, interaction, class, SLOs) travel as the
-Triton metadata tensors or the gateway's extra fields; ``priority`` is vLLM's per-request
+A prompt is text, a trace's token ids, or a length in tokens sent as synthetic token ids
+(``input_ids`` to Triton, a token array to ``/v1/completions``) so lengths are exact on any
+tokenizer; synthetic ids are a function of the request id, and of its prefix group for the
+leading tokens it shares (``quanta.workloads.prompts``, as in the simulator). Scheduling
+metadata (tenant, app, interaction, class, SLOs) travel as the Triton metadata tensors or
+the gateway's extra fields; ``priority`` is vLLM's per-request
 integer (lower runs first under ``--scheduling-policy priority``), sent only when set because
 vLLM refuses it under FCFS and Quanta's gateway has no such field. Workloads come from
 ``quanta.workloads`` (``to_client_requests`` adapts them) and summaries from
@@ -26,13 +28,13 @@ import contextlib
 import itertools
 import json
 import math
-import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from quanta.workloads.dependencies import ABANDONED, Call, Interactions
+from quanta.workloads.prompts import PromptIds
 
 if TYPE_CHECKING:
     from quanta.workloads import WorkloadRequest
@@ -49,7 +51,7 @@ class ClientRequest:
 
     request_id: str
     arrival_s: float  # offset from the start of the replay
-    prompt: str | int  # text, or a prompt length in tokens
+    prompt: str | int | tuple[int, ...]  # text, a prompt length in tokens, or token ids
     max_tokens: int
     tenant: str = "default"
     priority_class: str | None = None  # None: the server's default ("online")
@@ -62,6 +64,10 @@ class ClientRequest:
     # NOTE: when to send, not metadata: a staged call waits for the previous stage to finish.
     interaction_stage: int | None = None
     think_time_s: float = 0.0
+    # NOTE: what synthetic prompt ids share (``quanta.workloads.prompts``), not metadata.
+    prefix_group: str | None = None
+    prefix_tokens: int = 0
+    system_tokens: int = 0
 
     def metadata(self) -> dict[str, Any]:
         """The scheduling metadata to send: everything that is not the server's default."""
@@ -80,14 +86,15 @@ def to_client_requests(
     ignore_eos: bool = True,
     priority: Callable[[WorkloadRequest], int] | None = None,
 ) -> list[ClientRequest]:
-    """``ClientRequest`` s for ``replay`` from workload rows: text when the row has it, else a
-    token count turned into seeded token ids; all scheduling metadata, and ``priority(row)``
-    as vLLM's per-request priority when given."""
+    """``ClientRequest`` s for ``replay`` from workload rows: text or token ids when the row
+    has them, else a token count turned into seeded token ids (sharing the row's prefix
+    group); all scheduling metadata, and ``priority(row)`` as vLLM's per-request priority
+    when given."""
     return [
         ClientRequest(
             request_id=r.request_id,
             arrival_s=r.arrival_time,
-            prompt=r.prompt if r.prompt is not None else r.prompt_tokens,
+            prompt=_prompt(r),
             max_tokens=r.output_tokens,
             tenant=r.tenant,
             priority_class=r.priority_class,
@@ -99,9 +106,18 @@ def to_client_requests(
             priority=None if priority is None else priority(r),
             interaction_stage=r.interaction_stage,
             think_time_s=r.think_time_s,
+            prefix_group=r.prefix_group,
+            prefix_tokens=r.prefix_tokens,
+            system_tokens=r.system_tokens,
         )
         for r in requests
     ]
+
+
+def _prompt(row: WorkloadRequest) -> str | int | tuple[int, ...]:
+    if row.prompt is not None:
+        return row.prompt
+    return row.prompt_token_ids if row.prompt_token_ids is not None else row.prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,18 +303,32 @@ async def _sender(target: Target) -> AsyncIterator[_Sender]:
             raise ValueError(f"unknown transport {target.transport!r}; use one of {TRANSPORTS}")
 
 
-def prompt_value(request: ClientRequest, target: Target) -> str | list[int]:
-    """The text, or ``prompt`` token ids drawn from ``Random(request_id)``."""
+def prompt_value(
+    request: ClientRequest, target: Target, ids: PromptIds | None = None
+) -> str | list[int]:
+    """The text or the given ids, else ``prompt`` synthetic ids in the target's
+    ``token_id_range`` (``quanta.workloads.prompts``); pass one ``ids`` for a whole replay so
+    that a shared prefix is drawn once."""
     if isinstance(request.prompt, str):
         return request.prompt
-    rng = random.Random(request.request_id)
-    lo, hi = target.token_id_range
-    return [rng.randrange(lo, hi) for _ in range(request.prompt)]
+    if isinstance(request.prompt, tuple):
+        return list(request.prompt)
+    ids = ids or PromptIds(target.token_id_range)
+    return ids.ids(
+        request.prompt,
+        request.request_id,
+        prefix_group=request.prefix_group,
+        prefix_tokens=request.prefix_tokens,
+        system_tokens=request.system_tokens,
+    )
 
 
-def triton_inputs(request: ClientRequest, target: Target) -> dict[str, Any]:
+def triton_inputs(
+    request: ClientRequest, target: Target, ids: PromptIds | None = None
+) -> dict[str, Any]:
     """The Triton model inputs of ``request`` (streaming), metadata included unless the target
-    says not to; JSON-able, so also the body of an HTTP ``generate_stream`` call."""
+    says not to; JSON-able, so also the body of an HTTP ``generate_stream`` call. ``ids``:
+    as in ``prompt_value``."""
     from quanta.core.request import RequestMetadata, SamplingParams
     from quanta.frontends.triton.client import request_inputs
 
@@ -308,7 +338,8 @@ def triton_inputs(request: ClientRequest, target: Target) -> dict[str, Any]:
         ignore_eos=request.ignore_eos,
     )
     metadata = RequestMetadata(**request.metadata()) if target.send_metadata else None
-    return request_inputs(prompt_value(request, target), params, stream=True, metadata=metadata)
+    prompt = prompt_value(request, target, ids)
+    return request_inputs(prompt, params, stream=True, metadata=metadata)
 
 
 def _record_triton(event: dict[str, Any], result: ClientResult, now: Clock) -> None:
@@ -326,9 +357,10 @@ def _record_triton(event: dict[str, Any], result: ClientResult, now: Clock) -> N
 class _GrpcSender:
     def __init__(self, target: Target, upstream: Any) -> None:
         self._target, self._upstream = target, upstream
+        self._ids = PromptIds(target.token_id_range)
 
     def prepare(self, request: ClientRequest) -> Any:
-        return triton_inputs(request, self._target)
+        return triton_inputs(request, self._target, self._ids)
 
     async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
         stream = self._upstream.stream(self._target.model, payload)
@@ -344,9 +376,10 @@ class _TritonHttpSender:
         base = target.url if "://" in target.url else f"http://{target.url}"
         self._url = f"{base.rstrip('/')}/v2/models/{target.model}/generate_stream"
         self._target, self._session = target, session
+        self._ids = PromptIds(target.token_id_range)
 
     def prepare(self, request: ClientRequest) -> Any:
-        return json.dumps(triton_inputs(request, self._target))
+        return json.dumps(triton_inputs(request, self._target, self._ids))
 
     async def send(self, payload: Any, result: ClientResult, now: Clock) -> None:
         async with self._session.post(self._url, data=payload, headers=_JSON) as resp:
@@ -367,11 +400,12 @@ class _OpenAISender:
         base = base.rstrip("/")
         self._url = f"{base if base.endswith('/v1') else base + '/v1'}/completions"
         self._target, self._session = target, session
+        self._ids = PromptIds(target.token_id_range)
 
     def prepare(self, request: ClientRequest) -> Any:
         body: dict[str, Any] = {
             "model": self._target.model,
-            "prompt": prompt_value(request, self._target),
+            "prompt": prompt_value(request, self._target, self._ids),
             "max_tokens": request.max_tokens,
             "temperature": self._target.temperature,
             "stream": True,

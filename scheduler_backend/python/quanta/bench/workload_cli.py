@@ -1,5 +1,6 @@
 """``quanta bench workload``: write a seeded workload file (uniform lengths, a named dataset,
-or FairServe-like agents), or convert a trace file to the shared JSONL format."""
+FairServe-like agents or multi-turn chat), or convert a trace file to the shared JSONL
+format."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def bench_workload(
     dataset: Annotated[
         str | None,
         typer.Option(
-            help="sharegpt, alpaca, humaneval, longbench, or agents (FairServe-like "
-            "multi-call interactions of --num-users users and --abusers); default uniform"
+            help="sharegpt, alpaca, humaneval, longbench, agents (FairServe-like "
+            "multi-call interactions of --num-users users and --abusers), or chat "
+            "(multi-turn conversations, each turn resending the conversation so far); "
+            "default uniform"
         ),
     ] = None,
     trace: Annotated[
@@ -73,6 +76,16 @@ def bench_workload(
         num_requests = 100
     if rate is None and trace is None:
         rate = 1.0
+    if dataset == "chat":
+        if tenants != "default" or time_scale != 1.0 or token_scale != 1.0:
+            raise typer.BadParameter(
+                "--dataset chat makes its own conversations and lengths: not --tenants, "
+                "--time-scale or --token-scale"
+            )
+        assert num_requests is not None and rate is not None  # NOTE: defaulted above
+        rows = _chat(num_requests, rate, seed, cv, max_len)
+        typer.echo(f"wrote {save_workload(out, rows)} ({len(rows)} requests)")
+        return
     if dataset == "agents" or num_users is not None or abusers is not None:
         if dataset != "agents":
             raise typer.BadParameter("--num-users and --abusers need --dataset agents")
@@ -115,5 +128,17 @@ def _agents(
             num_requests, rate, num_users=users, abusers=abusers or 0, seed=seed, cv=cv,
             max_len=max_len, id_prefix=f"s{seed}-r",
         )  # fmt: skip
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _chat(
+    num_requests: int, rate: float, seed: int, cv: float, max_len: int
+) -> list[WorkloadRequest]:
+    """``bench workload --dataset chat`` (``quanta.workloads.chat``)."""
+    from quanta.workloads import WorkloadError, chat
+
+    try:
+        return chat(num_requests, rate, seed=seed, cv=cv, max_len=max_len, id_prefix=f"s{seed}-r")
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc)) from None

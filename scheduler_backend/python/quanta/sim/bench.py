@@ -33,6 +33,7 @@ from quanta.sim.engine_replay import bench_trace, pressure_cache, replay
 from quanta.sim.metrics import request_metrics
 from quanta.sim.repro import batched_capacity
 from quanta.workloads import WorkloadRequest, arrival_times, make_workload, scale_to_rate
+from quanta.workloads.prompts import PromptIds
 from quanta.workloads.transforms import TooLong
 
 APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
@@ -224,11 +225,12 @@ def candidate_view(
     lengths = [tr for tr in make_workload("sharegpt", n, 1.0, seed=seed)]
     held = sum(blocks_for(t.input_len + 1, block_size) for t in lengths[: n // 2])
     bm = BlockManager(block_size, int(held * 1.05) + 16, held + 16)
+    ids = PromptIds(seed=seed)  # NOTE: unrelated prompts, as the trace's rows are
     reqs = []
     for i, t in enumerate(lengths):
         r = Request(
             f"c{i}",
-            [1] * t.input_len,
+            ids.of(t, i),
             SamplingParams(max_tokens=t.output_len, ignore_eos=True),
             rng.random(),
             i,

@@ -44,8 +44,9 @@ def simulate_cmd(
         str,
         typer.Option(
             help="sharegpt, alpaca, humaneval, longbench, agents (multi-call interactions, "
-            "FairServe-like), or a workload file (the JSONL of quanta bench workload, a "
-            "BurstGPT or an Azure LLM trace CSV); its tenants and classes reach the policy"
+            "FairServe-like), chat (multi-turn conversations), or a workload file (the JSONL "
+            "of quanta bench workload, a BurstGPT or an Azure LLM trace CSV); its tenants "
+            "and classes reach the policy"
         ),
     ] = "sharegpt",
     rate: Annotated[float, typer.Option(help="arrivals per second")] = 1.0,

@@ -13,7 +13,6 @@ after it, and the arrival is submitted as usual once the clock has moved there.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from quanta.policies import parse_policy
 from quanta.sim.interactions import Replay
 from quanta.sim.runner import Interrupt, SimRunner, SimStats
 from quanta.workloads import WorkloadRequest
+from quanta.workloads.prompts import DEFAULT_ID_RANGE, PromptIds
 
 # FastServe's public artifact for OPT-13B: --max-batch-size 16 --max-tokens-per-batch 2048.
 PAPER_SCHEDULER = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048)
@@ -75,16 +75,22 @@ def build_requests(
     """One request per trace row, stopping exactly at its output length (``ignore_eos``),
     with the row's id and scheduling metadata (tenant, class, SLOs) for the policy to read.
 
-    Without ``vocab_size`` prompts are a constant token (the simulator never reads them);
-    with it they are seeded random ids for a real model.
+    Prompts are the row's ids (``quanta.workloads.prompts``, seeded by ``seed``): a trace's
+    own, else synthetic ids in ``[4, vocab_size)`` (without ``vocab_size`` a range as large
+    as a real vocabulary's) that unrelated rows do not share and rows of one prefix group
+    share exactly as far as the row says: a prefix cache in the simulated loop finds what it
+    would find in a live replay of the same rows.
     """
-    rng = random.Random(seed)
+    lo, hi = DEFAULT_ID_RANGE
+    ids = PromptIds((lo, hi if vocab_size is None else vocab_size), seed=seed)
     requests = []
     for i, row in enumerate(trace):
-        if vocab_size is None:
-            prompt = [1] * row.input_len
-        else:
-            prompt = [rng.randrange(4, vocab_size) for _ in range(row.input_len)]
+        prompt = ids.of(row, i)
+        if vocab_size is not None and row.prompt_token_ids and max(prompt) >= vocab_size:
+            raise ValueError(
+                f"request {row.request_id or i!r}: prompt id {max(prompt)} is outside the "
+                f"model's vocabulary of {vocab_size}"
+            )
         params = SamplingParams(max_tokens=row.output_len, ignore_eos=True, temperature=0.0)
         requests.append(
             Request(

@@ -9,7 +9,9 @@ run can be fed exactly the same requests.
 
 One module per concern: ``model`` (the request), ``lengths`` (length samplers, ``DATASETS``),
 ``arrivals`` (renewal processes, rate schedules), ``tenants`` (tenants, apps, interactions,
-offline batches), ``agents`` (FairServe-like multi-call interactions and abusers),
+offline batches), ``agents`` (FairServe-like multi-call interactions and abusers), ``chat``
+(multi-turn conversations, each turn resending the conversation so far), ``prompts``
+(the token ids of a row without text, shared exactly along its prefix group),
 ``transforms`` (merge, rebase, rescale, fit to a model), ``files`` (load and
 save; formats in ``jsonl`` and ``csv_traces``) and ``options`` (the command-line options of
 tools that read workload files). Pure Python: the simulator imports it.
@@ -22,11 +24,17 @@ from pathlib import Path
 
 from quanta.workloads.agents import AGENTS, AgentApp, agent_apps, agents
 from quanta.workloads.arrivals import Arrivals, RateSchedule, arrival_times, on_off, ramp
+from quanta.workloads.chat import CHAT, ChatApp, chat, chat_apps
 from quanta.workloads.files import load_workload, save_workload
 from quanta.workloads.lengths import (
+    AZURE_CONV_OUTPUT,
     DATASETS,
+    SHAREGPT_INPUT,
     LengthDist,
     LengthSampler,
+    LogNormalCount,
+    QuantileCount,
+    TokenCount,
     UniformLengths,
     length_sampler,
 )
@@ -36,6 +44,7 @@ from quanta.workloads.model import (
     WorkloadError,
     WorkloadRequest,
 )
+from quanta.workloads.prompts import DEFAULT_ID_RANGE, PromptIds, prompt_ids
 from quanta.workloads.tenants import App, Tenant, offline_batch, synthesize, tenant_mix
 from quanta.workloads.transforms import (
     TOO_LONG,
@@ -64,7 +73,7 @@ def make_workload(
     num_users: int | None = None,
     abusers: int | None = None,
 ) -> list[WorkloadRequest]:
-    """The simulator's entry point: a dataset name, ``agents``, or a workload file.
+    """The simulator's entry point: a dataset name, ``agents``, ``chat``, or a workload file.
 
     A dataset draws all lengths (redrawn until they fit ``max_len``), then Poisson/Gamma
     arrivals from one ``Random(seed)``: this order keeps seeded simulations (and the
@@ -73,11 +82,12 @@ def make_workload(
     ``time_scale``, ``token_scale`` and ``too_long`` act as in ``load_workload`` (a row longer
     than ``max_len`` is an error unless ``too_long`` is ``skip`` or ``clip``).
     ``agents`` is ``quanta.workloads.agents.agents`` with ``num_users`` (default 20) benign
-    users and ``abusers`` (default 0), which no other workload takes.
+    users and ``abusers`` (default 0), which no other workload takes. ``chat`` is
+    ``quanta.workloads.chat.chat`` with its defaults (``rate``: turns per second).
     """
     if name_or_path != AGENTS and (num_users is not None or abusers is not None):
         raise WorkloadError(f"num_users and abusers shape the {AGENTS!r} workload only")
-    if name_or_path in (*DATASETS, AGENTS):
+    if name_or_path in (*DATASETS, AGENTS, CHAT):
         if time_scale != 1.0 or token_scale != 1.0:
             raise WorkloadError(
                 "time_scale and token_scale rescale a workload file; a dataset's arrivals "
@@ -94,6 +104,8 @@ def make_workload(
                 cv=cv,
                 max_len=max_len,
             )
+        if name_or_path == CHAT:
+            return chat(num_requests, rate, seed=seed, cv=cv, max_len=max_len)
         rng = random.Random(seed)
         dist = DATASETS[name_or_path]
         lengths = [dist.sample(rng, max_len) for _ in range(num_requests)]
@@ -104,7 +116,7 @@ def make_workload(
         ]
     path = Path(name_or_path)
     if not path.is_file():
-        known = ", ".join(sorted((*DATASETS, AGENTS)))
+        known = ", ".join(sorted((*DATASETS, AGENTS, CHAT)))
         raise WorkloadError(f"workload {name_or_path!r} is neither a dataset ({known}) nor a file")
     rows = load_workload(
         path,
@@ -122,17 +134,26 @@ def make_workload(
 
 __all__ = [
     "AGENTS",
+    "AZURE_CONV_OUTPUT",
+    "CHAT",
     "CLASSES",
     "DATASETS",
+    "DEFAULT_ID_RANGE",
+    "SHAREGPT_INPUT",
     "TOO_LONG",
     "AgentApp",
     "App",
     "Arrivals",
+    "ChatApp",
     "LengthDist",
     "LengthSampler",
+    "LogNormalCount",
     "PriorityClass",
+    "PromptIds",
+    "QuantileCount",
     "RateSchedule",
     "Tenant",
+    "TokenCount",
     "TooLong",
     "UniformLengths",
     "WorkloadError",
@@ -140,6 +161,8 @@ __all__ = [
     "agent_apps",
     "agents",
     "arrival_times",
+    "chat",
+    "chat_apps",
     "fit_to_model",
     "length_sampler",
     "load_workload",
@@ -147,6 +170,7 @@ __all__ = [
     "merge",
     "offline_batch",
     "on_off",
+    "prompt_ids",
     "ramp",
     "rebase",
     "save_workload",

@@ -20,6 +20,11 @@ scaled to fit a 2k-token model:
   workload's mean calls per second, which sets the benign per-user rate.
 - A follow-up call waits a think time uniform in [0.5, 2] s after the previous call finished.
   Its ``arrival_time`` is a lower bound: when it would be sent if every call took no time.
+- Calls of one app share the app's system prompt: ``prefix_group`` is the app and
+  ``prefix_tokens`` its ``system_tokens``, so two calls share the app's prompt up to the
+  shorter of their two system prompts (``quanta.workloads.prompts``). A call's input is the
+  user's or the previous agent's text, not the interaction's history, so no longer prefix
+  is shared within an interaction.
 
 Every user has its own seeded streams, so the same seed gives every user the same
 interactions at any rate and number of abusers (their times scale with the rate).
@@ -152,6 +157,8 @@ def _interactions(
                     interaction_stage=stage,
                     system_tokens=system,
                     think_time_s=think,
+                    prefix_group=app.name,
+                    prefix_tokens=system,
                 )
             )
         yield chain

@@ -5,19 +5,28 @@
     {"request_id": "r0", "arrival_time": 0.31, "prompt_tokens": 96, "output_tokens": 48,
      "tenant": "t1", "app": "chat", "interaction_id": "t1-i0", "priority_class": "online",
      "ttft_slo_ms": 1000, "tpot_slo_ms": 100, "prompt": "optional text",
-     "interaction_stage": 1, "interaction_last": true, "system_tokens": 40, "think_time_s": 1.5}
+     "interaction_stage": 1, "interaction_last": true, "system_tokens": 40, "think_time_s": 1.5,
+     "prefix_group": "chat/c7", "prefix_tokens": 96}
 
-Only ``output_tokens`` and one of ``prompt_tokens`` / ``prompt`` are required. ``arrival_time``
-is an offset in seconds from the start of the run and is kept as is; ``timestamp`` is a trace's
-own clock and is rebased so the first request arrives at 0. Accepted aliases: ``input_len`` /
-``input_tokens`` (prompt_tokens), ``output_len`` / ``max_tokens`` (output_tokens), ``user``
-(tenant). Unknown keys are errors, so a typo cannot silently drop a field.
+Only ``output_tokens`` and one of ``prompt_tokens`` / ``prompt`` / ``prompt_token_ids`` are
+required. ``arrival_time`` is an offset in seconds from the start of the run and is kept as
+is; ``timestamp`` is a trace's own clock and is rebased so the first request arrives at 0.
+Accepted aliases: ``input_len`` / ``input_tokens`` (prompt_tokens), ``output_len`` /
+``max_tokens`` (output_tokens), ``user`` (tenant). Unknown keys are errors, so a typo cannot
+silently drop a field.
 
 The interaction keys describe one call of a multi-call interaction (agents):
 ``interaction_stage`` (its index, 0 first; needs ``interaction_id``), ``interaction_last``
 (true on the call that answers the user), ``system_tokens`` (how many of the prompt's tokens
 are system prompt, at most ``prompt_tokens``) and ``think_time_s`` (seconds its sender waits
 after the previous call finished; only for ``interaction_stage`` > 0).
+
+The prefix keys say which prompts share a beginning, so that a trace without text still
+exercises a prefix cache: requests with one ``prefix_group`` (a string) share their first
+``prefix_tokens`` tokens (at most ``prompt_tokens``; needs the group), as
+``quanta.workloads.prompts`` generates them (its doc has the scheme). ``prompt_token_ids``
+(a list of token ids >= 0, not with ``prompt``) is the prompt itself, sent as given; its
+length is ``prompt_tokens``, which may then be left out.
 """
 
 from __future__ import annotations
@@ -108,12 +117,17 @@ def _parse_object(
     prompt = fields.get("prompt")
     if prompt is not None and (not isinstance(prompt, str) or not prompt):
         raise WorkloadError("prompt must be a non-empty string")
+    ids = _parse_token_ids(fields)
+    if ids is not None and prompt is not None:
+        raise WorkloadError("give prompt or prompt_token_ids, not both")
     if "prompt_tokens" in fields:
         fields["prompt_tokens"] = parse_count(fields["prompt_tokens"], "prompt_tokens")
     elif prompt is not None:
         fields["prompt_tokens"] = max(1, count_tokens(prompt))
+    elif ids is not None:
+        fields["prompt_tokens"] = len(ids)
     else:
-        raise WorkloadError("needs prompt_tokens or prompt")
+        raise WorkloadError("needs prompt_tokens or prompt (or prompt_token_ids)")
     if "output_tokens" not in fields:
         raise WorkloadError("needs output_tokens")
     fields["output_tokens"] = parse_count(fields["output_tokens"], "output_tokens")
@@ -127,6 +141,7 @@ def _parse_object(
         if fields.get(key) is not None:
             fields[key] = parse_number(fields[key], key, minimum=0.0, strict=True)
     _parse_interaction(fields)
+    _parse_prefix(fields)
     if not fields.get("request_id"):
         fields["request_id"] = f"r{index}"
     return WorkloadRequest(arrival_time=0.0, **fields), when, clock
@@ -157,3 +172,27 @@ def _parse_interaction(fields: dict[str, Any]) -> None:
         )
         if think and not stage:
             raise WorkloadError("think_time_s applies only to calls with interaction_stage > 0")
+
+
+def _parse_token_ids(fields: dict[str, Any]) -> tuple[int, ...] | None:
+    """The ``prompt_token_ids`` key as a tuple (in ``fields`` too), or None when absent."""
+    ids = fields.get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids:
+        raise WorkloadError(f"prompt_token_ids must be a non-empty list of token ids, got {ids!r}")
+    for k, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise WorkloadError(f"prompt_token_ids[{k}] must be an integer >= 0, got {token!r}")
+    fields["prompt_token_ids"] = tuple(ids)
+    return fields["prompt_token_ids"]
+
+
+def _parse_prefix(fields: dict[str, Any]) -> None:
+    """Check and normalise the prefix keys in place; how they fit the prompt and each other
+    ``WorkloadRequest`` checks, for files and generators alike."""
+    group = fields.get("prefix_group")
+    if group is not None and (not isinstance(group, str) or not group):
+        raise WorkloadError(f"prefix_group must be a non-empty string, got {group!r}")
+    if "prefix_tokens" in fields:
+        fields["prefix_tokens"] = parse_count(fields["prefix_tokens"], "prefix_tokens", minimum=0)

@@ -17,10 +17,19 @@ longbench  1500 / 300    0.35 / 0.6     LongBench summarisation clipped to OPT's
 
 Samples are redrawn until prompt + output fits ``max_len``, so for ``longbench`` the realised
 means sit below the table's.
+
+Single lengths (``TokenCount``), for generators that build prompts from parts (the turns of a
+conversation): ``LogNormalCount`` and ``QuantileCount``, an empirical distribution.
+``AZURE_CONV_OUTPUT`` is the distribution of ``GeneratedTokens`` in the Azure LLM inference
+trace's conversation service (one hour, 19,366 requests; mean 211, median 129, P99 601,
+max 1000), measured from the trace: Azure Public Dataset (AzureLLMInferenceDataset2023),
+CC BY 4.0; Patel et al., "Splitwise: Efficient generative LLM inference using phase
+splitting", ISCA 2024. ``SHAREGPT_INPUT`` is the ``sharegpt`` row's input length alone.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections.abc import Mapping
@@ -77,6 +86,58 @@ class UniformLengths:
                 return n_in, n_out
 
 
+class TokenCount(Protocol):
+    """Draws one length in tokens (>= 1)."""
+
+    def sample(self, rng: random.Random) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormalCount:
+    """A log-normal length with the given mean."""
+
+    mean: float
+    sigma: float
+
+    def sample(self, rng: random.Random) -> int:
+        mu = math.log(self.mean) - self.sigma**2 / 2
+        return max(1, round(rng.lognormvariate(mu, self.sigma)))
+
+
+@dataclass(frozen=True, slots=True)
+class QuantileCount:
+    """An empirical length: ``points`` are (cumulative probability, tokens), from (0, min) to
+    (1, max), and a draw interpolates linearly between the two around a uniform number (the
+    inverse of a piecewise-linear CDF), so a table of a trace's quantiles reproduces it."""
+
+    points: tuple[tuple[float, int], ...]
+
+    def __post_init__(self) -> None:
+        probs, counts = [p for p, _ in self.points], [n for _, n in self.points]
+        if len(probs) < 2 or probs[0] != 0 or probs[-1] != 1:
+            raise WorkloadError("quantile points must run from probability 0 to 1")
+        if probs != sorted(set(probs)) or counts != sorted(counts) or counts[0] < 1:
+            raise WorkloadError("quantile points need increasing probabilities, counts >= 1")
+
+    def sample(self, rng: random.Random) -> int:
+        u = rng.random()
+        probs = [p for p, _ in self.points]
+        k = min(bisect.bisect_right(probs, u), len(probs) - 1)
+        (p0, n0), (p1, n1) = self.points[k - 1], self.points[k]
+        return round(n0 + (n1 - n0) * (u - p0) / (p1 - p0))
+
+
+AZURE_CONV_OUTPUT = QuantileCount(
+    (
+        (0.0, 7), (0.01, 16), (0.02, 24), (0.05, 41), (0.1, 54), (0.15, 67), (0.2, 77),
+        (0.25, 85), (0.3, 91), (0.35, 96), (0.4, 103), (0.45, 113), (0.5, 129), (0.55, 151),
+        (0.6, 177), (0.65, 217), (0.66, 237), (0.67, 371), (0.7, 384), (0.75, 395),
+        (0.8, 400), (0.85, 411), (0.9, 424), (0.95, 451), (0.98, 540), (0.99, 601),
+        (1.0, 1000),
+    )
+)  # fmt: skip
+
+
 DATASETS: Mapping[str, LengthDist] = MappingProxyType(
     {
         "sharegpt": LengthDist(161, 338, sigma_input=1.0, sigma_output=0.9),
@@ -85,6 +146,7 @@ DATASETS: Mapping[str, LengthDist] = MappingProxyType(
         "longbench": LengthDist(1500, 300, sigma_input=0.35, sigma_output=0.6),
     }
 )
+SHAREGPT_INPUT = LogNormalCount(DATASETS["sharegpt"].mean_input, DATASETS["sharegpt"].sigma_input)
 
 
 def length_sampler(spec: str | LengthSampler) -> LengthSampler:

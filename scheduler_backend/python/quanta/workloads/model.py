@@ -30,7 +30,12 @@ class WorkloadRequest:
     are system prompt. ``think_time_s`` is how long its sender waits after the previous call
     of the interaction finished, so for ``interaction_stage > 0`` ``arrival_time`` is only a
     lower bound: a dependency-aware replay (the simulator) sends it at
-    max(arrival_time, previous finish + think_time_s)."""
+    max(arrival_time, previous finish + think_time_s).
+
+    Requests of one ``prefix_group`` share their first ``prefix_tokens`` prompt tokens: the
+    system prompt of an app, or a conversation so far (``quanta.workloads.prompts`` turns a
+    row into token ids that share exactly that). ``prompt_token_ids`` are a trace's own ids,
+    sent as they are instead of synthetic ones."""
 
     arrival_time: float  # seconds from the start of the run
     prompt_tokens: int
@@ -47,6 +52,28 @@ class WorkloadRequest:
     interaction_last: bool = False
     system_tokens: int = 0  # leading prompt tokens that are system prompt (<= prompt_tokens)
     think_time_s: float = 0.0  # not metadata: when to send, not how to schedule
+    prefix_group: str | None = None  # requests that share a prompt prefix (not metadata)
+    prefix_tokens: int = 0  # leading prompt tokens shared within the group (<= prompt_tokens)
+    prompt_token_ids: tuple[int, ...] | None = None  # the prompt's ids; None: synthetic
+
+    def __post_init__(self) -> None:
+        # NOTE: checked here, not only in the reader, because every generator and transform
+        # builds rows too and a wrong length would silently send another prompt.
+        ids = self.prompt_token_ids
+        if ids is not None:
+            if not isinstance(ids, tuple):  # a list from a caller: the row stays hashable
+                object.__setattr__(self, "prompt_token_ids", ids := tuple(ids))
+            if len(ids) != self.prompt_tokens:
+                raise WorkloadError(
+                    f"prompt_token_ids has {len(ids)} ids but prompt_tokens is {self.prompt_tokens}"
+                )
+        if not 0 <= self.prefix_tokens <= self.prompt_tokens:
+            raise WorkloadError(
+                f"prefix_tokens ({self.prefix_tokens}) must be in [0, prompt_tokens "
+                f"({self.prompt_tokens})]"
+            )
+        if self.prefix_tokens and self.prefix_group is None:
+            raise WorkloadError("prefix_tokens needs a prefix_group")
 
     @property
     def input_len(self) -> int:
@@ -100,6 +127,9 @@ OPTIONAL_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
         "interaction_last": False,
         "system_tokens": 0,
         "think_time_s": 0.0,
+        "prefix_group": None,
+        "prefix_tokens": 0,
+        "prompt_token_ids": None,
     }
 )
 

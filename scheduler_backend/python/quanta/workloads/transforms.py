@@ -61,14 +61,16 @@ def scale_time(requests: Sequence[WorkloadRequest], time_scale: float) -> list[W
 def scale_tokens(requests: Sequence[WorkloadRequest], token_scale: float) -> list[WorkloadRequest]:
     """Every prompt (context) length multiplied by ``token_scale``, rounded, at least 1;
     output lengths are kept. A prompt given as text becomes a prompt of the scaled length
-    (synthetic token ids), since text cannot be scaled."""
+    (synthetic token ids), since text cannot be scaled; given as ids, it keeps its first ids
+    when it shrinks and becomes synthetic when it grows. A shared prefix scales alike."""
     _check_scale(token_scale, "token_scale")
     if token_scale == 1.0:
         return list(requests)
     out = []
     for r in requests:
         n_in = max(1, round(r.prompt_tokens * token_scale))
-        out.append(_with_prompt(r, n_in, round(r.system_tokens * token_scale), prompt=None))
+        system, prefix = (round(n * token_scale) for n in (r.system_tokens, r.prefix_tokens))
+        out.append(_with_prompt(r, n_in, system, prefix, prompt=None))
     return out
 
 
@@ -94,7 +96,9 @@ def fit_to_model(
         n_out = min(n_out, max_len - 1)
         n_in = min(n_in, max_len - n_out)
         text = request.prompt if n_in == request.prompt_tokens else None
-        clipped = _with_prompt(request, n_in, request.system_tokens, prompt=text)
+        clipped = _with_prompt(
+            request, n_in, request.system_tokens, request.prefix_tokens, prompt=text
+        )
         return replace(clipped, output_tokens=n_out)
     raise WorkloadError(
         f"{n_in} prompt + {n_out} output tokens = {n_in + n_out} > max_len {max_len}; "
@@ -122,7 +126,8 @@ def with_io_ratio(
     for r in trace:
         n_in = min(max_len - 1, max(1, round(r.prompt_tokens * a)))
         n_out = min(max_len - n_in, max(1, round(r.output_tokens * b)))
-        scaled = _with_prompt(r, n_in, round(r.system_tokens * a), prompt=r.prompt)
+        system, prefix = round(r.system_tokens * a), round(r.prefix_tokens * a)
+        scaled = _with_prompt(r, n_in, system, prefix, prompt=r.prompt)
         out.append(replace(scaled, output_tokens=n_out))
     return out
 
@@ -133,14 +138,23 @@ def _check_scale(value: float, name: str) -> None:
 
 
 def _with_prompt(
-    r: WorkloadRequest, prompt_tokens: int, system_tokens: int, *, prompt: str | None
+    r: WorkloadRequest,
+    prompt_tokens: int,
+    system_tokens: int,
+    prefix_tokens: int,
+    *,
+    prompt: str | None,
 ) -> WorkloadRequest:
-    """``r`` with a new prompt length; its system prompt never exceeds the prompt."""
+    """``r`` with a new prompt length; its system prompt and shared prefix never exceed the
+    prompt, and its ids (a trace's) are cut to it, or dropped when it grew past them."""
+    ids = r.prompt_token_ids
     return replace(
         r,
         prompt_tokens=prompt_tokens,
         system_tokens=min(system_tokens, prompt_tokens),
         prompt=prompt,
+        prefix_tokens=min(prefix_tokens, prompt_tokens),
+        prompt_token_ids=ids[:prompt_tokens] if ids and prompt_tokens <= len(ids) else None,
     )
 
 
