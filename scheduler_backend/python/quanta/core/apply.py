@@ -80,6 +80,8 @@ class DecisionApplier:
                     assert loads is not None
                     swap_in.extend(loads)
                     r.num_computed_tokens = r.num_cached_tokens
+                    if r.first_scheduled_time is None:
+                        r.num_cached_prompt_tokens = min(r.num_cached_tokens, r.num_prompt_tokens)
                 seqs.append(self._schedule(r, n, now, _kind(d, rid)))
             ran = dict(d.run)
             checkpoint: list[tuple[int, int]] = []

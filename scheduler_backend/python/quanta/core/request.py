@@ -222,6 +222,7 @@ class Request:
     num_swap_outs: int = 0
     num_swapped_blocks: int = 0
     num_recomputed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens its first start found cached (usage)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

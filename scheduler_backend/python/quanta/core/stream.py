@@ -25,6 +25,7 @@ class RequestMetrics:
     num_preemptions: int
     num_swapped_blocks: int
     num_recomputed_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first start
 
     @classmethod
     def of(cls, r: Request) -> RequestMetrics:
@@ -39,6 +40,7 @@ class RequestMetrics:
             num_preemptions=r.num_preemptions,
             num_swapped_blocks=r.num_swapped_blocks,
             num_recomputed_tokens=r.num_recomputed_tokens,
+            num_cached_tokens=r.num_cached_prompt_tokens,
         )
 
 

@@ -122,7 +122,8 @@ class CoservePacker(Packer):
         placement: Placement,
     ) -> bool:
         """Evict offline residents (in ``victims`` order) until ``n`` tokens of ``req`` fit;
-        False (and nothing evicted) when all of them would not be enough."""
+        False (and nothing evicted) when all of them would not be enough. NOTE: with shared
+        blocks what they free is an estimate, so the answer is the fit after the evictions."""
         need = plan.blocks_to_grow(req, n)
         if need <= plan.free_device:
             return True
@@ -133,7 +134,7 @@ class CoservePacker(Packer):
             if plan.blocks_to_grow(req, n) <= plan.free_device:
                 break
             plan.evict(victim, placement.yield_mode(victim, plan))
-        return True
+        return plan.blocks_to_grow(req, n) <= plan.free_device
 
 
 class _StepTime:

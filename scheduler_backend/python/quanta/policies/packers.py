@@ -140,8 +140,9 @@ class PriorityPacker(Packer):
                     seats -= 1
             elif n and self._could_fit(req, n, plan, keep, below):
                 below -= self._evict_for(req, n, pos, victims, plan, placement)
-                plan.take(req, n)
-                seats -= 1
+                if plan.blocks_to_grow(req, n) <= plan.free_device:
+                    plan.take(req, n)
+                    seats -= 1
         for req in prefills:
             n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
             i = pos[req.request_id]
@@ -150,7 +151,8 @@ class PriorityPacker(Packer):
             )
             if n and plan.has_room(n) and self._could_fit(req, n, plan, keep, room):
                 self._evict_for(req, n, pos, victims, plan, placement)
-                plan.take(req, n)
+                if plan.blocks_to_grow(req, n) <= plan.free_device:
+                    plan.take(req, n)
 
     def _could_fit(self, req: Request, n: int, plan: StepPlan, keep: int, room: int) -> bool:
         """``n`` tokens of ``req`` fit in free blocks, or (when it may evict) in free blocks
@@ -170,10 +172,12 @@ class PriorityPacker(Packer):
         placement: Placement,
     ) -> int:
         """Evict lower-ranked residents, in the placement's order, until ``req`` fits; the
-        blocks taken from them."""
-        need, i, freed = plan.blocks_to_grow(req, n), pos[req.request_id], 0
+        blocks taken from them. NOTE: the room a packer counts on is an estimate once blocks
+        are shared (a victim may share blocks with another, or with ``req``'s cached prefix),
+        so the need is asked again after each eviction and the caller checks before running."""
+        i, freed = pos[req.request_id], 0
         for victim in victims:
-            if need <= plan.free_device:
+            if plan.blocks_to_grow(req, n) <= plan.free_device:
                 break
             if pos[victim.request_id] > i and evictable(victim, plan):
                 freed += plan.evict(victim, placement.yield_mode(victim, plan))

@@ -48,6 +48,9 @@ class SimSetup:
     num_host_blocks: int | None = None
     policy_options: dict[str, Any] = field(default_factory=dict)
     safepoint_interval: int = 8  # layers between the runner's safepoints
+    # Share cached prefixes as the engine does (its default too): only uncached prefill is
+    # computed, so only it costs time.
+    prefix_caching: bool = True
 
     def pools(self) -> tuple[int, int]:
         device, host = self.profile.num_blocks(self.block_size)
@@ -134,7 +137,7 @@ def simulate(
     loop = EngineLoop(
         runner=runner,
         policy=make_sim_policy(setup),
-        blocks=BlockManager(setup.block_size, device, host),
+        blocks=BlockManager(setup.block_size, device, host, prefix_caching=setup.prefix_caching),
         clock=clock,
         max_model_len=setup.profile.max_model_len,
     )
