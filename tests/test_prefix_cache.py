@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from quanta.core.blocks import BlockManager, Tier
 from quanta.core.clock import VirtualClock
 from quanta.core.config import SchedulerConfig
+from quanta.core.lookups import LookupMemo
 from quanta.core.loop import EngineLoop
 from quanta.core.prefix import block_hashes, cacheable_blocks
 from quanta.core.request import Request, SamplingParams
@@ -42,6 +43,32 @@ def shared(n: int, prefix: int, own: int, *, max_tokens: int = 6, seed: int = 0)
 
 def names(req: Request) -> list[bytes]:
     return block_hashes(req, BLOCK, cacheable_blocks(req, BLOCK))[: cacheable_blocks(req, BLOCK)]
+
+
+def fresh_hit(bm: BlockManager, req: Request) -> tuple[tuple[Tier, int], ...]:
+    """The longest cached prefix of ``req`` as a lookup made now would find it."""
+    found = []
+    for name in names(req):
+        tier, b = Tier.DEVICE, bm.cached_block(Tier.DEVICE, name)
+        if b is None:
+            tier, b = Tier.HOST, bm.cached_block(Tier.HOST, name)
+        if b is None:
+            break
+        found.append((tier, b))
+    return tuple(found)
+
+
+def check_lookups(loop: EngineLoop) -> None:
+    """What the next step's lookups leave for every waiting request (kept ones and redone
+    ones alike) is what looking each one up afresh finds."""
+    waiting = [r for r in loop._view(0.0).waiting if loop.blocks.kind_of(r.request_id) is None]
+    loop.blocks.forget_lookups()
+    loop._look_up_prefixes(waiting)
+    for r in waiting:
+        expected = fresh_hit(loop.blocks, r)
+        hit = loop.blocks.prefix_hit(r.request_id)
+        assert (hit.blocks if hit else ()) == expected, r.request_id
+        assert r.num_cached_tokens == BLOCK * len(expected), r.request_id
 
 
 def resident(bm: BlockManager, req: Request) -> None:
@@ -150,6 +177,67 @@ def test_a_reset_forgets_every_name_and_keeps_blocks_in_use():
     bm.check_integrity()
 
 
+# -- lookups kept across steps -------------------------------------------------------------
+def test_the_memo_keeps_a_lookup_until_a_name_it_read_changes():
+    memo = LookupMemo()
+    memo.keep("a", [b"n0", b"n1", b"n2", b"n3"], 2)  # found n0 n1, stopped at n2
+    memo.keep("b", [b"n0", b"m1"], 0)  # stopped at n0
+    memo.changed([b"n3", b"zz"])  # past where either walk stopped: both hold
+    assert "a" in memo and "b" in memo
+    memo.changed([b"n2"])  # a block for where a's walk stopped
+    assert "a" not in memo and "b" in memo
+    memo.keep("a", [b"n0", b"n1", b"n2", b"n3"], 3)
+    memo.changed([b"n0"])  # read by both
+    assert len(memo) == 0 and not memo._readers  # no reader left behind
+    memo.keep("c", [], 0)  # nothing cacheable: nothing can change its answer
+    memo.changed([b"n0"])
+    assert "c" in memo
+    memo.drop("c")
+    assert "c" not in memo
+
+
+def test_only_stale_lookups_are_redone_and_each_change_makes_its_readers_stale():
+    bm = BlockManager(BLOCK, 8, 4, prefix_caching=True)
+    a, b, c = shared(3, 8, 6)  # two shared blocks, then their own
+    other = make_requests(1, prompt_len=9)[0]
+    resident(bm, a)
+    for r in (b, c, other):
+        r.num_cached_tokens = bm.lookup(r.request_id, names(r))
+    assert bm.stale_lookups([b, c, other]) == []
+    bm.forget_lookups()  # a's blocks were named before: the lookups read what they found
+    assert bm.stale_lookups([b, c, other]) == [b, c]  # a spurious change costs a lookup
+    for r in (b, c):
+        r.num_cached_tokens = bm.lookup(r.request_id, names(r))
+    bm.forget_lookups()
+    assert bm.stale_lookups([b, c, other]) == []
+    bm.free(a.request_id)  # cached while free: nothing changed
+    assert bm.allocate_slots("big", 5 * BLOCK) is not None  # never-named blocks first
+    bm.forget_lookups()
+    assert bm.stale_lookups([b, c, other]) == []
+    assert bm.allocate_slots("big2", BLOCK) is not None  # evicts a's own block, to the host
+    bm.forget_lookups()
+    assert bm.stale_lookups([b, c, other]) == []  # nobody read its name
+    assert bm.allocate_slots("big3", BLOCK) is not None  # evicts the second shared block
+    bm.forget_lookups()
+    assert bm.stale_lookups([b, c, other]) == [b, c]
+    for r in (b, c):
+        assert bm.lookup(r.request_id, names(r)) == 8  # the second block now from the host
+        assert bm.prefix_hit(r.request_id).blocks == fresh_hit(bm, r)
+        assert bm.prefix_hit(r.request_id).of(Tier.HOST)
+    bm.free("big")
+    bm.pin_prefix(b.request_id)  # b holds blocks: no lookup of it holds
+    assert bm.load_prefix(b.request_id)  # copies the host block back, named on the device
+    assert bm.stale_lookups([b, c]) == [b]
+    bm.forget_lookups()
+    assert bm.stale_lookups([b, c]) == [b, c]  # c's second block is on the device again
+    assert bm.lookup(c.request_id, names(c)) == 8
+    assert bm.prefix_hit(c.request_id).blocks == fresh_hit(bm, c)
+    assert not bm.prefix_hit(c.request_id).of(Tier.HOST)
+    bm.reset_prefix_cache()
+    assert bm.stale_lookups([c, other]) == [c, other]
+    bm.check_integrity()
+
+
 # -- the loop on the hashing runner --------------------------------------------------------
 def loop_for(policy: str, *, caching: bool, device: int, host: int, **options: object):
     return EngineLoop(
@@ -173,9 +261,11 @@ def run(loop: EngineLoop, requests: list[Request], stagger: int = 2) -> list[lis
         for _ in range(stagger):
             loop.step()
             loop.blocks.check_integrity()
+            check_lookups(loop)
     while loop.has_unfinished():
         loop.step()
         loop.blocks.check_integrity()
+        check_lookups(loop)
     assert loop.blocks.all_free(), "blocks leaked"
     results = [s.result(timeout=0) for s in streams]  # type: ignore[union-attr]
     assert [r.error for r in results] == [None] * len(results)
@@ -275,6 +365,7 @@ def test_no_interleaving_of_shared_arrivals_evictions_and_frees_leaks_or_double_
             loop.cancel(live.pop(group % len(live)))
         loop.step()
         loop.blocks.check_integrity()
+        check_lookups(loop)
     loop.run_until_idle()
     loop.blocks.check_integrity()
     assert loop.blocks.all_free()

@@ -20,8 +20,10 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import islice
 
-from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, blocks_for
+from quanta.core.lookups import LookupMemo
+from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, Request, blocks_for
 
 
 class Tier(StrEnum):
@@ -50,6 +52,7 @@ class BlockPool:
         self._plain: deque[int] = deque(range(num_blocks))  # free, never named
         self._lru: OrderedDict[int, None] = OrderedDict()  # free and named, oldest first
         self.reserved: set[int] = set()  # blocks this step's copies read: not reallocated
+        self.changed: list[bytes] = []  # names whose answer changed since the manager looked
 
     @property
     def num_free(self) -> int:
@@ -88,7 +91,8 @@ class BlockPool:
                 (kept if b in avoid else out).append(b)
             self._plain.extendleft(reversed(kept))
         if len(out) < n:
-            victims = [b for b in self._lru if b not in avoid][: n - len(out)]
+            # NOTE: only as far into the LRU as it takes: the cache may hold most of the pool
+            victims = list(islice((b for b in self._lru if b not in avoid), n - len(out)))
             for b in victims:
                 del self._lru[b]
                 name = self._unname(b)
@@ -124,7 +128,8 @@ class BlockPool:
         if block in self.name_of:
             return
         self.name_of[block] = name
-        self.cached.setdefault(name, block)
+        if self.cached.setdefault(name, block) == block:
+            self.changed.append(name)
 
     def forget_names(self) -> int:
         """Drop every name (a reset of the prefix cache); free named blocks become plain."""
@@ -133,12 +138,14 @@ class BlockPool:
         self.name_of.clear()
         self._plain.extend(self._lru)
         self._lru.clear()
+        self.changed.clear()  # NOTE: the manager forgets every lookup on a reset
         return n
 
     def _unname(self, block: int) -> bytes:
         name = self.name_of.pop(block)
         if self.cached.get(name) == block:
             del self.cached[name]
+            self.changed.append(name)
         return name
 
     def free_ids(self) -> list[int]:
@@ -215,7 +222,8 @@ class BlockManager:
         self._ckpt_tokens: dict[str, int] = {}  # tokens the mirror holds (copies done)
         self._ckpt_pending: dict[str, int] = {}  # tokens it will hold once this step's copies are
         self._named: dict[str, int] = {}  # leading device blocks of a table already named
-        self._hits: dict[str, PrefixHit] = {}  # this step's lookups of waiting requests
+        self._hits: dict[str, PrefixHit] = {}  # lookups of waiting requests, as they stand
+        self._memo = LookupMemo()  # which of them still hold (``core/lookups.py``)
         self._offloads: list[tuple[int, int]] = []  # (device, host) copies of evicted blocks
         self._offload_dst: set[int] = set()  # host blocks those copies write this step
 
@@ -327,6 +335,7 @@ class BlockManager:
         its tokens."""
         if not self.prefix_caching or request_id in self._tables:
             self._hits.pop(request_id, None)
+            self._memo.drop(request_id)
             return 0
         device, host = self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
         found: list[tuple[Tier, int]] = []
@@ -339,6 +348,7 @@ class BlockManager:
             if b is None:
                 break
             found.append((Tier.HOST, b))
+        self._memo.keep(request_id, names, len(found))
         if not found:
             self._hits.pop(request_id, None)
             return 0
@@ -347,8 +357,18 @@ class BlockManager:
         return hit.num_tokens
 
     def forget_lookups(self) -> None:
-        """A new step looks its waiting requests up again."""
-        self._hits.clear()
+        """A new step: forget the lookups that a name coming into or leaving a cache since
+        made stale; the others still hold."""
+        for pool in self.pools.values():
+            if pool.changed:
+                self._memo.changed(pool.changed)
+                pool.changed.clear()
+
+    def stale_lookups(self, requests: Sequence[Request]) -> list[Request]:
+        """The ``requests`` whose lookup does not hold (never made, or made stale): only
+        these need ``lookup`` again; the others' hits and ``num_cached_tokens`` stand."""
+        memo = self._memo
+        return [r for r in requests if r.request_id not in memo]
 
     def prefix_hit(self, request_id: str) -> PrefixHit | None:
         """This step's lookup of ``request_id``, if it found anything."""
@@ -367,6 +387,7 @@ class BlockManager:
         """Start the request's table with the device blocks of its hit (shared, not copied);
         its host blocks come with ``load_prefix``."""
         hit = self._hits[request_id]
+        self._memo.drop(request_id)
         device = self.pools[Tier.DEVICE]
         table = [-1] * len(hit.blocks)
         for i, (tier, b) in enumerate(hit.blocks):
@@ -423,6 +444,7 @@ class BlockManager:
         in use stay with their requests. Returns the names dropped."""
         self._named = {rid: len(t) for rid, (_, t) in self._tables.items()}
         self._hits.clear()
+        self._memo.clear()
         return sum(pool.forget_names() for pool in self.pools.values())
 
     # -- mutations -----------------------------------------------------------------------
@@ -445,6 +467,8 @@ class BlockManager:
         new = self._allocate(Tier.DEVICE, need)
         if new is None:
             return None
+        if not table:
+            self._memo.drop(request_id)  # NOTE: it holds blocks now: no lookup of it holds
         table.extend(new)
         self._tables[request_id] = (Tier.DEVICE, table)
         self._kinds[request_id] = kind
@@ -596,6 +620,7 @@ class BlockManager:
         self._kinds.pop(request_id, None)
         self._named.pop(request_id, None)
         self._hits.pop(request_id, None)
+        self._memo.drop(request_id)
         self._drop_checkpoint(request_id)
         if entry is None:
             return 0

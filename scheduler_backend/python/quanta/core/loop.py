@@ -284,7 +284,7 @@ class EngineLoop:
         if not bm.prefix_caching:
             return
         size = bm.block_size
-        for r in waiting:
+        for r in bm.stale_lookups(waiting):  # NOTE: the others' lookups still hold
             if bm.kind_of(r.request_id) is not None:
                 r.num_cached_tokens = 0
                 continue
