@@ -123,6 +123,7 @@ TINY_VALUES = {
     "--num-users": "4",
     "--batch": "1,2",
     "--candidates": "50",
+    "--waiting": "50",
     "--prompt-len": "16",
     "--gen-len": "8",
     "--time-scale": "0.05",

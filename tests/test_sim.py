@@ -359,6 +359,25 @@ def test_cli_bench_scheduler():
     assert "Apt-Serve Table 6: 1.0 ms" in res.output
 
 
+def test_cli_bench_schedule_step_times_the_loop_with_caching_off_and_on():
+    args = ["bench", "schedule-step", "--waiting", "40", "--steps", "3", "--policies", "fcfs"]
+    res = CliRunner().invoke(app, [*args, "--max-num-seqs", "4", "--warm"])
+    assert res.exit_code == 0, res.output
+    assert "prefix caching off" in res.output and "fcfs on / off:" in res.output
+
+
+def test_schedule_step_timing_keeps_the_queue_and_finds_warm_prompts_cached():
+    from quanta.sim.step_time import time_steps, workload_prompts
+
+    prompts = workload_prompts("chat", 30)
+    off = time_steps(prompts, "fcfs", prefix_caching=False, max_num_seqs=4, steps=3)
+    on = time_steps(prompts, "sj-mlfq", prefix_caching=True, warm=True, max_num_seqs=4, steps=3)
+    assert off.num_waiting == on.num_waiting == 30 and off.num_running == 4
+    assert off.cached_tokens == 0 and off.median_ms > 0
+    full = sum(16 * ((len(p) - 1) // 16) for p in prompts[4:])  # still waiting: all cached
+    assert on.cached_tokens >= full
+
+
 @pytest.mark.engine
 def test_cli_bench_policies_on_a_trace_file(tmp_path: Path):
     """The documented real-engine comparison, at a tiny size: a trace's rows on opt-tiny."""

@@ -1,5 +1,6 @@
-"""``quanta simulate``, ``quanta simulate repro``, ``quanta profile``, ``quanta bench policies``
-and ``quanta bench scheduler``; registered on the lead's Typer app by ``register``.
+"""``quanta simulate``, ``quanta simulate repro`` and ``validate``, ``quanta profile``, ``quanta
+bench policies``, ``quanta bench scheduler`` and ``quanta bench schedule-step``; registered on
+the lead's Typer app by ``register``.
 
 Heavy imports happen inside the commands so that ``quanta --help`` stays fast and torch-free.
 """
@@ -335,6 +336,40 @@ def bench_scheduler_cmd(
     )
 
 
+def bench_schedule_step_cmd(
+    policies: Annotated[str, typer.Option()] = "fcfs,sj-mlfq",
+    waiting: Annotated[int, typer.Option(min=1, help="requests waiting behind the batch")] = 1600,
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="whose prompts wait: chat (turns sharing their conversation and system "
+            "prompt), agents, or sharegpt (unrelated prompts)"
+        ),
+    ] = "chat",
+    warm: Annotated[
+        bool,
+        typer.Option(
+            help="serve every waiting prompt once first, so each lookup finds its whole "
+            "prompt cached (the lookups' worst case)"
+        ),
+    ] = False,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="the batch that runs")] = 32,
+    steps: Annotated[int, typer.Option(min=1, help="full-batch steps timed")] = 60,
+) -> None:
+    """Time a loop step up to the runner (prefix lookups, the policy, the applier) with
+    WAITING requests waiting, with prefix caching off and on."""
+    from quanta.sim.step_time import bench_schedule_step, workload_prompts
+
+    bench_schedule_step(
+        [p for p in policies.split(",") if p],
+        workload_prompts(workload, waiting),
+        warm=warm,
+        max_num_seqs=max_num_seqs,
+        steps=steps,
+        echo=typer.echo,
+    )
+
+
 def validate_cmd(
     model: Annotated[Path | None, typer.Option(help="checkpoint dir (default: opt-tiny)")] = None,
     policies: Annotated[str, typer.Option()] = "fcfs,sj-mlfq",
@@ -406,3 +441,4 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     app.command("profile")(profile_cmd)
     bench_app.command("policies")(bench_policies_cmd)
     bench_app.command("scheduler")(bench_scheduler_cmd)
+    bench_app.command("schedule-step")(bench_schedule_step_cmd)
