@@ -432,6 +432,46 @@ def test_cli_simulate_validate_compares_the_engine_and_the_simulator(tmp_path: P
     assert "| 0.5 | fcfs |" in res.output
 
 
+@pytest.mark.engine
+def test_cli_simulate_validate_on_shared_prefixes_shares_alike_on_both_sides(tmp_path: Path):
+    """Multi-turn chat: later turns find earlier ones cached in the engine as in the
+    simulator, and with caching off neither finds anything."""
+    out = tmp_path / "validate.json"
+    args = ["simulate", "validate", "--workload", "chat", "--num-requests", "10"]
+    args += ["--loads", "0.5", "--policies", "fcfs", "--repeats", "1"]
+    args += ["--calibration-seconds", "0.1", "--output", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())
+    (engine,), sim = row["prefix_cache"]["measured"], row["prefix_cache"]["simulated"]
+    assert engine["queries"] == sim["queries"] > 0
+    assert engine["hits"] > 0 and sim["hits"] > 0
+    assert abs(engine["hit_rate"] - sim["hit_rate"]) < 0.1
+    assert "| engine hit rate | simulated |" in res.output
+    res = CliRunner().invoke(app, [*args, "--no-enable-prefix-caching"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())
+    assert (
+        row["prefix_cache"]["measured"][0]["hits"] == row["prefix_cache"]["simulated"]["hits"] == 0
+    )
+
+
+def test_simulate_reports_the_prefix_cache_hit_rate_and_can_turn_it_off(tmp_path: Path):
+    out = tmp_path / "chat.json"
+    args = ["simulate", "--workload", "chat", "--num-requests", "40", "--rate", "2"]
+    args += ["--policy", "fcfs", "--output", str(out)]
+    on = CliRunner().invoke(app, args)
+    assert on.exit_code == 0, on.output
+    cache = json.loads(out.read_text())["prefix_cache"]
+    assert cache["enabled"] and 0.3 < cache["hit_rate"] < 1 and cache["hits"] > 0
+    assert f"prefix_cache_hit_rate: {cache['hit_rate']:.3f}" in on.output
+    off = CliRunner().invoke(app, [*args, "--no-enable-prefix-caching"])
+    assert off.exit_code == 0, off.output
+    cache_off = json.loads(out.read_text())["prefix_cache"]
+    assert not cache_off["enabled"] and cache_off["hits"] == 0
+    assert "prefix_cache_hit_rate: off" in off.output
+
+
 def test_validate_error_is_relative_and_nan_without_a_measurement():
     from quanta.sim.validate import error
 

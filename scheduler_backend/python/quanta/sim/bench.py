@@ -49,6 +49,7 @@ class EngineBench:
     cost: CostModel
     timer: Callable[[], float]
     step_repeats: int = 1  # time each step by its fastest of this many runs
+    prefix_caching: bool = True  # the engine's; a simulation of its runs must share alike
 
     @classmethod
     def create(
@@ -60,6 +61,7 @@ class EngineBench:
         max_num_seqs: int = 8,
         step_repeats: int = 1,
         length_scale: float = 0.25,
+        prefix_caching: bool = True,
     ) -> EngineBench:
         """Without ``profile``, fit one here: the sweep, then ``calibration_s`` seconds of a
         serving replay with ``max_num_seqs`` sequences (0: the sweep alone), its steps timed
@@ -89,7 +91,7 @@ class EngineBench:
                 calibration_scale=length_scale,
             )
         )
-        return cls(model, cost, timer, step_repeats)
+        return cls(model, cost, timer, step_repeats, prefix_caching)
 
     def trace(
         self,
@@ -139,6 +141,7 @@ class EngineBench:
             timer=self.timer,
             record=record,
             step_repeats=self.step_repeats,
+            prefix_caching=self.prefix_caching,
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -84,6 +84,13 @@ def simulate_cmd(
     ] = None,
     tbt_slo: TbtSloOpt = None,
     slo_preset: SloPresetOpt = None,
+    enable_prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            help="share the K/V of cached prompt prefixes, as the engine does by default: "
+            "only uncached prefill is computed, so only it costs time"
+        ),
+    ] = True,
 ) -> None:
     """Serve a seeded workload on the cost model with the real loop and policy.
 
@@ -132,7 +139,16 @@ def simulate_cmd(
         parse_policy(policy, options)  # NOTE: names and options fail here, before any run
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy/--policy-option") from None
-    setup = SimSetup(policy, cost, sched, block_size, device_blocks, host_blocks, options)
+    setup = SimSetup(
+        policy,
+        cost,
+        sched,
+        block_size,
+        device_blocks,
+        host_blocks,
+        options,
+        prefix_caching=enable_prefix_caching,
+    )
     result = summarize(simulate(trace, setup), delay_threshold_s=delay_threshold, slo=slo)
     result["workload"] = {
         "name": workload,
@@ -160,9 +176,19 @@ def simulate_cmd(
         typer.echo(f"{key:>24}: {result[key]}")
     fair = {k: v for k, v in result["fairness"].items() if k != "by_tenant"}
     typer.echo(f"{'fairness':>24}: {json.dumps(fair, sort_keys=True)}")
+    typer.echo(f"{'prefix_cache_hit_rate':>24}: {_hit_rate(result['prefix_cache'])}")
     if output is not None:
         output.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         typer.echo(f"wrote {output}")
+
+
+def _hit_rate(figures: dict[str, Any]) -> str:
+    """'rate (hits/queries tokens)', or why there is none."""
+    if not figures.get("enabled", True):
+        return "off"
+    if figures["hit_rate"] is None:
+        return "- (no lookup)"
+    return f"{figures['hit_rate']:.3f} ({figures['hits']}/{figures['queries']} tokens)"
 
 
 def repro_cmd(
@@ -381,9 +407,17 @@ def validate_cmd(
     max_num_seqs: Annotated[int, typer.Option()] = 8,
     profile: Annotated[Path | None, typer.Option(help="profile JSON (default: fit one)")] = None,
     workload: Annotated[
-        str | None, typer.Option(help="a trace file instead of ShareGPT-like lengths x 0.25")
+        str | None,
+        typer.Option(
+            help="chat or agents (requests that share prefixes), or a trace file, instead of "
+            "ShareGPT-like lengths x 0.25"
+        ),
     ] = None,
     token_scale: TokenScaleOpt = 1.0,
+    enable_prefix_caching: Annotated[
+        bool,
+        typer.Option(help="prefix caching in the engine and the simulator alike"),
+    ] = True,
     output: Annotated[Path | None, typer.Option(help="write the rows as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG of simulated / measured")] = None,
     repeats: Annotated[
@@ -398,8 +432,8 @@ def validate_cmd(
 ) -> None:
     """The same trace through the real engine and the simulator; the simulator's error."""
     from quanta.sim.bench import EngineBench
+    from quanta.sim.validate import hit_rates, table, validate
     from quanta.sim.validate import plot as plot_rows
-    from quanta.sim.validate import table, validate
 
     bench = EngineBench.create(
         model,
@@ -408,6 +442,7 @@ def validate_cmd(
         max_num_seqs=max_num_seqs,
         step_repeats=step_repeats,
         length_scale=length_scale,
+        prefix_caching=enable_prefix_caching,
     )
     rows = validate(
         bench,
@@ -423,6 +458,8 @@ def validate_cmd(
         echo=typer.echo,
     )
     typer.echo(table(rows, ("mean_ttft", "mean_tpot", "mean_e2e", "p95_normalized_latency")))
+    if enable_prefix_caching:
+        typer.echo(hit_rates(rows))
     if output is not None:
         output.write_text(json.dumps(rows, indent=2) + "\n")
         typer.echo(f"wrote {output}")

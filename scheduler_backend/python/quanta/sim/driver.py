@@ -142,8 +142,7 @@ def simulate(
         max_model_len=setup.profile.max_model_len,
     )
     requests = build_requests(trace)
-    think = {r.request_id: row.think_time_s for row, r in zip(trace, requests, strict=True)}
-    replay = Replay(requests, think)
+    replay = replay_of(trace, requests)
     rejected = drive(loop, clock, requests, replay, until=until)
     cut_off = tuple(r.request_id for r in requests if not r.status.finished)
     if cut_off:
@@ -164,6 +163,13 @@ def simulate(
         abandoned,
         cut_off,
     )
+
+
+def replay_of(trace: Sequence[WorkloadRequest], requests: Sequence[Request]) -> Replay:
+    """When each of ``requests`` (built from ``trace``'s rows, in order) may be sent: an
+    interaction's next call after the call before it and the row's think time."""
+    think = {r.request_id: row.think_time_s for row, r in zip(trace, requests, strict=True)}
+    return Replay(requests, think)
 
 
 def drive(

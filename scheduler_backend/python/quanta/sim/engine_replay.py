@@ -18,7 +18,14 @@ from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quanta.core.loop import LoopStats
 from quanta.core.request import Request
 from quanta.costmodel import CostModel
-from quanta.sim.driver import StepSample, build_requests, drive, policy_options, time_runner
+from quanta.sim.driver import (
+    StepSample,
+    build_requests,
+    drive,
+    policy_options,
+    replay_of,
+    time_runner,
+)
 from quanta.workloads import WorkloadRequest, make_workload
 
 
@@ -62,12 +69,16 @@ def replay(
     device: str = "cpu",
     record: list[StepSample] | None = None,
     step_repeats: int = 1,
+    prefix_caching: bool = True,
 ) -> tuple[list[Request], LoopStats]:
-    """Serve ``trace`` (with its arrival times) through the real loop and engine.
+    """Serve ``trace`` (with its arrival times, and an interaction's calls after the call
+    before them and their think time, as the simulator sends them) through the real loop and
+    engine.
 
-    A few warm-up requests run first (allocator, kernels) and are not recorded; ``cost`` is
-    the profile handed to policies that predict iteration times; ``step_repeats`` times
-    each step by its fastest of that many runs (``time_runner``).
+    A few warm-up requests run first (allocator, kernels) and are not recorded (their
+    prompts share nothing with the trace's); ``cost`` is the profile handed to policies that
+    predict iteration times; ``step_repeats`` times each step by its fastest of that many
+    runs (``time_runner``); ``prefix_caching`` is the engine's.
     """
     from quanta.frontends.engine import build_engine
 
@@ -80,6 +91,7 @@ def replay(
         cache=cache,
         scheduler=sched,
         policy_options=policy_options(policy, {}, cost),
+        enable_prefix_caching=prefix_caching,
     )
     engine = build_engine(config, clock=clock)
     engine.loop.runner = time_runner(engine.loop.runner, clock, timer, record, step_repeats)
@@ -93,8 +105,19 @@ def replay(
     requests = build_requests(trace, vocab_size=vocab, seed=seed)
     for r in requests:
         r.arrival_time += start
-    drive(engine.loop, clock, requests)
-    return requests, engine.loop.stats()
+    before = engine.loop.stats()
+    drive(engine.loop, clock, requests, replay_of(trace, requests))
+    return requests, since(engine.loop.stats(), before)
+
+
+def since(stats: LoopStats, before: LoopStats) -> LoopStats:
+    """``stats`` with the prefix cache's counters taken from ``before`` on: the trace's
+    own lookups, not the warm-up's."""
+    return replace(
+        stats,
+        prefix_cache_queries=stats.prefix_cache_queries - before.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits - before.prefix_cache_hits,
+    )
 
 
 def _renamed(r: Request, rid: str) -> Request:

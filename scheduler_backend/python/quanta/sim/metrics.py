@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from quanta.core.loop import LoopStats
 from quanta.core.request import Request
 from quanta.metrics import (
     SLO,
@@ -177,6 +178,14 @@ def plot_lines(
     return path
 
 
+def prefix_cache_figures(stats: LoopStats) -> dict[str, Any]:
+    """Tokens the prefix cache was asked for as requests started and those it held, in
+    tokens (vLLM's ``prefix_cache_queries`` and ``prefix_cache_hits``), and their ratio
+    (None when nothing was asked)."""
+    queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None}
+
+
 def summarize(
     result: Any, *, delay_threshold_s: float = 2.0, slo: SLO | None = None
 ) -> dict[str, Any]:
@@ -226,6 +235,7 @@ def summarize(
     out["aborted_compute_s"] = runner.aborted_compute_s
     out["checkpoint_blocks"] = runner.checkpoint_blocks
     out["num_preemptions_checkpoint"] = loop.num_preemptions_checkpoint
+    out["prefix_cache"] = {"enabled": setup.prefix_caching, **prefix_cache_figures(loop)}
     out["fairness"] = fairness(
         result.requests, result.throttled, result.abandoned, delay_threshold_s=delay_threshold_s
     )

@@ -34,7 +34,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.sim.bench import EngineBench, with_arrivals
 from quanta.sim.calibrate import report, rescale
 from quanta.sim.driver import SimSetup, StepSample, simulate
-from quanta.sim.metrics import plot_lines, request_metrics
+from quanta.sim.metrics import plot_lines, prefix_cache_figures, request_metrics
 from quanta.sim.repro import batched_capacity
 
 FIGURES = (
@@ -84,10 +84,10 @@ def validate(
         cache = bench.cache(trace, max_num_seqs)
         for policy in policies:
             steps: list[StepSample] = []
-            runs = [
-                request_metrics(bench.run(policy, trace, sched, cache, seed, record=steps)[0])
-                for _ in range(repeats)
+            served = [
+                bench.run(policy, trace, sched, cache, seed, record=steps) for _ in range(repeats)
             ]
+            runs = [request_metrics(requests) for requests, _ in served]
             measured = {k: statistics.median(run[k] for run in runs) for k in FIGURES}
             setup = SimSetup(
                 policy,
@@ -96,8 +96,10 @@ def validate(
                 cache.block_size,
                 cache.num_device_blocks,
                 cache.num_host_blocks,
+                prefix_caching=bench.prefix_caching,
             )
-            simulated = request_metrics(simulate(trace, setup).requests)
+            sim = simulate(trace, setup)
+            simulated = request_metrics(sim.requests)
             errors = {k: error(simulated[k], measured[k]) for k in FIGURES}
             fit = report(bench.cost, steps, cache.block_size)
             speed = 1 / (1 + fit.total_error) if math.isfinite(fit.total_error) else 1.0
@@ -116,6 +118,10 @@ def validate(
                     "step_error": {"median": fit.median_error, "total": fit.total_error},
                     "rescaled": {k: rescaled[k] for k in FIGURES},
                     "rescaled_error": {k: error(rescaled[k], measured[k]) for k in FIGURES},
+                    "prefix_cache": {
+                        "measured": [prefix_cache_figures(stats) for _, stats in served],
+                        "simulated": prefix_cache_figures(sim.loop),
+                    },
                 }
             )
             echo(
@@ -150,6 +156,24 @@ def table(rows: list[dict[str, Any]], figures: Sequence[str] = FIGURES) -> str:
         cells.append(" / ".join(_pct(row["rescaled_error"][k]) for k in figures))
         lines.append(f"| {row['load']:g} | {row['policy']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def hit_rates(rows: list[dict[str, Any]]) -> str:
+    """Markdown: the prefix cache's hit rate (tokens) in each of the engine's runs and in the
+    simulation of the same trace, per (load, policy)."""
+    lines = ["| load | policy | engine hit rate | simulated |", "|---|---|---|---|"]
+    for row in rows:
+        cache = row["prefix_cache"]
+        engine = ", ".join(_rate(m) for m in cache["measured"])
+        lines.append(
+            f"| {row['load']:g} | {row['policy']} | {engine} | {_rate(cache['simulated'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _rate(figures: dict[str, Any]) -> str:
+    rate = figures["hit_rate"]
+    return "-" if rate is None else f"{rate:.3f} ({figures['hits']}/{figures['queries']})"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
