@@ -16,8 +16,9 @@ checkpoint is complete leaves the device with no copy at all.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -321,16 +322,16 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens, kind) - self.num_blocks(request_id))
 
     # -- the prefix cache ----------------------------------------------------------------
-    def lookup(self, request_id: str, names: Sequence[bytes]) -> int:
+    def lookup(self, request_id: str, names: Sequence[bytes], limit: int | None = None) -> int:
         """Find the longest cached prefix of a waiting request whose full blocks are named
-        ``names`` (as many as a hit may cover); remembered for this step's decision. Returns
-        its tokens."""
+        ``names`` (its first ``limit``: as many as a hit may cover); remembered for this
+        step's decision. Returns its tokens."""
         if not self.prefix_caching or request_id in self._tables:
             self._hits.pop(request_id, None)
             return 0
         device, host = self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
         found: list[tuple[Tier, int]] = []
-        for name in names:
+        for name in names if limit is None else itertools.islice(names, limit):
             b = device.get(name)
             if b is not None:
                 found.append((Tier.DEVICE, b))
@@ -345,6 +346,11 @@ class BlockManager:
         hit = PrefixHit(tuple(found), self.block_size)
         self._hits[request_id] = hit
         return hit.num_tokens
+
+    def cached_names(self) -> tuple[Mapping[bytes, int], Mapping[bytes, int]]:
+        """The names each tier answers for (device, host), to read only: a caller looking up
+        many requests rules most out with these before asking ``lookup``."""
+        return self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
 
     def forget_lookups(self) -> None:
         """A new step looks its waiting requests up again."""

@@ -28,7 +28,7 @@ from quanta.core.errors import (
 from quanta.core.output import Runner, SchedulerOutput
 from quanta.core.plan import PoolView
 from quanta.core.policy import Policy, check_capabilities
-from quanta.core.prefix import block_hashes, cacheable_blocks
+from quanta.core.prefix import block_hashes
 from quanta.core.request import CacheKind, Request, RequestStatus, validate_prompt
 from quanta.core.safepoint import AbortRule, AbortSignal, StepAborted
 from quanta.core.stream import RequestStream, Sink
@@ -284,12 +284,16 @@ class EngineLoop:
         if not bm.prefix_caching:
             return
         size = bm.block_size
+        device, host = bm.cached_names()
         for r in waiting:
-            if bm.kind_of(r.request_id) is not None:
+            n = (len(r.all_token_ids) - 1) // size  # cacheable_blocks, inlined: per request
+            chain = r.block_hashes if len(r.block_hashes) >= n else block_hashes(r, size, n)
+            # NOTE: most waiting requests miss on their first block; two lookups say so
+            miss = n == 0 or (chain[0] not in device and chain[0] not in host)
+            if miss or bm.kind_of(r.request_id) is not None:
                 r.num_cached_tokens = 0
                 continue
-            names = block_hashes(r, size, cacheable_blocks(r, size))
-            r.num_cached_tokens = bm.lookup(r.request_id, names[: cacheable_blocks(r, size)])
+            r.num_cached_tokens = bm.lookup(r.request_id, chain, n)
 
     def _view(self, now: float) -> SchedulerView:
         by: dict[RequestStatus, list[Request]] = {s: [] for s in RequestStatus}
