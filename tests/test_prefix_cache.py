@@ -126,6 +126,25 @@ def test_a_swap_out_copies_only_what_the_host_does_not_hold():
     assert bm.all_free()
 
 
+def test_a_block_the_host_caches_is_a_free_checkpoint_and_is_never_copied_over():
+    bm = BlockManager(BLOCK, 8, 8, prefix_caching=True)
+    a, b = shared(2, 8, 2)
+    resident(bm, a)
+    assert bm.swap_out("s0", a.num_computed_tokens) is not None  # the host caches 2 blocks
+    resident(bm, b)  # its first two blocks hold the same prefix (computed again)
+    copies = bm.checkpoint("s1", b.num_computed_tokens)
+    assert copies is not None and len(copies) == 1  # only its own partly filled block
+    host_of_a = bm.block_table("s0")[:2]
+    assert all(bm.refs(Tier.HOST, blk) == 2 for blk in host_of_a)
+    bm.confirm_checkpoints()
+    again = bm.swap_out("s1", b.num_computed_tokens)
+    assert again == []  # the checkpoint is complete: no copy, nothing written over
+    bm.check_integrity()
+    bm.free("s0")
+    bm.free("s1")
+    assert bm.all_free()
+
+
 def test_freeing_a_request_never_frees_a_block_another_still_reads():
     bm = BlockManager(BLOCK, 6, 6, prefix_caching=True)
     a, b = shared(2, 8, 2)

@@ -215,6 +215,7 @@ class BlockManager:
         self._ckpt: dict[str, list[int]] = {}  # host mirror of a device table's first blocks
         self._ckpt_tokens: dict[str, int] = {}  # tokens the mirror holds (copies done)
         self._ckpt_pending: dict[str, int] = {}  # tokens it will hold once this step's copies are
+        self._ckpt_shared: dict[str, set[int]] = {}  # mirror blocks the host cache already held
         self._named: dict[str, int] = {}  # leading device blocks of a table already named
         self._hits: dict[str, PrefixHit] = {}  # this step's lookups of waiting requests
         self._offloads: list[tuple[int, int]] = []  # (device, host) copies of evicted blocks
@@ -480,6 +481,7 @@ class BlockManager:
             # token is
             done = keep if mirrored >= num_tokens else self._full_blocks(request_id, mirrored)
         reuse = held[:keep] if num_tokens is not None else []
+        free_ride = self._ckpt_shared.get(request_id, set())  # mirror blocks never copied
         device, host = self.pools[Tier.DEVICE], self.pools[Tier.HOST]
         shares: dict[int, int] = {}  # table index -> host block already holding it
         for i in range(len(reuse), keep):
@@ -502,7 +504,7 @@ class BlockManager:
         for i in range(keep):
             if i < len(reuse):
                 b = reuse[i]
-                if i >= done:
+                if i >= done and b not in free_ride:
                     copies.append((table[i], b))
             elif i in shares:
                 b = shares[i]
@@ -531,15 +533,32 @@ class BlockManager:
         if want > len(table):
             raise RuntimeError(f"checkpoint of {request_id} past its {len(table)} blocks")
         mirror = self._ckpt.get(request_id, [])
+        shared = self._ckpt_shared.setdefault(request_id, set())
         if want > len(mirror):
-            new = self._allocate(Tier.HOST, want - len(mirror))
-            if new is None:
+            host, device = self.pools[Tier.HOST], self.pools[Tier.DEVICE]
+            # NOTE: a block the host tier already caches is a checkpoint for free: shared,
+            # never copied over (another request may be reading it)
+            shares: dict[int, int] = {}
+            for i in range(len(mirror), want):
+                name = device.name_of.get(table[i])
+                hit = host.cached.get(name) if name is not None else None
+                if hit is not None and hit not in mirror:
+                    shares[i] = hit
+            taken = {b for b in shares.values() if host.ref[b] == 0} - host.reserved
+            fresh = want - len(mirror) - len(shares)
+            if fresh + len(taken) > host.num_allocatable():
                 return None
-            mirror = mirror + new
+            for b in shares.values():
+                host.pin(b)
+            new = iter(self._allocate(Tier.HOST, fresh) or [])
+            mirror = mirror + [
+                shares[i] if i in shares else next(new) for i in range(len(mirror), want)
+            ]
+            shared.update(shares.values())
             self._ckpt[request_id] = mirror
         self._ckpt_pending[request_id] = num_tokens
         first = self._full_blocks(request_id, self._ckpt_tokens.get(request_id, 0))
-        return [(table[i], mirror[i]) for i in range(first, want)]
+        return [(table[i], mirror[i]) for i in range(first, want) if mirror[i] not in shared]
 
     def confirm_checkpoints(self) -> None:
         """The step's checkpoint copies are done: their tokens count as mirrored."""
@@ -632,6 +651,7 @@ class BlockManager:
         return num_tokens // (self.block_size * (HIDDEN_TOKENS_PER_BLOCK if hidden else 1))
 
     def _drop_checkpoint(self, request_id: str, release: bool = True) -> None:
+        self._ckpt_shared.pop(request_id, None)
         mirror = self._ckpt.pop(request_id, None)
         self._ckpt_tokens.pop(request_id, None)
         self._ckpt_pending.pop(request_id, None)
