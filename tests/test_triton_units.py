@@ -89,6 +89,18 @@ def test_bad_parameter_is_named(key, value, named):
         parse_parameters({**DEFAULT_PARAMETERS, key: value})
 
 
+def test_prefix_caching_is_on_unless_a_parameter_or_the_serve_flag_says_off():
+    from quanta.frontends.triton.model_entry import served_parameters
+
+    assert parse_parameters(DEFAULT_PARAMETERS)[0].enable_prefix_caching is True
+    off = served_parameters(enable_prefix_caching=False)  # --no-enable-prefix-caching
+    assert off == {"enable_prefix_caching": "false"}
+    assert parse_parameters({**DEFAULT_PARAMETERS, **off})[0].enable_prefix_caching is False
+    assert served_parameters(enable_prefix_caching=None) == {}  # not given: the model's own
+    with pytest.raises(ConfigParameterError, match="parameter 'enable_prefix_caching'"):
+        parse_parameters({**DEFAULT_PARAMETERS, "enable_prefix_caching": "sometimes"})
+
+
 def test_model_dir_is_required():
     with pytest.raises(ConfigParameterError, match="parameter 'model_dir'"):
         parse_parameters({"policy": "fcfs"})
@@ -369,6 +381,44 @@ def test_responder_rejects_with_typed_error():
     wait_for(lambda: len(sender.sent) == 1)
     responder.stop()
     assert sender.sent == [(("error", "invalid_argument", "bad"), 1)]
+
+
+def test_prefix_cache_metrics_follow_the_loop_stats():
+    from quanta.core.loop import LoopStats
+    from quanta.frontends.triton.metrics import MetricsReporter
+
+    class Series(list):
+        def increment(self, value):
+            self.append(value)
+
+        set = observe = increment
+
+    class Family:
+        HISTOGRAM = COUNTER = GAUGE = "kind"
+
+        def __init__(self, name, description, kind):
+            self.series = {}
+
+        def Metric(self, labels, buckets=None):
+            return self.series.setdefault(labels.get("tier", ""), Series())
+
+    class Pb:
+        MetricFamily = Family
+
+    def stats(queries, hits, device, host):
+        return LoopStats(0, 0, 0, 0, 24, 0, 64, 1, 0, 0, 0, prefix_cache_queries=queries,
+                         prefix_cache_hits=hits, device_cached_blocks=device,
+                         host_cached_blocks=host)  # fmt: skip
+
+    snapshots = iter([stats(40, 0, 2, 0), stats(80, 32, 3, 1)])
+    reporter = MetricsReporter(Pb, {"model": "m"}, stats=lambda: next(snapshots))
+    reporter.flush()
+    reporter.flush()
+    families = reporter._families
+    assert families["quanta_prefix_cache_queries_total"].series[""] == [40, 40]
+    assert families["quanta_prefix_cache_hits_total"].series[""] == [32]  # counted from 0
+    blocks = families["quanta_prefix_cache_blocks"].series
+    assert blocks["device"] == [2, 3] and blocks["host"] == [0, 1]
 
 
 class _FakePbUtils:

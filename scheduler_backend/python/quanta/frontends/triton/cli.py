@@ -13,7 +13,13 @@ from typing import Annotated, Any
 
 import typer
 
-from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt, PolicyOpt, parse_options
+from quanta.cli_options import (
+    AttentionKernelOpt,
+    LinearKernelOpt,
+    PolicyOpt,
+    PrefixCachingOverrideOpt,
+    parse_options,
+)
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -110,6 +116,7 @@ def serve(
         int | None, typer.Option(min=1, help="longest prompt + output of a request")
     ] = None,
     block_size: Annotated[int | None, typer.Option(min=1, help="tokens per KV block")] = None,
+    enable_prefix_caching: PrefixCachingOverrideOpt = None,
     kv_cache_memory: Annotated[
         str | None, typer.Option(help="device KV tier, e.g. 4GiB (default: the engine's)")
     ] = None,
@@ -164,6 +171,7 @@ def serve(
             max_num_batched_tokens=max_num_batched_tokens,
             max_seq_len=max_seq_len,
             block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory=kv_cache_memory,
             host_cache_memory=host_cache_memory,
             torch_threads=torch_threads,
