@@ -243,11 +243,17 @@ def test_parse_request_rejects_bad_input(arrays, message):
 
 
 def test_output_arrays_final_carries_accounting():
+    from quanta.core.stream import RequestMetrics
+
     arrays = output_arrays("hi", [1, 2], finish_reason="length")
     assert arrays["text_output"].tolist() == [b"hi"]
     assert arrays["output_ids"].dtype == np.int32
     assert arrays["finish_reason"].tolist() == [b"length"]
     assert "arrival_time_ns" not in arrays
+    metrics = RequestMetrics(1.0, 1.1, 1.2, 1.5, (1.2, 1.5), 40, 2, 0, 0, 0, num_cached_tokens=32)
+    final = output_arrays("hi", [1, 2], finish_reason="length", metrics=metrics)
+    assert final["num_prompt_tokens"].tolist() == [40]
+    assert final["num_cached_tokens"].tolist() == [32]
 
 
 # -- responder -------------------------------------------------------------------------------

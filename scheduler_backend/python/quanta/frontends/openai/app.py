@@ -32,6 +32,7 @@ from quanta.frontends.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenLogprobs,
+    Usage,
     chat_body,
     chat_chunk,
     chat_logprobs,
@@ -360,14 +361,16 @@ class Gateway:
             event = await _next(stream)
 
 
-def _usage(runs: list[list[dict[str, Any]]]) -> dict[str, int]:
-    """One prompt, every choice's completion tokens."""
-    prompt = runs[0][-1].get("num_prompt_tokens", 0)
-    return usage(prompt, sum(events[-1].get("num_output_tokens", 0) for events in runs))
+def _usage(runs: list[list[dict[str, Any]]]) -> Usage:
+    """One prompt, every choice's completion tokens; the prompt's cached tokens are the first
+    choice's, as its prompt tokens are (choice i > 0 may find what choice 0 computed)."""
+    final = runs[0][-1]
+    completion = sum(events[-1].get("num_output_tokens", 0) for events in runs)
+    return usage(final.get("num_prompt_tokens", 0), completion, final.get("num_cached_tokens", 0))
 
 
 def _completion_whole(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None
+    rid: str, model: str, text: str, finish: str | None, use: Usage | None
 ) -> dict[str, Any]:
     return completion_body(rid, model, text, finish, use, chunk=False)
 

@@ -74,6 +74,7 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("num_prompt_tokens", "TYPE_INT32", [1]),
     ("num_output_tokens", "TYPE_INT32", [1]),
     ("num_preemptions", "TYPE_INT32", [1]),
+    ("num_cached_tokens", "TYPE_INT32", [1]),  # prompt tokens found in the prefix cache
     ("sequence_length", "TYPE_INT32", [1]),  # tokens in this response's output_ids
     ("cum_log_probs", "TYPE_FP32", [1]),  # with return_log_probs, on the final response
     ("output_log_probs", "TYPE_FP32", [-1]),  # with return_log_probs: one per output id
@@ -316,6 +317,7 @@ def output_arrays(
             num_prompt_tokens=np.array([metrics.num_prompt_tokens], dtype=np.int32),
             num_output_tokens=np.array([metrics.num_output_tokens], dtype=np.int32),
             num_preemptions=np.array([metrics.num_preemptions], dtype=np.int32),
+            num_cached_tokens=np.array([metrics.num_cached_tokens], dtype=np.int32),
         )
     return arrays
 
