@@ -20,9 +20,14 @@ from quanta.core.errors import (
 from quanta.core.output import TokenLogprob
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
-from quanta.frontends.triton.responder import InflightRequest, Responder, SequenceGroupSender
+from quanta.frontends.triton.responder import (
+    InflightRequest,
+    Reply,
+    Responder,
+    SequenceGroupSender,
+)
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
-from quanta.frontends.triton.tensors import output_arrays, parse_request
+from quanta.frontends.triton.tensors import is_reset_request, output_arrays, parse_request
 from serving import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,6 +261,42 @@ def test_output_arrays_final_carries_accounting():
     assert final["num_cached_tokens"].tolist() == [32]
 
 
+_RESET = np.array([True])
+
+
+def test_a_reset_is_a_request_of_its_own():
+    assert is_reset_request(_getter(reset_prefix_cache=_RESET))
+    assert is_reset_request(_getter(reset_prefix_cache=np.array([[True]])))  # tensorrt_llm
+    text = np.array([b"hi"], dtype=np.object_)
+    assert not is_reset_request(_getter(text_input=text))
+    off = _getter(text_input=text, reset_prefix_cache=np.array([False]))
+    assert not is_reset_request(off) and parse_request(off).prompt == "hi"
+
+
+@pytest.mark.parametrize(
+    ("arrays", "parameters", "message"),
+    [
+        (
+            {"reset_prefix_cache": _RESET, "text_input": np.array([b"hi"], dtype=np.object_)},
+            None,
+            r"'reset_prefix_cache' makes a request of its own .*got text_input",
+        ),
+        (
+            {"reset_prefix_cache": _RESET, "stream": np.array([True])},
+            None,
+            "takes no other input; got stream",
+        ),
+        ({"reset_prefix_cache": np.array([1], dtype=np.int32)}, None, "must be BOOL, got int32"),
+        ({"reset_prefix_cache": np.array([True, True])}, None, "exactly one value"),
+        ({"reset_prefix_cache": _RESET}, '{"reset": true}', "unknown input 'reset'"),
+    ],
+    ids=["with-a-prompt", "with-stream", "not-bool", "two-values", "unknown-field"],
+)
+def test_a_malformed_reset_gets_a_typed_error(arrays, parameters, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        is_reset_request(_getter(**arrays), parameters)
+
+
 # -- responder -------------------------------------------------------------------------------
 class FakeSender:
     def __init__(self, cancelled: bool = False) -> None:
@@ -387,6 +428,16 @@ def test_responder_rejects_with_typed_error():
     wait_for(lambda: len(sender.sent) == 1)
     responder.stop()
     assert sender.sent == [(("error", "invalid_argument", "bad"), 1)]
+
+
+def test_responder_answers_a_control_request_with_one_final_response():
+    responder = Responder(FakeFactory(), lambda rid: None)
+    responder.start()
+    sender = FakeSender()
+    responder.reply(InflightRequest("r", sender, stream=False), Reply())
+    wait_for(lambda: len(sender.sent) == 1)
+    responder.stop()
+    assert sender.sent == [({}, 1)] and responder.num_live() == 0
 
 
 def test_prefix_cache_metrics_follow_the_loop_stats():

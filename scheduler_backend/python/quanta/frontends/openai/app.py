@@ -94,6 +94,7 @@ def create_app(
     app.get("/v1/models")(gateway.models)
     app.get("/v1/models/{model}")(gateway.model)
     app.get("/health", response_model=None)(gateway.health)
+    app.post("/reset_prefix_cache", response_model=None)(gateway.reset_prefix_cache)
     app.exception_handler(OpenAIError)(_openai_error)
     app.exception_handler(RequestValidationError)(_validation_error)
     app.exception_handler(HTTPException)(_http_error)
@@ -150,6 +151,21 @@ class Gateway:
         if await self.upstream.is_model_ready(self.triton_model):
             return JSONResponse({"status": "ok"})
         raise OpenAIError(503, f"model '{self.triton_model}' is not ready in Triton")
+
+    async def reset_prefix_cache(self) -> Response:
+        """vLLM's route: the model forgets every cached prefix, so requests sent after the
+        answer compute their prompts in full (before timing a run, after new weights).
+
+        The gateway holds no engine, so the reset is a request to Triton like any other (the
+        input ``reset_prefix_cache``); the model's engine takes it before anything sent later.
+        """
+        stream = self.upstream.stream(self.triton_model, {"reset_prefix_cache": True})
+        try:
+            while not stream.done:
+                await _next(stream)
+        finally:
+            stream.cancel()
+        return JSONResponse({"status": "ok", "model": self.settings.model_name})
 
     # -- helpers -----------------------------------------------------------------------------
     def _model_card(self) -> dict[str, Any]:

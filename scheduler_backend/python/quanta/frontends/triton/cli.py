@@ -6,6 +6,7 @@ inside the command, so ``quanta --help`` loads neither tritonclient nor torch.
 
 from __future__ import annotations
 
+import importlib
 import signal
 import tempfile
 from pathlib import Path
@@ -23,9 +24,10 @@ from quanta.cli_options import (
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add ``serve`` and ``check-config`` to the main app."""
+    """Add ``serve``, ``check-config`` and ``reset-prefix-cache`` to the main app."""
     app.command("serve")(serve)
     app.command("check-config")(check_config)
+    app.command("reset-prefix-cache")(reset_prefix_cache)
 
 
 def serve(
@@ -287,6 +289,24 @@ def check_config(
         typer.echo(f"{errors} error(s)")
         raise typer.Exit(1)
     typer.echo(f"{path}: OK" + (f" ({len(problems)} warning(s))" if problems else ""))
+
+
+def reset_prefix_cache(
+    url: Annotated[
+        str, typer.Option(help="Triton server host:port (HTTP, or gRPC with --grpc)")
+    ] = "127.0.0.1:8000",
+    model_name: Annotated[str, typer.Option(help="Triton model name")] = "quanta",
+    grpc: Annotated[bool, typer.Option(help="send it over gRPC")] = False,
+) -> None:
+    """Make a served model forget every cached prompt prefix (vLLM's reset_prefix_cache):
+    requests sent afterwards compute their prompts in full."""
+    client = importlib.import_module("quanta.frontends.triton.client")
+    try:
+        client.reset_prefix_cache(url, model_name, use_grpc=grpc)
+    except client.GenerateError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"model {model_name!r}: prefix cache reset")
 
 
 def _start_gateway(
