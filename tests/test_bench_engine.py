@@ -64,3 +64,19 @@ def test_a_request_longer_than_the_engine_names_the_build_option(engine):
     said = " ".join(result.output.split())
     assert "exceed the max_seq_len 64" in said and "--max-seq-len 68" in said
     assert "Traceback" not in result.output
+
+
+def test_every_run_computes_its_prompts_in_full(checkpoint):
+    """The runs repeat the same prompts: with the prefix cache kept between them, every run
+    after the first would time a prefill it never did."""
+    from quanta.bench.engine import _prompts, _run_quanta
+    from quanta.core.config import CacheConfig, EngineConfig
+    from quanta.frontends.engine import build_engine
+
+    cache = CacheConfig(num_device_blocks=32, num_host_blocks=0)
+    engine = build_engine(EngineConfig(model=str(checkpoint), cache=cache))
+    prompts = _prompts(2, 40, engine.model_config.vocab_size)
+    first, again = (_run_quanta(engine, prompts, 2)[1] for _ in range(2))
+    stats = engine.loop.stats()
+    assert first == again
+    assert stats.prefix_cache_queries == 2 * 2 * 40 and stats.prefix_cache_hits == 0

@@ -95,6 +95,7 @@ def test_both_servers_get_the_same_limits(model_dir, tmp_path):
     assert kv_bytes_per_block(model_dir) == per_block
     assert params["num_device_blocks"] == str((1 << 26) // per_block)
     assert params["policy"] == "sj-mlfq" and params["max_num_seqs"] == "7"
+    assert params["enable_prefix_caching"] == "false"  # as vLLM's, above
     assert "policy_options" not in params
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"name": "fitted"}))

@@ -79,6 +79,7 @@ PARAMETER_MISTAKES = [
     ({"device_memory_fraction": "1.5"}, r"parameter 'device_memory_fraction'"),
     ({"block_size": "0"}, r"parameter 'block_size': Input should be greater than or equal"),
     ({"enable_chunked_prefill": "maybe"}, r"parameter 'enable_chunked_prefill'"),
+    ({"enable_prefix_caching": "maybe"}, r"parameter 'enable_prefix_caching'"),
     ({"max_seq_len": "100000"}, r"max_seq_len 100000 exceeds the model's context length 512"),
 ]
 

@@ -78,6 +78,8 @@ def kind(cmd: DocCommand) -> str:
         return "client"
     if words[:2] == ["quanta", "batch"]:
         return "client"  # the Batch API's CLI talks to a running gateway
+    if words[:2] == ["quanta", "reset-prefix-cache"]:
+        return "client"
     if words[0] == "quanta" or (words[0] == "python" and words[1].startswith("loadtests/")):
         return "offline"  # (a load-test script that starts its own server)
     return "unknown"

@@ -437,6 +437,39 @@ def test_unknown_model_is_404(client):
         )
 
 
+# -- prefix caching --------------------------------------------------------------------------
+def _reset(live) -> dict:
+    status, body = _post_raw(f"{live.openai_url.removesuffix('/v1')}/reset_prefix_cache", {})
+    assert status == 200, body
+    return json.loads(body)
+
+
+def test_usage_reports_cached_prompt_tokens_until_a_reset(client, live):
+    """A repeated prompt of 40 token ids finds its first 32 (two blocks) cached, and each kind
+    of usage object says so as OpenAI's does (``prompt_tokens_details.cached_tokens``); after
+    ``POST /reset_prefix_cache`` the next request computes the whole prompt again."""
+    assert _reset(live) == {"status": "ok", "model": MODEL}
+    kwargs = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 2, "temperature": 0}
+    include = {"stream": True, "stream_options": {"include_usage": True}}
+
+    def cached(**more) -> int:
+        reply = client.completions.create(**kwargs, **more)
+        use = list(reply)[-1].usage if more else reply.usage
+        assert use.prompt_tokens == 40
+        return use.prompt_tokens_details.cached_tokens
+
+    assert [cached(), cached(), cached(**include)] == [0, 32, 32]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story " * 4}]}
+    client.chat.completions.create(**chat, max_tokens=2)
+    whole = client.chat.completions.create(**chat, max_tokens=2).usage
+    streamed = list(client.chat.completions.create(**chat, max_tokens=2, **include))[-1].usage
+    for use in (whole, streamed):
+        assert 0 < use.prompt_tokens_details.cached_tokens < use.prompt_tokens
+        assert use.prompt_tokens_details.cached_tokens % 16 == 0
+    _reset(live)
+    assert cached() == 0
+
+
 # -- cancellation ----------------------------------------------------------------------------
 def _post(live, body):
     """Send a completion request on a raw connection (so the test can hang up) and return it."""
@@ -563,6 +596,8 @@ def test_unreachable_triton_is_503():
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert info.value.status_code == 503
         assert info.value.response.json()["error"]["code"] == "backend_unavailable"
+        status, body = _post_raw(f"{gateway.url}/reset_prefix_cache", {})
+        assert status == 503 and json.loads(body)["error"]["code"] == "backend_unavailable"
     finally:
         gateway.stop()
 

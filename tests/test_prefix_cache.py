@@ -153,6 +153,25 @@ def test_a_swap_out_copies_only_what_the_host_does_not_hold():
     assert bm.all_free()
 
 
+def test_a_block_the_host_caches_is_a_free_checkpoint_and_is_never_copied_over():
+    bm = BlockManager(BLOCK, 8, 8, prefix_caching=True)
+    a, b = shared(2, 8, 2)
+    resident(bm, a)
+    assert bm.swap_out("s0", a.num_computed_tokens) is not None  # the host caches 2 blocks
+    resident(bm, b)  # its first two blocks hold the same prefix (computed again)
+    copies = bm.checkpoint("s1", b.num_computed_tokens)
+    assert copies is not None and len(copies) == 1  # only its own partly filled block
+    host_of_a = bm.block_table("s0")[:2]
+    assert all(bm.refs(Tier.HOST, blk) == 2 for blk in host_of_a)
+    bm.confirm_checkpoints()
+    again = bm.swap_out("s1", b.num_computed_tokens)
+    assert again == []  # the checkpoint is complete: no copy, nothing written over
+    bm.check_integrity()
+    bm.free("s0")
+    bm.free("s1")
+    assert bm.all_free()
+
+
 def test_freeing_a_request_never_frees_a_block_another_still_reads():
     bm = BlockManager(BLOCK, 6, 6, prefix_caching=True)
     a, b = shared(2, 8, 2)
@@ -180,16 +199,16 @@ def test_a_reset_forgets_every_name_and_keeps_blocks_in_use():
 # -- lookups kept across steps -------------------------------------------------------------
 def test_the_memo_keeps_a_lookup_until_a_name_it_read_changes():
     memo = LookupMemo()
-    memo.keep("a", [b"n0", b"n1", b"n2", b"n3"], 2)  # found n0 n1, stopped at n2
-    memo.keep("b", [b"n0", b"m1"], 0)  # stopped at n0
+    memo.keep("a", [b"n0", b"n1", b"n2"])  # found n0 n1, stopped at n2
+    memo.keep("b", [b"n0"])  # stopped at n0
     memo.changed([b"n3", b"zz"])  # past where either walk stopped: both hold
     assert "a" in memo and "b" in memo
     memo.changed([b"n2"])  # a block for where a's walk stopped
     assert "a" not in memo and "b" in memo
-    memo.keep("a", [b"n0", b"n1", b"n2", b"n3"], 3)
+    memo.keep("a", [b"n0", b"n1", b"n2", b"n3"])
     memo.changed([b"n0"])  # read by both
     assert len(memo) == 0 and not memo._readers  # no reader left behind
-    memo.keep("c", [], 0)  # nothing cacheable: nothing can change its answer
+    memo.keep("c", [])  # nothing cacheable: nothing can change its answer
     memo.changed([b"n0"])
     assert "c" in memo
     memo.drop("c")
@@ -372,30 +391,88 @@ def test_no_interleaving_of_shared_arrivals_evictions_and_frees_leaks_or_double_
 
 
 # -- the real engine -----------------------------------------------------------------------
+ENGINE_POLICIES = [
+    ("sj-mlfq", {"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1}),
+    ("conserve", {"safepoints": False, "checkpoint_threshold": 1.0}),
+    ("apt", {"cache": "hybrid"}),
+]
+# What each run must have done for the comparison to mean something.
+ENGINE_EVENTS = {
+    "sj-mlfq": lambda s: s.num_preemptions_swap > 0,
+    "conserve": lambda s: s.num_checkpoint_blocks_copied > 0,
+    "apt": lambda s: s.num_preemptions_recompute > 0,  # its cache switches
+}
+
+
 @pytest.mark.engine
-def test_real_engine_greedy_tokens_are_the_same_with_and_without_the_cache(opt_tiny):
-    """Shared-prefix prompts under sj-mlfq with a pool that forces swaps and recomputes."""
+@pytest.mark.parametrize(
+    ("policy", "options"), ENGINE_POLICIES, ids=[p for p, _ in ENGINE_POLICIES]
+)
+def test_real_engine_greedy_tokens_are_the_same_with_and_without_the_cache(
+    opt_tiny, policy, options
+):
+    """Shared-prefix prompts through a pool that forces swaps, recomputes, checkpoints or
+    hidden-state caches (ConServe's offline class, Apt-Serve's hybrid cache)."""
     import quanta
+    from quanta.core.request import RequestMetadata
 
     common = [(13 * j) % 400 + 4 for j in range(21)]
     prompts = [common + [(7 * i + j) % 300 + 9 for j in range(3 + i)] for i in range(6)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    expected = [
-        r.token_ids
-        for r in quanta.LLM(str(opt_tiny), enable_prefix_caching=False).generate(prompts, params)
-    ]
+    meta = RequestMetadata(priority_class="offline")
+    plain = quanta.LLM(str(opt_tiny), enable_prefix_caching=False)
+    expected = [r.token_ids for r in plain.generate(prompts, params, metadata=meta)]
     cached = quanta.LLM(
         str(opt_tiny),
-        policy="sj-mlfq",
-        policy_options={"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1},
+        policy=policy,
+        policy_options=options,
         cache={"block_size": 4, "num_device_blocks": 24, "num_host_blocks": 12},
         scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 16},
     )
-    warm = cached.generate(prompts[:1], params)  # later prompts find its blocks cached
-    got = cached.generate(prompts, params)
+    warm = cached.generate(prompts[:1], params, metadata=meta)  # later prompts find it cached
+    got = cached.generate(prompts, params, metadata=meta)
     assert warm[0].token_ids == expected[0]
     assert [r.token_ids for r in got] == expected
     stats = cached.engine.loop.stats()
-    assert stats.prefix_cache_hits >= 5 * 20
+    assert stats.prefix_cache_hits >= 20 and ENGINE_EVENTS[policy](stats)
     cached.engine.loop.blocks.check_integrity()
     assert cached.engine.loop.blocks.all_free()
+
+
+# -- cache affinity ------------------------------------------------------------------------
+def test_affinity_puts_the_longest_cached_prefix_first_among_waiting_requests_only():
+    from quanta.core.request import RequestStatus
+    from quanta.policies.affinity import CacheAffinity
+    from quanta.policies.stages import Ranking
+
+    reqs = shared(5, 8, 2)
+    reqs[0].status = RequestStatus.RUNNING
+    for r, cached in zip(reqs[1:], [0, 4, 8, 4], strict=True):
+        r.num_cached_tokens = cached
+    ranking = Ranking(reqs, {r.request_id: float(i) for i, r in enumerate(reqs)})
+    out = CacheAffinity(max_waiting=128, min_cached_tokens=1).reorder(ranking, None)  # type: ignore[arg-type]
+    assert [r.request_id for r in out.order] == ["s0", "s3", "s2", "s4", "s1"]
+    assert [out.next_turn[r.request_id] for r in out.order] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    few = CacheAffinity(max_waiting=3, min_cached_tokens=1).reorder(ranking, None)  # type: ignore[arg-type]
+    assert few is ranking  # past the limit the system's order stands
+    short = CacheAffinity(max_waiting=128, min_cached_tokens=5).reorder(ranking, None)  # type: ignore[arg-type]
+    assert [r.request_id for r in short.order] == ["s0", "s3", "s1", "s2", "s4"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs+affinity", "sj-mlfq+affinity", "fair+affinity"])
+def test_affinity_stacks_with_any_ordering_and_changes_no_output(policy):
+    plain = run(loop_for(policy.split("+")[0], caching=True, device=64, host=0), shared(6, 12, 3))
+    assert run(loop_for(policy, caching=True, device=64, host=0), shared(6, 12, 3)) == plain
+
+
+def test_affinity_starts_a_cached_request_before_an_older_uncached_one(make_loop):
+    loop = make_loop(device=64, host=0, prefix_caching=True, policy="fcfs+affinity", max_num_seqs=1)
+    warm, twin = shared(2, 16, 3)
+    run(loop, [warm])
+    cold = make_requests(1, prompt_len=19)[0]
+    before = len(loop.runner.steps)
+    for r in (cold, twin):  # the cold one arrived first
+        loop.submit(r)
+    loop.run_until_idle()
+    first = loop.runner.steps[before].seqs
+    assert [s.request_id for s in first] == [twin.request_id]

@@ -47,7 +47,8 @@ CASES = [
         "llama-tiny-checkpoint",
         "llama-tiny",
         None,
-        "--kv-cache-memory 4MiB --host-cache-memory 0 --max-num-batched-tokens 512",
+        "--kv-cache-memory 4MiB --host-cache-memory 0 --max-num-batched-tokens 512 "
+        "--no-enable-prefix-caching",
     ),
 ]
 
@@ -122,6 +123,7 @@ def test_build_then_serve_end_to_end(checkpoints, tmp_path, case, preset, option
     assert answer["choices"][0]["text"] == want.text
     assert info["model_dir"] == str(model.resolve())
     assert info["policy"] == (re.search(r"--policy (\S+)", flags) or [None, "fcfs"])[1]
+    assert info["prefix_caching"] == ("false" if "--no-enable-prefix-caching" in flags else "true")
     if options is not None:
         assert info["dtype"] == (options.dtype or "float32")
         assert info["max_seq_len"] == str(options.max_seq_len or 512)

@@ -331,6 +331,12 @@ BAD_HTTP = {
         "unknown input 'max_token' (did you mean 'max_tokens'?)",
     ),
     "unknown model": ("no-such-model", {"text_input": "hi"}, 404, "no-such-model"),
+    "reset with a prompt": (
+        MODEL,
+        {"reset_prefix_cache": True, "text_input": "hi"},
+        400,
+        "'reset_prefix_cache' makes a request of its own",
+    ),
 }
 
 
@@ -437,6 +443,45 @@ def test_metrics_appear_and_move(server):
         "nv_inference_request_success"
         in urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     )  # Triton's own metrics are there too
+
+
+# -- prefix caching --------------------------------------------------------------------------
+def test_a_shared_prefix_is_served_from_the_cache_until_a_reset(server, llm):
+    """Two prompts of 40 token ids sharing their first 32 (two blocks): the second finds them
+    cached, says so in its final response and on /metrics, and answers as the offline API
+    does. A reset sent while another request runs empties the cache and loses nothing."""
+    from quanta.cli import app
+    from quanta.frontends.triton.client import reset_prefix_cache
+    from typer.testing import CliRunner
+
+    shared = list(range(400, 432))
+    first, second = shared + list(range(440, 448)), shared + list(range(460, 468))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    hits, device = "quanta_prefix_cache_hits_total", 'quanta_prefix_cache_blocks{tier="device"}'
+    before = scrape(server)
+    ids, events = run(server, "grpc", first, params)
+    assert events[-1]["num_cached_tokens"] == 0
+    ids_2, events = run(server, "http", second, params)
+    assert events[-1]["num_cached_tokens"] == 32 and events[-1]["num_prompt_tokens"] == 40
+    assert [ids, ids_2] == [r.token_ids for r in llm.generate([first, second], params)]
+    after = wait_for(
+        lambda: (s := scrape(server)).get(hits, 0) >= before.get(hits, 0) + 32 and s,
+        what="the hit counter",
+    )
+    assert (
+        after["quanta_prefix_cache_queries_total"]
+        >= before["quanta_prefix_cache_queries_total"] + 80
+    )
+    assert after[device] >= 2
+
+    good = GoodRequest(server)  # names the blocks it fills after the reset: reset again
+    reset_prefix_cache(server.grpc_url, MODEL, use_grpc=True)
+    good.check()
+    reset_prefix_cache(server.http_url, MODEL)
+    cli = CliRunner().invoke(app, ["reset-prefix-cache", "--url", server.http_url])
+    assert cli.exit_code == 0 and "prefix cache reset" in cli.output, cli.output
+    wait_for(lambda: scrape(server)[device] == 0, what="the cache to empty")
+    assert run(server, "grpc", first, params)[1][-1]["num_cached_tokens"] == 0
 
 
 # -- Locust ------------------------------------------------------------------------------------

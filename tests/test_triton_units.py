@@ -20,9 +20,14 @@ from quanta.core.errors import (
 from quanta.core.output import TokenLogprob
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
-from quanta.frontends.triton.responder import InflightRequest, Responder, SequenceGroupSender
+from quanta.frontends.triton.responder import (
+    InflightRequest,
+    Reply,
+    Responder,
+    SequenceGroupSender,
+)
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
-from quanta.frontends.triton.tensors import output_arrays, parse_request
+from quanta.frontends.triton.tensors import is_reset_request, output_arrays, parse_request
 from serving import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +92,18 @@ def test_parameters_parse_into_engine_config(tmp_path):
 def test_bad_parameter_is_named(key, value, named):
     with pytest.raises(ConfigParameterError, match=f"parameter '{named}"):
         parse_parameters({**DEFAULT_PARAMETERS, key: value})
+
+
+def test_prefix_caching_is_on_unless_a_parameter_or_the_serve_flag_says_off():
+    from quanta.frontends.triton.model_entry import served_parameters
+
+    assert parse_parameters(DEFAULT_PARAMETERS)[0].enable_prefix_caching is True
+    off = served_parameters(enable_prefix_caching=False)  # --no-enable-prefix-caching
+    assert off == {"enable_prefix_caching": "false"}
+    assert parse_parameters({**DEFAULT_PARAMETERS, **off})[0].enable_prefix_caching is False
+    assert served_parameters(enable_prefix_caching=None) == {}  # not given: the model's own
+    with pytest.raises(ConfigParameterError, match="parameter 'enable_prefix_caching'"):
+        parse_parameters({**DEFAULT_PARAMETERS, "enable_prefix_caching": "sometimes"})
 
 
 def test_model_dir_is_required():
@@ -231,11 +248,53 @@ def test_parse_request_rejects_bad_input(arrays, message):
 
 
 def test_output_arrays_final_carries_accounting():
+    from quanta.core.stream import RequestMetrics
+
     arrays = output_arrays("hi", [1, 2], finish_reason="length")
     assert arrays["text_output"].tolist() == [b"hi"]
     assert arrays["output_ids"].dtype == np.int32
     assert arrays["finish_reason"].tolist() == [b"length"]
     assert "arrival_time_ns" not in arrays
+    metrics = RequestMetrics(1.0, 1.1, 1.2, 1.5, (1.2, 1.5), 40, 2, 0, 0, 0, num_cached_tokens=32)
+    final = output_arrays("hi", [1, 2], finish_reason="length", metrics=metrics)
+    assert final["num_prompt_tokens"].tolist() == [40]
+    assert final["num_cached_tokens"].tolist() == [32]
+
+
+_RESET = np.array([True])
+
+
+def test_a_reset_is_a_request_of_its_own():
+    assert is_reset_request(_getter(reset_prefix_cache=_RESET))
+    assert is_reset_request(_getter(reset_prefix_cache=np.array([[True]])))  # tensorrt_llm
+    text = np.array([b"hi"], dtype=np.object_)
+    assert not is_reset_request(_getter(text_input=text))
+    off = _getter(text_input=text, reset_prefix_cache=np.array([False]))
+    assert not is_reset_request(off) and parse_request(off).prompt == "hi"
+
+
+@pytest.mark.parametrize(
+    ("arrays", "parameters", "message"),
+    [
+        (
+            {"reset_prefix_cache": _RESET, "text_input": np.array([b"hi"], dtype=np.object_)},
+            None,
+            r"'reset_prefix_cache' makes a request of its own .*got text_input",
+        ),
+        (
+            {"reset_prefix_cache": _RESET, "stream": np.array([True])},
+            None,
+            "takes no other input; got stream",
+        ),
+        ({"reset_prefix_cache": np.array([1], dtype=np.int32)}, None, "must be BOOL, got int32"),
+        ({"reset_prefix_cache": np.array([True, True])}, None, "exactly one value"),
+        ({"reset_prefix_cache": _RESET}, '{"reset": true}', "unknown input 'reset'"),
+    ],
+    ids=["with-a-prompt", "with-stream", "not-bool", "two-values", "unknown-field"],
+)
+def test_a_malformed_reset_gets_a_typed_error(arrays, parameters, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        is_reset_request(_getter(**arrays), parameters)
 
 
 # -- responder -------------------------------------------------------------------------------
@@ -369,6 +428,54 @@ def test_responder_rejects_with_typed_error():
     wait_for(lambda: len(sender.sent) == 1)
     responder.stop()
     assert sender.sent == [(("error", "invalid_argument", "bad"), 1)]
+
+
+def test_responder_answers_a_control_request_with_one_final_response():
+    responder = Responder(FakeFactory(), lambda rid: None)
+    responder.start()
+    sender = FakeSender()
+    responder.reply(InflightRequest("r", sender, stream=False), Reply())
+    wait_for(lambda: len(sender.sent) == 1)
+    responder.stop()
+    assert sender.sent == [({}, 1)] and responder.num_live() == 0
+
+
+def test_prefix_cache_metrics_follow_the_loop_stats():
+    from quanta.core.loop import LoopStats
+    from quanta.frontends.triton.metrics import MetricsReporter
+
+    class Series(list):
+        def increment(self, value):
+            self.append(value)
+
+        set = observe = increment
+
+    class Family:
+        HISTOGRAM = COUNTER = GAUGE = "kind"
+
+        def __init__(self, name, description, kind):
+            self.series = {}
+
+        def Metric(self, labels, buckets=None):
+            return self.series.setdefault(labels.get("tier", ""), Series())
+
+    class Pb:
+        MetricFamily = Family
+
+    def stats(queries, hits, device, host):
+        return LoopStats(0, 0, 0, 0, 24, 0, 64, 1, 0, 0, 0, prefix_cache_queries=queries,
+                         prefix_cache_hits=hits, device_cached_blocks=device,
+                         host_cached_blocks=host)  # fmt: skip
+
+    snapshots = iter([stats(40, 0, 2, 0), stats(80, 32, 3, 1)])
+    reporter = MetricsReporter(Pb, {"model": "m"}, stats=lambda: next(snapshots))
+    reporter.flush()
+    reporter.flush()
+    families = reporter._families
+    assert families["quanta_prefix_cache_queries_total"].series[""] == [40, 40]
+    assert families["quanta_prefix_cache_hits_total"].series[""] == [32]  # counted from 0
+    blocks = families["quanta_prefix_cache_blocks"].series
+    assert blocks["device"] == [2, 3] and blocks["host"] == [0, 1]
 
 
 class _FakePbUtils:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt
+from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt, PrefixCachingOpt
 
 app = typer.Typer(
     help="Quanta: preemptive, fair, SLO-aware LLM serving for Triton.",
@@ -117,8 +117,12 @@ def bench_engine(
         str | None,
         typer.Option(help="the engine's quantization (none, int8, int4): refused if it differs"),
     ] = None,
+    enable_prefix_caching: PrefixCachingOpt = True,
 ) -> None:
-    """Prefill and decode tokens/s of the engine, with HF transformers as the peer."""
+    """Prefill and decode tokens/s of the engine, with HF transformers as the peer.
+
+    Every run computes its prompts in full (the cache is emptied between runs); with prefix
+    caching on, naming the blocks is part of the time."""
     from quanta.bench.engine import run_engine_bench
     from quanta.build.manifest import EngineManifestError
 
@@ -137,6 +141,7 @@ def bench_engine(
             linear_kernel=linear_kernel.value,
             attention_kernel=attention_kernel.value,
             quantization=quantization,
+            prefix_caching=enable_prefix_caching,
         )
     except EngineManifestError as exc:  # the engine cannot run this benchmark as asked
         typer.echo(f"error: {exc}", err=True)

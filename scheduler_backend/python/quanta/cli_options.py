@@ -39,6 +39,19 @@ def _choices(name: str, literal: Any) -> type[StrEnum]:
 LinearKernelOpt = _choices("LinearKernelOpt", LinearKernel)
 AttentionKernelOpt = _choices("AttentionKernelOpt", AttentionKernel)
 
+# vLLM's flag pair for automatic prefix caching (``EngineConfig.enable_prefix_caching``, on by
+# default). The override form is None when not given, for a command that must tell that from
+# an explicit choice (``quanta serve`` refuses flags next to a model repository).
+_PREFIX_CACHING = "--enable-prefix-caching/--no-enable-prefix-caching"
+_PREFIX_CACHING_HELP = (
+    "share the KV of identical prompt prefixes between requests (vLLM's automatic prefix caching)"
+)
+PrefixCachingOpt = Annotated[bool, typer.Option(_PREFIX_CACHING, help=_PREFIX_CACHING_HELP)]
+PrefixCachingOverrideOpt = Annotated[
+    bool | None,
+    typer.Option(_PREFIX_CACHING, help=f"{_PREFIX_CACHING_HELP}; default: on", show_default=False),
+]
+
 # Apt-Serve's SLO attainment (``quanta.slo``): the TBT limit and the named presets.
 TbtSloOpt = Annotated[
     float | None,

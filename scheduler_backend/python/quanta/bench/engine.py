@@ -118,9 +118,13 @@ def _time_quanta(engine: Engine, prompts: list[list[int]], gen_len: int) -> floa
 def _run_quanta(
     engine: Engine, prompts: list[list[int]], gen_len: int
 ) -> tuple[float, list[tuple[int, ...]]]:
-    """(seconds, greedy tokens per prompt) of one run through the full loop."""
+    """(seconds, greedy tokens per prompt) of one run through the full loop.
+
+    The runs repeat the same prompts, so the prefix cache is emptied first: otherwise every
+    run after the first would find its prompts cached and time a prefill it never did."""
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     loop = engine.loop
+    loop.reset_prefix_cache()
     start = time.perf_counter()
     streams = [loop.submit(engine.make_request(p, params)) for p in prompts]
     loop.run_until_idle()
@@ -177,11 +181,14 @@ def run_engine_bench(
     linear_kernel: LinearKernel = "auto",
     attention_kernel: AttentionKernel = "auto",
     quantization: str | None = None,
+    prefix_caching: bool = True,
 ) -> list[BenchRow]:
     """Measure every batch size, print a table, optionally write JSON.
 
     Against a built engine the batch sizes and step budget are fitted to its limits first,
-    and each change is printed (``fit_to_engine``)."""
+    and each change is printed (``fit_to_engine``). Every run computes its prompts in full;
+    ``prefix_caching`` only says whether the cache's bookkeeping (naming each full block) is
+    part of what is timed."""
     if threads:
         torch.set_num_threads(threads)
     plan = fit_to_engine(model_dir, batches, prompt_len, gen_len)
@@ -201,6 +208,7 @@ def run_engine_bench(
             linear_kernel=linear_kernel,
             attention_kernel=attention_kernel,
             quantization=quantization,
+            enable_prefix_caching=prefix_caching,
         )
     )
     info = engine.describe()

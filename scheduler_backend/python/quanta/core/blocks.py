@@ -16,11 +16,11 @@ checkpoint is complete leaves the device with no copy at all.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from itertools import islice
 
 from quanta.core.lookups import LookupMemo
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, Request, blocks_for
@@ -92,7 +92,7 @@ class BlockPool:
             self._plain.extendleft(reversed(kept))
         if len(out) < n:
             # NOTE: only as far into the LRU as it takes: the cache may hold most of the pool
-            victims = list(islice((b for b in self._lru if b not in avoid), n - len(out)))
+            victims = list(itertools.islice((b for b in self._lru if b not in avoid), n - len(out)))
             for b in victims:
                 del self._lru[b]
                 name = self._unname(b)
@@ -221,6 +221,7 @@ class BlockManager:
         self._ckpt: dict[str, list[int]] = {}  # host mirror of a device table's first blocks
         self._ckpt_tokens: dict[str, int] = {}  # tokens the mirror holds (copies done)
         self._ckpt_pending: dict[str, int] = {}  # tokens it will hold once this step's copies are
+        self._ckpt_shared: dict[str, set[int]] = {}  # mirror blocks the host cache already held
         self._named: dict[str, int] = {}  # leading device blocks of a table already named
         self._hits: dict[str, PrefixHit] = {}  # lookups of waiting requests, as they stand
         self._memo = LookupMemo()  # which of them still hold (``core/lookups.py``)
@@ -329,17 +330,17 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens, kind) - self.num_blocks(request_id))
 
     # -- the prefix cache ----------------------------------------------------------------
-    def lookup(self, request_id: str, names: Sequence[bytes]) -> int:
+    def lookup(self, request_id: str, names: Sequence[bytes], limit: int | None = None) -> int:
         """Find the longest cached prefix of a waiting request whose full blocks are named
-        ``names`` (as many as a hit may cover); remembered for this step's decision. Returns
-        its tokens."""
+        ``names`` (its first ``limit``: as many as a hit may cover); remembered for this
+        step's decision. Returns its tokens."""
         if not self.prefix_caching or request_id in self._tables:
             self._hits.pop(request_id, None)
             self._memo.drop(request_id)
             return 0
         device, host = self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
         found: list[tuple[Tier, int]] = []
-        for name in names:
+        for name in names if limit is None else itertools.islice(names, limit):
             b = device.get(name)
             if b is not None:
                 found.append((Tier.DEVICE, b))
@@ -348,7 +349,8 @@ class BlockManager:
             if b is None:
                 break
             found.append((Tier.HOST, b))
-        self._memo.keep(request_id, names, len(found))
+        stop = len(names) if limit is None else min(limit, len(names))
+        self._memo.keep(request_id, names[: min(len(found) + 1, stop)])  # where the walk went
         if not found:
             self._hits.pop(request_id, None)
             return 0
@@ -498,6 +500,7 @@ class BlockManager:
             # token is
             done = keep if mirrored >= num_tokens else self._full_blocks(request_id, mirrored)
         reuse = held[:keep] if num_tokens is not None else []
+        free_ride = self._ckpt_shared.get(request_id, set())  # mirror blocks never copied
         device, host = self.pools[Tier.DEVICE], self.pools[Tier.HOST]
         shares: dict[int, int] = {}  # table index -> host block already holding it
         for i in range(len(reuse), keep):
@@ -520,7 +523,7 @@ class BlockManager:
         for i in range(keep):
             if i < len(reuse):
                 b = reuse[i]
-                if i >= done:
+                if i >= done and b not in free_ride:
                     copies.append((table[i], b))
             elif i in shares:
                 b = shares[i]
@@ -549,15 +552,32 @@ class BlockManager:
         if want > len(table):
             raise RuntimeError(f"checkpoint of {request_id} past its {len(table)} blocks")
         mirror = self._ckpt.get(request_id, [])
+        shared = self._ckpt_shared.setdefault(request_id, set())
         if want > len(mirror):
-            new = self._allocate(Tier.HOST, want - len(mirror))
-            if new is None:
+            host, device = self.pools[Tier.HOST], self.pools[Tier.DEVICE]
+            # NOTE: a block the host tier already caches is a checkpoint for free: shared,
+            # never copied over (another request may be reading it)
+            shares: dict[int, int] = {}
+            for i in range(len(mirror), want):
+                name = device.name_of.get(table[i])
+                hit = host.cached.get(name) if name is not None else None
+                if hit is not None and hit not in mirror:
+                    shares[i] = hit
+            taken = {b for b in shares.values() if host.ref[b] == 0} - host.reserved
+            fresh = want - len(mirror) - len(shares)
+            if fresh + len(taken) > host.num_allocatable():
                 return None
-            mirror = mirror + new
+            for b in shares.values():
+                host.pin(b)
+            new = iter(self._allocate(Tier.HOST, fresh) or [])
+            mirror = mirror + [
+                shares[i] if i in shares else next(new) for i in range(len(mirror), want)
+            ]
+            shared.update(shares.values())
             self._ckpt[request_id] = mirror
         self._ckpt_pending[request_id] = num_tokens
         first = self._full_blocks(request_id, self._ckpt_tokens.get(request_id, 0))
-        return [(table[i], mirror[i]) for i in range(first, want)]
+        return [(table[i], mirror[i]) for i in range(first, want) if mirror[i] not in shared]
 
     def confirm_checkpoints(self) -> None:
         """The step's checkpoint copies are done: their tokens count as mirrored."""
@@ -651,6 +671,7 @@ class BlockManager:
         return num_tokens // (self.block_size * (HIDDEN_TOKENS_PER_BLOCK if hidden else 1))
 
     def _drop_checkpoint(self, request_id: str, release: bool = True) -> None:
+        self._ckpt_shared.pop(request_id, None)
         mirror = self._ckpt.pop(request_id, None)
         self._ckpt_tokens.pop(request_id, None)
         self._ckpt_pending.pop(request_id, None)

@@ -26,10 +26,11 @@ class LookupMemo:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._reads
 
-    def keep(self, request_id: str, names: Sequence[bytes], found: int) -> None:
-        """``request_id`` was looked up in ``names`` and found its first ``found`` cached."""
+    def keep(self, request_id: str, reads: Sequence[bytes]) -> None:
+        """``request_id`` was looked up, reading ``reads``: the names of the blocks found,
+        then the one it stopped at (if it did not stop at its last name)."""
         self.drop(request_id)
-        reads = tuple(names[: found + 1])
+        reads = tuple(reads)
         self._reads[request_id] = reads
         for name in reads:
             self._readers.setdefault(name, set()).add(request_id)

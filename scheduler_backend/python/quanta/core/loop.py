@@ -28,7 +28,7 @@ from quanta.core.errors import (
 from quanta.core.output import Runner, SchedulerOutput
 from quanta.core.plan import PoolView
 from quanta.core.policy import Policy, check_capabilities
-from quanta.core.prefix import block_hashes, cacheable_blocks
+from quanta.core.prefix import block_hashes
 from quanta.core.request import CacheKind, Request, RequestStatus, validate_prompt
 from quanta.core.safepoint import AbortRule, AbortSignal, StepAborted
 from quanta.core.stream import RequestStream, Sink
@@ -288,8 +288,9 @@ class EngineLoop:
             if bm.kind_of(r.request_id) is not None:
                 r.num_cached_tokens = 0
                 continue
-            names = block_hashes(r, size, cacheable_blocks(r, size))
-            r.num_cached_tokens = bm.lookup(r.request_id, names[: cacheable_blocks(r, size)])
+            n = (len(r.all_token_ids) - 1) // size  # cacheable_blocks, inlined: per request
+            chain = r.block_hashes if len(r.block_hashes) >= n else block_hashes(r, size, n)
+            r.num_cached_tokens = bm.lookup(r.request_id, chain, n)
 
     def _view(self, now: float) -> SchedulerView:
         by: dict[RequestStatus, list[Request]] = {s: [] for s in RequestStatus}

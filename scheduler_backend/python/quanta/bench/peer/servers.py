@@ -112,7 +112,7 @@ class VllmServer(Server):
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--scheduling-policy", self.policy, "--seed", str(s.seed),
-            "--no-enable-prefix-caching",  # Quanta has none; the rates repeat the prompts
+            "--no-enable-prefix-caching",  # as Quanta's: the rates repeat the prompts
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
 
@@ -144,6 +144,9 @@ class QuantaServer(Server):
             "max_num_seqs": str(s.max_num_seqs),
             "max_num_batched_tokens": str(s.max_num_batched_tokens),
             "enable_chunked_prefill": "true",
+            # off on both peers: every rate replays the same prompts, so a cache would serve
+            # later rates from earlier ones
+            "enable_prefix_caching": "false",
         }
         if self.policy.startswith("sj-mlfq") and s.sj_profile is not None:
             params["policy_options"] = json.dumps({"profile": json.loads(s.sj_profile.read_text())})

@@ -32,6 +32,7 @@ from quanta.frontends.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenLogprobs,
+    Usage,
     chat_body,
     chat_chunk,
     chat_logprobs,
@@ -93,6 +94,7 @@ def create_app(
     app.get("/v1/models")(gateway.models)
     app.get("/v1/models/{model}")(gateway.model)
     app.get("/health", response_model=None)(gateway.health)
+    app.post("/reset_prefix_cache", response_model=None)(gateway.reset_prefix_cache)
     app.exception_handler(OpenAIError)(_openai_error)
     app.exception_handler(RequestValidationError)(_validation_error)
     app.exception_handler(HTTPException)(_http_error)
@@ -149,6 +151,21 @@ class Gateway:
         if await self.upstream.is_model_ready(self.triton_model):
             return JSONResponse({"status": "ok"})
         raise OpenAIError(503, f"model '{self.triton_model}' is not ready in Triton")
+
+    async def reset_prefix_cache(self) -> Response:
+        """vLLM's route: the model forgets every cached prefix, so requests sent after the
+        answer compute their prompts in full (before timing a run, after new weights).
+
+        The gateway holds no engine, so the reset is a request to Triton like any other (the
+        input ``reset_prefix_cache``); the model's engine takes it before anything sent later.
+        """
+        stream = self.upstream.stream(self.triton_model, {"reset_prefix_cache": True})
+        try:
+            while not stream.done:
+                await _next(stream)
+        finally:
+            stream.cancel()
+        return JSONResponse({"status": "ok", "model": self.settings.model_name})
 
     # -- helpers -----------------------------------------------------------------------------
     def _model_card(self) -> dict[str, Any]:
@@ -360,14 +377,16 @@ class Gateway:
             event = await _next(stream)
 
 
-def _usage(runs: list[list[dict[str, Any]]]) -> dict[str, int]:
-    """One prompt, every choice's completion tokens."""
-    prompt = runs[0][-1].get("num_prompt_tokens", 0)
-    return usage(prompt, sum(events[-1].get("num_output_tokens", 0) for events in runs))
+def _usage(runs: list[list[dict[str, Any]]]) -> Usage:
+    """One prompt, every choice's completion tokens; the prompt's cached tokens are the first
+    choice's, as its prompt tokens are (choice i > 0 may find what choice 0 computed)."""
+    final = runs[0][-1]
+    completion = sum(events[-1].get("num_output_tokens", 0) for events in runs)
+    return usage(final.get("num_prompt_tokens", 0), completion, final.get("num_cached_tokens", 0))
 
 
 def _completion_whole(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None
+    rid: str, model: str, text: str, finish: str | None, use: Usage | None
 ) -> dict[str, Any]:
     return completion_body(rid, model, text, finish, use, chunk=False)
 

@@ -271,11 +271,18 @@ def _validated(model: type[Any], fields: dict[str, Any]) -> Any:
 
 
 # -- response bodies ----------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+Usage = dict[str, Any]
+"""OpenAI's ``usage`` object: token counts, and the prompt's cached share in its details."""
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """``cached_tokens``: prompt tokens the prefix cache held, so not computed again; OpenAI
+    reports it in ``prompt_tokens_details`` whether or not anything was cached."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -319,7 +326,7 @@ def completion_body(
     model: str,
     text: str,
     finish: str | None,
-    use: dict[str, int] | None,
+    use: Usage | None,
     *,
     chunk: bool,
     logprobs: dict[str, Any] | None = None,
@@ -343,7 +350,7 @@ def chat_body(
     model: str,
     text: str,
     finish: str | None,
-    use: dict[str, int] | None,
+    use: Usage | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole ``chat.completion``."""
@@ -364,7 +371,7 @@ def chat_chunk(
     model: str,
     delta: dict[str, str] | None,
     finish: str | None = None,
-    use: dict[str, int] | None = None,
+    use: Usage | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""

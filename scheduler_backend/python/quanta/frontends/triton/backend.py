@@ -9,6 +9,7 @@ response thread sends the outputs, and cancellation goes through the engine's no
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -21,7 +22,12 @@ from quanta.core.errors import EngineStepError, QuantaError, ShuttingDownError
 from quanta.core.stream import RequestOutput
 from quanta.frontends.triton.drain import DrainWatch, drain_dir_from_env
 from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
-from quanta.frontends.triton.responder import InflightRequest, Responder, SequenceGroupSender
+from quanta.frontends.triton.responder import (
+    InflightRequest,
+    Reply,
+    Responder,
+    SequenceGroupSender,
+)
 from quanta.frontends.triton.settings import (
     load_model_config,
     parameters_from_model_config,
@@ -32,6 +38,7 @@ from quanta.frontends.triton.tensors import (
     OUTPUTS,
     TRTLLM_MAX_BATCH,
     TRTLLM_OUTPUTS,
+    is_reset_request,
     parse_request,
 )
 
@@ -215,11 +222,11 @@ class TritonPythonModel:
             self._responder.reject(inflight, ShuttingDownError(_DRAINING))
             return
         try:
-            parsed = parse_request(
-                lambda name: self._input(request, name),
-                request.parameters(),
-                echo_by_default=self._trtllm,
-            )
+            get = functools.partial(self._input, request)
+            if is_reset_request(get, request.parameters()):
+                self._reset_prefix_cache(inflight)
+                return
+            parsed = parse_request(get, request.parameters(), echo_by_default=self._trtllm)
             n = parsed.num_return_sequences
             requests = [
                 self._engine.make_request(
@@ -262,6 +269,15 @@ class TritonPythonModel:
                 self._loop.submit(r, sink)
             except QuantaError as exc:
                 self._responder.reject(member, exc)
+
+    def _reset_prefix_cache(self, inflight: InflightRequest) -> None:
+        """Ask the loop to forget every cached prefix, then answer with an empty final response.
+
+        NOTE: not waited for (``execute`` never blocks on the loop); the loop takes the reset
+        before any request submitted after this call, so whatever a client sends once it has
+        the answer finds nothing cached from before."""
+        self._loop.reset_prefix_cache(wait=False)
+        self._responder.reply(inflight, Reply())
 
     def _input(self, request: Any, name: str) -> Any:
         tensor = self._pb.get_input_tensor_by_name(request, name)

@@ -6,6 +6,7 @@ inside the command, so ``quanta --help`` loads neither tritonclient nor torch.
 
 from __future__ import annotations
 
+import importlib
 import signal
 import tempfile
 from pathlib import Path
@@ -13,13 +14,20 @@ from typing import Annotated, Any
 
 import typer
 
-from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt, PolicyOpt, parse_options
+from quanta.cli_options import (
+    AttentionKernelOpt,
+    LinearKernelOpt,
+    PolicyOpt,
+    PrefixCachingOverrideOpt,
+    parse_options,
+)
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add ``serve`` and ``check-config`` to the main app."""
+    """Add ``serve``, ``check-config`` and ``reset-prefix-cache`` to the main app."""
     app.command("serve")(serve)
     app.command("check-config")(check_config)
+    app.command("reset-prefix-cache")(reset_prefix_cache)
 
 
 def serve(
@@ -110,6 +118,7 @@ def serve(
         int | None, typer.Option(min=1, help="longest prompt + output of a request")
     ] = None,
     block_size: Annotated[int | None, typer.Option(min=1, help="tokens per KV block")] = None,
+    enable_prefix_caching: PrefixCachingOverrideOpt = None,
     kv_cache_memory: Annotated[
         str | None, typer.Option(help="device KV tier, e.g. 4GiB (default: the engine's)")
     ] = None,
@@ -164,6 +173,7 @@ def serve(
             max_num_batched_tokens=max_num_batched_tokens,
             max_seq_len=max_seq_len,
             block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory=kv_cache_memory,
             host_cache_memory=host_cache_memory,
             torch_threads=torch_threads,
@@ -279,6 +289,24 @@ def check_config(
         typer.echo(f"{errors} error(s)")
         raise typer.Exit(1)
     typer.echo(f"{path}: OK" + (f" ({len(problems)} warning(s))" if problems else ""))
+
+
+def reset_prefix_cache(
+    url: Annotated[
+        str, typer.Option(help="Triton server host:port (HTTP, or gRPC with --grpc)")
+    ] = "127.0.0.1:8000",
+    model_name: Annotated[str, typer.Option(help="Triton model name")] = "quanta",
+    grpc: Annotated[bool, typer.Option(help="send it over gRPC")] = False,
+) -> None:
+    """Make a served model forget every cached prompt prefix (vLLM's reset_prefix_cache):
+    requests sent afterwards compute their prompts in full."""
+    client = importlib.import_module("quanta.frontends.triton.client")
+    try:
+        client.reset_prefix_cache(url, model_name, use_grpc=grpc)
+    except client.GenerateError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"model {model_name!r}: prefix cache reset")
 
 
 def _start_gateway(

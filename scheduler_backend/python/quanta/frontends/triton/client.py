@@ -221,6 +221,22 @@ def generate(
             yield text
 
 
+def reset_prefix_cache(
+    url: str, model: str = "quanta", *, use_grpc: bool = False, timeout: float = 60.0
+) -> None:
+    """Make ``model`` forget every cached prefix: one request with the control input
+    ``reset_prefix_cache``, answered once the engine will take the reset before anything
+    sent later. Raises ``GenerateError`` with the server's message."""
+    inputs = {"reset_prefix_cache": True}
+    events = (
+        grpc_events(url, model, inputs, timeout=timeout)
+        if use_grpc
+        else http_events(url, model, inputs, stream=False, timeout=timeout)
+    )
+    for _ in events:
+        pass
+
+
 def output_ids(event: dict[str, Any]) -> list[int]:
     """``output_ids`` of one response as a list (HTTP JSON unwraps a single element)."""
     return output_list(event, "output_ids")

@@ -101,6 +101,22 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         None,
     ),
     "quanta_engine_steps_total": ("COUNTER", "Engine iterations executed.", None),
+    "quanta_prefix_cache_queries_total": (
+        "COUNTER",
+        "Tokens looked up in the prefix cache, each time a request starts (or restarts after "
+        "a recompute) computing its K/V.",
+        None,
+    ),
+    "quanta_prefix_cache_hits_total": (
+        "COUNTER",
+        "Of those, tokens found cached and not computed (hits / queries: the hit rate).",
+        None,
+    ),
+    "quanta_prefix_cache_blocks": (
+        "GAUGE",
+        "Blocks holding a cached prefix, by tier (device, host): in use or free to evict.",
+        None,
+    ),
     "quanta_generation_tokens_total": (
         "COUNTER",
         "Generated tokens, by tenant and priority class.",
@@ -247,6 +263,8 @@ class MetricsReporter:
             ("quanta_hidden_cache_requests", ()): s.num_hidden_cache,
             ("quanta_hidden_cache_blocks_used", ()): s.hidden_blocks_used,
             ("quanta_checkpoint_blocks_used", ()): s.checkpoint_blocks_used,
+            ("quanta_prefix_cache_blocks", (("tier", "device"),)): s.device_cached_blocks,
+            ("quanta_prefix_cache_blocks", (("tier", "host"),)): s.host_cached_blocks,
         }
         for (name, labels), value in gauges.items():
             self._metric(name, labels).set(float(value))
@@ -267,6 +285,12 @@ class MetricsReporter:
             ),
             ("quanta_checkpoint_blocks_copied_total", ()): (
                 s.num_checkpoint_blocks_copied - (last.num_checkpoint_blocks_copied if last else 0)
+            ),
+            ("quanta_prefix_cache_queries_total", ()): (
+                s.prefix_cache_queries - (last.prefix_cache_queries if last else 0)
+            ),
+            ("quanta_prefix_cache_hits_total", ()): (
+                s.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
             ),
         }
         for (name, labels), delta in counters.items():

@@ -91,6 +91,14 @@ class SequenceGroupSender:
         return self._sender.is_cancelled()
 
 
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The one final response of a request the engine answers at once, without generating
+    (a control request such as a prefix-cache reset); ``arrays`` are its output tensors."""
+
+    arrays: dict[str, Any] = field(default_factory=dict)
+
+
 Finished = Callable[[InflightRequest, RequestOutput], None]
 _STOP = object()
 
@@ -131,6 +139,11 @@ class Responder:
             self._live.pop(inflight.request_id, None)
         self._queue.put((inflight, error))
 
+    def reply(self, inflight: InflightRequest, reply: Reply) -> None:
+        """End a request that needs no generation with ``reply``; sent by the response thread
+        like every other response, after what was queued before it."""
+        self._queue.put((inflight, reply))
+
     def num_live(self) -> int:
         with self._lock:
             return len(self._live)
@@ -164,6 +177,8 @@ class Responder:
                                 inflight.request_id, (), "", True, None, payload
                             )
                             self._on_finished(inflight, rejected)
+                    elif isinstance(payload, Reply):
+                        self._send_final(inflight, self._factory.response(payload.arrays))
                     else:
                         self._handle(inflight, payload)
                 except Exception:  # one broken request must not stop everyone's responses
@@ -280,9 +295,12 @@ def _take_prompt(inflight: InflightRequest) -> dict[str, Any]:
     return extras
 
 
+Payload = RequestOutput | QuantaError | Reply
+
+
 def _coalesce(
-    items: list[tuple[InflightRequest, RequestOutput | QuantaError]],
-) -> list[tuple[InflightRequest, RequestOutput | QuantaError]]:
+    items: list[tuple[InflightRequest, Payload]],
+) -> list[tuple[InflightRequest, Payload]]:
     """One entry per request, in order of first appearance: its deltas merged into one.
 
     Why: every response is a blocking IPC to Triton, and an engine step makes one delta per
@@ -290,10 +308,10 @@ def _coalesce(
     lagged and a client's disconnect was noticed only once its backlog was sent (about 100
     tokens late at 50 streams); merging what queued up meanwhile bounds the IPCs per step.
     """
-    merged: dict[str, tuple[InflightRequest, list[RequestOutput | QuantaError]]] = {}
+    merged: dict[str, tuple[InflightRequest, list[Payload]]] = {}
     for inflight, payload in items:
         merged.setdefault(inflight.request_id, (inflight, []))[1].append(payload)
-    out: list[tuple[InflightRequest, RequestOutput | QuantaError]] = []
+    out: list[tuple[InflightRequest, Payload]] = []
     for inflight, payloads in merged.values():
         deltas = [p for p in payloads if isinstance(p, RequestOutput)]
         out.extend((inflight, p) for p in payloads if not isinstance(p, RequestOutput))

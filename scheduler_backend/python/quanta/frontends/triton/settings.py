@@ -61,6 +61,7 @@ class _Parameters(BaseModel):
     attention_kernel: AttentionKernel = "auto"
     safepoint_interval: int = 8
     max_seq_len: int | None = None
+    enable_prefix_caching: bool = True
     block_size: int | None = None
     num_device_blocks: int | None = None
     device_bytes: int | None = None
@@ -125,6 +126,7 @@ def parse_parameters(
             attention_kernel=p.attention_kernel,
             safepoint_interval=p.safepoint_interval,
             max_seq_len=p.max_seq_len,
+            enable_prefix_caching=p.enable_prefix_caching,
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**sched),
         )

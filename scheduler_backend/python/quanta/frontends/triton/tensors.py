@@ -63,6 +63,9 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("pad_id", "TYPE_INT32", [1]),  # accepted: nothing is padded
     ("return_context_logits", "TYPE_BOOL", [1]),  # false only
     ("return_generation_logits", "TYPE_BOOL", [1]),  # false only
+    # Quanta: true makes this a control request of its own (no other input): the engine
+    # forgets every cached prefix, and the answer is one empty final response.
+    ("reset_prefix_cache", "TYPE_BOOL", [1]),
 )
 OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("text_output", "TYPE_STRING", [1]),
@@ -74,6 +77,7 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("num_prompt_tokens", "TYPE_INT32", [1]),
     ("num_output_tokens", "TYPE_INT32", [1]),
     ("num_preemptions", "TYPE_INT32", [1]),
+    ("num_cached_tokens", "TYPE_INT32", [1]),  # prompt tokens found in the prefix cache
     ("sequence_length", "TYPE_INT32", [1]),  # tokens in this response's output_ids
     ("cum_log_probs", "TYPE_FP32", [1]),  # with return_log_probs, on the final response
     ("output_log_probs", "TYPE_FP32", [-1]),  # with return_log_probs: one per output id
@@ -124,6 +128,7 @@ _ONLY = {
     "return_generation_logits": (False, "logits are not returned; ask for return_log_probs"),
 }
 _METADATA_INPUTS = tuple(RequestMetadata.model_fields)  # NOTE: each one is also in INPUTS
+_RESET = "reset_prefix_cache"  # the control input: see is_reset_request
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -156,25 +161,11 @@ def parse_request(
     misspelt ``max_token`` arrives there and is refused, as gRPC refuses an unknown input.
     """
     _refuse_unknown_fields(parameters)
-    types = {name: dtype for name, dtype, _ in INPUTS}
     values: dict[str, Any] = {}
     for name, dtype, dims in INPUTS:
         array = get(name)
-        if array is None:
-            continue
-        array = np.asarray(array)
-        if array.dtype.kind not in _KINDS[types[name]]:
-            raise InvalidRequestError(
-                f"input '{name}' must be {dtype.removeprefix('TYPE_')}, got {array.dtype}"
-            )
-        if dims == [1]:
-            if array.size != 1:
-                raise InvalidRequestError(
-                    f"input '{name}' must hold exactly one value, got shape {list(array.shape)}"
-                )
-            values[name] = _scalar(name, array.reshape(-1)[0])
-        else:
-            values[name] = [_scalar(name, v) for v in array.reshape(-1)]
+        if array is not None:
+            values[name] = _value(name, dtype, dims, array)
     prompt = _prompt(values)
     for name, (allowed, why) in _ONLY.items():
         if name in values and values[name] != allowed:
@@ -210,6 +201,42 @@ def parse_request(
         num_return_sequences=n,
         bad_words=tuple(values.get("bad_words", ())),
     )
+
+
+def is_reset_request(get: Getter, parameters: str | None = None) -> bool:
+    """Whether the request asks for a prefix-cache reset (``reset_prefix_cache`` true) rather
+    than a generation; raises ``InvalidRequestError`` for a malformed one.
+
+    A reset is a request of its own: next to a prompt or any other input it is refused, so a
+    client never has to guess whether its generation ran, or ran before or after the reset.
+    """
+    array = get(_RESET)
+    if array is None or not _value(_RESET, "TYPE_BOOL", [1], array):
+        return False
+    _refuse_unknown_fields(parameters)
+    others = [name for name, _, _ in INPUTS if name != _RESET and get(name) is not None]
+    if others:
+        raise InvalidRequestError(
+            f"input '{_RESET}' makes a request of its own and takes no other input; "
+            f"got {', '.join(others)}"
+        )
+    return True
+
+
+def _value(name: str, dtype: str, dims: list[int], array: Any) -> Any:
+    """One input's value (a scalar for dims [1], else a list), checked against its spec."""
+    array = np.asarray(array)
+    if array.dtype.kind not in _KINDS[dtype]:
+        raise InvalidRequestError(
+            f"input '{name}' must be {dtype.removeprefix('TYPE_')}, got {array.dtype}"
+        )
+    if dims != [1]:
+        return [_scalar(name, v) for v in array.reshape(-1)]
+    if array.size != 1:
+        raise InvalidRequestError(
+            f"input '{name}' must hold exactly one value, got shape {list(array.shape)}"
+        )
+    return _scalar(name, array.reshape(-1)[0])
 
 
 def _refuse_unknown_fields(parameters: str | None) -> None:
@@ -316,6 +343,7 @@ def output_arrays(
             num_prompt_tokens=np.array([metrics.num_prompt_tokens], dtype=np.int32),
             num_output_tokens=np.array([metrics.num_output_tokens], dtype=np.int32),
             num_preemptions=np.array([metrics.num_preemptions], dtype=np.int32),
+            num_cached_tokens=np.array([metrics.num_cached_tokens], dtype=np.int32),
         )
     return arrays
 
