@@ -19,6 +19,7 @@ from quanta.bench.peer import (
     full_vocab_checkpoint,
     kv_bytes_per_block,
     make_server,
+    prometheus_total,
     render_markdown,
     request_priority,
     side_by_side,
@@ -84,8 +85,10 @@ def test_both_servers_get_the_same_limits(model_dir, tmp_path):
     assert flag("--kv-cache-memory-bytes") == str(1 << 26)
     assert flag("--max-num-seqs") == "7"
     assert flag("--host") == "127.0.0.1" and int(flag("--port")) == vllm.port
-    assert "--no-enable-prefix-caching" in cmd
+    assert "--enable-prefix-caching" in cmd and flag("--block-size") == "32"
     assert vllm.env()["OMP_NUM_THREADS"] == "1"
+    off = setup_for(model_dir, tmp_path, prefix_caching=False)
+    assert "--no-enable-prefix-caching" in make_server(off, "vllm-fcfs").command()
 
     quanta = make_server(setup, "quanta-sj-mlfq")
     assert isinstance(quanta, QuantaServer)
@@ -93,9 +96,13 @@ def test_both_servers_get_the_same_limits(model_dir, tmp_path):
     cfg = json.loads((model_dir / "config.json").read_text())
     per_block = 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4 * 16
     assert kv_bytes_per_block(model_dir) == per_block
-    assert params["num_device_blocks"] == str((1 << 26) // per_block)
+    assert params["num_device_blocks"] == str((1 << 26) // (2 * per_block))  # 32-token blocks
     assert params["policy"] == "sj-mlfq" and params["max_num_seqs"] == "7"
-    assert params["enable_prefix_caching"] == "false"  # as vLLM's, above
+    assert params["enable_prefix_caching"] == "true"  # as vLLM's, above
+    assert params["block_size"] == "32"
+    no_cache = make_server(off, "quanta-fcfs")
+    assert no_cache.parameters()["enable_prefix_caching"] == "false"
+    no_cache.stop()
     assert "policy_options" not in params
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"name": "fitted"}))
@@ -106,6 +113,41 @@ def test_both_servers_get_the_same_limits(model_dir, tmp_path):
     with_profile.stop()
     with pytest.raises(ValueError, match="unknown system"):
         make_server(setup, "tgi-fcfs")
+
+
+def test_kv_bytes_per_block_counts_the_kv_heads_only(tmp_path):
+    """A grouped-query model keeps K and V for its KV heads: both servers are sized alike."""
+    cfg = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
+    assert kv_bytes_per_block(tmp_path, 16, 2) == 2 * 30 * 3 * 64 * 2 * 16
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # multi-head
+    assert kv_bytes_per_block(tmp_path, 16, 2) == 2 * 30 * 576 * 2 * 16
+
+
+def test_prefix_cache_counters_are_summed_over_labels_from_the_metrics():
+    text = (
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 4.0\n'
+        "vllm:prefix_cache_hits_created 1.7e9\n"
+        "quanta_prefix_cache_queries_total 320\n"
+    )
+    assert prometheus_total(text, "vllm:prefix_cache_hits_total") == 100.0
+    assert prometheus_total(text, "quanta_prefix_cache_queries_total") == 320.0
+    assert prometheus_total(text, "vllm:prefix_cache_queries_total") is None
+
+
+def test_a_workload_file_is_replayed_at_every_rate_with_its_shared_prefixes(model_dir, tmp_path):
+    from quanta.workloads import chat, save_workload
+
+    path = save_workload(tmp_path / "chat.jsonl", chat(24, 1.0, seed=3, max_len=512))
+    setup = setup_for(model_dir, tmp_path, workload=path, num_requests=20)
+    slow, fast = workload_for(setup, 0.5), workload_for(setup, 2.0)
+    assert len(slow) == 20 and [r.request_id for r in slow] == [r.request_id for r in fast]
+    assert [r.prefix_group for r in slow] == [r.prefix_group for r in fast]
+    assert all(r.prefix_group for r in slow) and slow[-1].arrival_time > fast[-1].arrival_time
+    turns = [r for r in slow if r.interaction_stage]
+    assert turns and all(r.think_time_s > 0 for r in turns)
 
 
 def test_full_vocab_tokenizer_names_every_id(model_dir, tmp_path):
@@ -197,7 +239,12 @@ def test_side_by_side_table_and_max_rate(model_dir, tmp_path):
             {
                 "system": "quanta-fcfs",
                 "runs": [
-                    {"rate": r, "summary": _summary(r, a), "loadavg_before": (1.5, 1, 1)}
+                    {
+                        "rate": r,
+                        "summary": _summary(r, a),
+                        "loadavg_before": (1.5, 1, 1),
+                        "prefix_cache": {"queries": 800, "hits": 300, "hit_rate": 0.375},
+                    }
                     for r, a in runs
                 ],
             }
@@ -210,7 +257,8 @@ def test_side_by_side_table_and_max_rate(model_dir, tmp_path):
     assert math.isclose(row["max_rate_interp"], 1.0 + (0.95 - 0.9) / (0.95 - 0.5))
     assert row["ttft_mean"] == 0.5 and row["attainment"] == 0.95
     markdown = render_markdown(report)
-    assert "| quanta-fcfs | 1 | 40/40 | 500 |" in markdown
+    assert "| quanta-fcfs | 1 | 40/40 | 500 | 400 | 900 |" in markdown  # TTFT mean, p50, p95
+    assert "| prefix hit rate |" in markdown and "| 37.5% | 1.5 |" in markdown
     assert "| 1 (1.11) |" in markdown
     assert "TTFT <= 2000 ms" in markdown
 

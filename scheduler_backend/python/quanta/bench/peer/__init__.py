@@ -39,6 +39,7 @@ from quanta.bench.peer.servers import (
     free_port,
     kv_bytes_per_block,
     make_server,
+    prometheus_total,
     vllm_env,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "machine_info",
     "make_server",
     "plot",
+    "prometheus_total",
     "render_markdown",
     "replay_workload",
     "request_priority",

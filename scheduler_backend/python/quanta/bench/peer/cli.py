@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from quanta.cli_options import PrefixCachingOpt
+
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     """Add ``bench peer``."""
@@ -84,6 +86,23 @@ def bench_peer(
             "first), class (online before offline) or none"
         ),
     ] = "prompt-length",
+    workload: Annotated[
+        Path | None,
+        typer.Option(
+            help="a workload file (quanta bench workload --dataset chat or agents: requests "
+            "that share prefixes) replayed at every rate, its times rescaled to the rate, "
+            "instead of uniform lengths"
+        ),
+    ] = None,
+    enable_prefix_caching: PrefixCachingOpt = True,
+    block_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="tokens per KV block, both servers: what a prefix cache shares at a time "
+            "(vLLM's CPU attention takes multiples of 32; its default is 128)",
+        ),
+    ] = 32,
 ) -> None:
     """Serve the same checkpoint with vLLM and Quanta, replay one seeded workload per rate
     through the same client, and print the side-by-side table."""
@@ -93,6 +112,10 @@ def bench_peer(
 
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("float32 or bfloat16", param_hint="--dtype")
+    if workload is not None and (chat_prompts or not workload.is_file()):
+        raise typer.BadParameter(
+            "a workload file, and not with --chat-prompts", param_hint="--workload"
+        )
     if vllm_priority not in VLLM_PRIORITIES:
         choices = ", ".join(VLLM_PRIORITIES)
         raise typer.BadParameter(f"one of {choices}", param_hint="--vllm-priority")
@@ -135,6 +158,9 @@ def bench_peer(
         sj_profile=sj_profile,
         vllm_priority=vllm_priority,
         chat_prompts=chat_prompts,
+        workload=workload,
+        prefix_caching=enable_prefix_caching,
+        block_size=block_size,
         llama_cpp_python=llama_python,
         llama_cpp_gguf=llama_files,
     )

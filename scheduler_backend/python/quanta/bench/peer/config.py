@@ -46,6 +46,7 @@ class PeerSetup:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    block_size: int = 32  # tokens per KV block, both servers: the prefix caches' granularity
     engine_batches: tuple[int, ...] = (1, 8, 32)
     engine_prompt_len: int = 96
     engine_gen_len: int = 32
@@ -57,5 +58,11 @@ class PeerSetup:
     vllm_priority: str = "prompt-length"  # a key of VLLM_PRIORITIES
     ready_timeout_s: float = 600.0
     chat_prompts: bool = False  # real chat questions that end at EOS, not length-only prompts
+    # A workload file (``quanta bench workload``: chat, agents...) replayed at every rate, its
+    # arrivals (and think times) rescaled to the rate; None: uniform lengths as above.
+    workload: Path | None = None
+    # Automatic prefix caching on both servers alike (vLLM's default: on). Each rate starts
+    # with empty caches, so a rate never finds an earlier rate's prompts.
+    prefix_caching: bool = True
     llama_cpp_python: Path | None = None  # llama-cpp-python's venv interpreter
     llama_cpp_gguf: tuple[Path, ...] = ()  # GGUF files llama.cpp runs (batch 1, engine only)

