@@ -390,6 +390,45 @@ def test_no_interleaving_of_shared_arrivals_evictions_and_frees_leaks_or_double_
     assert loop.blocks.all_free()
 
 
+def test_a_hit_whose_host_blocks_a_swap_out_takes_is_cut_short_not_refused(monkeypatch):
+    """A step that swaps one request out may take the host room a starting request's prefix
+    hit reads from; the start keeps what the host can hold and computes the rest (it used to
+    raise a PolicyError and fail every request in flight)."""
+    trims = []
+    trim_hit = BlockManager.trim_hit
+
+    def spy(self: BlockManager, request_id: str, kept: int) -> int:
+        trims.append((request_id, kept))
+        return trim_hit(self, request_id, kept)
+
+    monkeypatch.setattr(BlockManager, "trim_hit", spy)
+    prefixes = [[(5 * g + 3 * j) % 41 + 2 for j in range(n)] for g, n in enumerate([14, 16, 14, 4])]
+    # (prefix group, own tokens, max tokens) arriving, one step after each
+    script = [(1, 5, 5), "step", "step", (0, 4, 9), (2, 14, 8), (1, 2, 9)]
+
+    def play(loop: EngineLoop) -> dict[str, list[int]]:
+        streams = {}
+        for i, op in enumerate(script):
+            if op != "step":
+                group, own, max_tokens = op
+                own_ids = [(i + j) % 37 + 1 for j in range(own)]
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                req = Request(f"q{i}", prefixes[group] + own_ids, params, float(i), i)
+                streams[req.request_id] = loop.submit(req)
+            loop.step()
+            loop.blocks.check_integrity()
+        loop.run_until_idle()
+        assert loop.blocks.all_free()
+        results = {rid: s.result(timeout=0) for rid, s in streams.items()}  # type: ignore[union-attr]
+        assert all(r.error is None for r in results.values())
+        return {rid: list(r.token_ids) for rid, r in results.items()}
+
+    options = dict(POLICIES)["sj-mlfq"]
+    plain = play(loop_for("sj-mlfq", caching=False, device=512, host=0, **options))
+    assert play(loop_for("sj-mlfq", caching=True, device=12, host=8, **options)) == plain
+    assert trims, "the script no longer makes a swap-out take a hit's host room"
+
+
 # -- the real engine -----------------------------------------------------------------------
 ENGINE_POLICIES = [
     ("sj-mlfq", {"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1}),

@@ -24,11 +24,12 @@ class DecisionApplier:
         self.prefix_queries = 0  # tokens of requests that started with K/V, cache asked
         self.prefix_hits = 0  # of them, tokens found cached
 
-    def validate(self, d: Decision, live: Mapping[str, Request]) -> None:
-        """Raise ``PolicyError`` unless ``d`` can be applied as a whole.
+    def validate(self, d: Decision, live: Mapping[str, Request]) -> StepPlan:
+        """Raise ``PolicyError`` unless ``d`` can be applied as a whole; the plan it makes.
 
         Replays ``d`` on a fresh ``StepPlan`` in the order ``apply`` carries it out, so the
-        policies' packers and this check share one ledger.
+        policies' packers and this check share one ledger, and the starts whose prefix hit
+        this order cuts short (``StepPlan.trimmed``) are the ones ``apply`` cuts.
         """
         plan = StepPlan(PoolView(self.blocks))
         for p in _preempt_order(d, live):
@@ -42,6 +43,7 @@ class DecisionApplier:
         if not d.hidden <= plan.chosen:
             stray = sorted(d.hidden - plan.chosen)
             raise PolicyError(f"hidden cache for requests that do not run: {stray}")
+        return plan
 
     def apply(self, d: Decision, live: Mapping[str, Request], now: float) -> SchedulerOutput:
         """Validate, then update blocks and statuses and describe the step for the runner.
@@ -51,8 +53,10 @@ class DecisionApplier:
         allocation is made. The cached device blocks prefix hits share are taken right after
         the preemptions (which may free them), before anything else allocates (which may
         evict them)."""
-        self.validate(d, live)
+        trimmed = self.validate(d, live).trimmed
         bm = self.blocks
+        for rid, kept in trimmed.items():
+            live[rid].num_cached_tokens = bm.trim_hit(rid, kept)
         starting = {rid for rid, _ in d.run if self._starts_with_hit(live[rid], _kind(d, rid))}
         for rid in starting:
             hit = bm.prefix_hit(rid)

@@ -229,6 +229,16 @@ class BlockManager:
         """This step's lookup of ``request_id``, if it found anything."""
         return self._hits.get(request_id)
 
+    def trim_hit(self, request_id: str, kept: int) -> int:
+        """Cut the request's hit to its first ``kept`` blocks (the host could not keep the
+        rest this step); the tokens it still covers."""
+        hit = self._hits.pop(request_id)
+        self._memo.drop(request_id)
+        if not kept:
+            return 0
+        self._hits[request_id] = PrefixHit(hit.blocks[:kept], hit.block_size)
+        return kept * self.block_size
+
     def reserve(self, tier: Tier, blocks: Sequence[int]) -> None:
         """Keep free cached ``blocks`` from eviction until ``end_reservations``: this step
         reads them."""

@@ -119,6 +119,8 @@ class StepPlan:
         # reaches zero, not when one holder lets go.
         self._refs: dict[tuple[Tier, int], int] = {}
         self._reserved: set[int] = set()  # host blocks this step's prefix hits copy from
+        # Starts whose hit is cut short (blocks kept): the host could not keep all its blocks.
+        self.trimmed: dict[str, int] = {}
 
     # -- queries -------------------------------------------------------------------------
     def held(self, req: Request) -> int:
@@ -156,13 +158,32 @@ class StepPlan:
         """Device blocks ``req`` needs to compute ``n`` more tokens, counting a swap-in; a
         request that holds a cache grows its own kind, one that starts takes ``kind``."""
         kind = self.cache_kind(req) or kind or CacheKind.KV
-        hit = self.prefix_hit(req, kind)
+        hit = self._start_hit(req, kind)
         if hit is not None:
             return self._hit_cost(hit, n)[0]
         target = self.pool.blocks_for(req.num_computed_tokens + n, kind)
         rid = req.request_id
         held = self._swapped_in.get(rid, self.held(req) if self.is_resident(req) else 0)
         return max(0, target - held)
+
+    def _start_hit(self, req: Request, kind: CacheKind) -> PrefixHit | None:
+        """The cached prefix ``req`` starts with now: its lookup, cut short before the first
+        host block the host cannot keep (this step's swap-outs may have taken the room), so a
+        start never fails for want of host blocks; it computes the rest instead."""
+        hit = self.prefix_hit(req, kind)
+        if hit is None or not (hit.of(Tier.HOST) and self._hit_cost(hit, 0)[1] > self.free_host):
+            return hit
+        kept: set[int] = set()
+        for i, (tier, b) in enumerate(hit.blocks):
+            if tier is Tier.HOST and b not in kept and self._keeps(b):
+                if len(kept) == self.free_host:
+                    return PrefixHit(hit.blocks[:i], hit.block_size) if i else None
+                kept.add(b)
+        return hit  # NOTE: unreachable: the whole hit fits when no block was over
+
+    def _keeps(self, block: int) -> bool:
+        """A start reading host ``block`` keeps it from eviction at a cost: it is free now."""
+        return block not in self._reserved and self._ref(Tier.HOST, block) == 0
 
     def _hit_cost(self, hit: PrefixHit, n: int) -> tuple[int, int]:
         """(device, host) blocks a start with ``hit`` and ``n`` new tokens takes: new device
@@ -171,11 +192,7 @@ class StepPlan:
         device = hit.of(Tier.DEVICE)
         pins = sum(1 for b in device if self._ref(Tier.DEVICE, b) == 0)
         grow = self.pool.blocks_for(hit.num_tokens + n) - len(device)
-        host = sum(
-            1
-            for b in set(hit.of(Tier.HOST))
-            if b not in self._reserved and self._ref(Tier.HOST, b) == 0
-        )
+        host = sum(1 for b in set(hit.of(Tier.HOST)) if self._keeps(b))
         return grow + pins, host
 
     def _ref(self, tier: Tier, block: int) -> int:
@@ -288,14 +305,15 @@ class StepPlan:
             raise PolicyError(f"run of swapped {rid} without a swap-in")
         if not 1 <= n <= req.num_uncomputed_tokens:
             raise PolicyError(f"run of {rid} with {n} tokens; {req.num_uncomputed_tokens} left")
-        hit = self.prefix_hit(req, kind)
+        hit = self._start_hit(req, kind)
         need, host = self._hit_cost(hit, n) if hit else (self.blocks_to_grow(req, n, kind), 0)
         if need > self.free_device:
             raise PolicyError(f"run of {rid} needs {need} device blocks, {self.free_device} free")
-        if host > self.free_host:
-            raise PolicyError(f"run of {rid} reads {host} cached host blocks, too many to keep")
         if not self.has_room(n):
             raise PolicyError(f"run of {rid}: the step's token budget or seats are used up")
+        looked_up = self.prefix_hit(req, kind)
+        if looked_up is not None and hit is not looked_up:
+            self.trimmed[rid] = len(hit.blocks) if hit else 0
         if hit is not None:
             for b in hit.of(Tier.DEVICE):
                 self._take(Tier.DEVICE, b)
