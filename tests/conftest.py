@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -24,6 +25,9 @@ os.environ["QUANTA_ATTENTION_KERNEL"] = "eager"
 # spinning against the servers and subprocesses a test starts beside it made the engine tests
 # four to five times slower on two busy cores. Tests of thread counts set their own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Nothing in the suite may reach a model hub: offline, a lookup fails at once instead of
+# retrying against a network the test machines do not have.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from fakes import HashRunner, decode_chars
 from quanta.core.blocks import BlockManager
@@ -32,6 +36,12 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.loop import EngineLoop
 from quanta.core.request import Request, RequestStatus, SamplingParams
 from quanta.policies import make_policy
+
+# Property tests draw the same examples on every run (a CI run checks what the author ran,
+# and a failure reproduces); HYPOTHESIS_PROFILE=explore draws new ones on each run.
+settings.register_profile("repeatable", derandomize=True, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 class LoopFactory:
