@@ -54,8 +54,9 @@ FRAGMENTS = {
 FASTER = {
     "quanta simulate validate": "--calibration-seconds 0.2 --repeats 1",
     "quanta bench policies": "--calibration-seconds 0.2",
-    "quanta bench quality": "--max-tokens 4 --no-bf16",
+    "quanta bench quality": "--max-tokens 4 --no-bf16 --questions 2",
     "quanta bench schedule-step": "--waiting 40 --steps 3",
+    "quanta bench engine": "--repeat 1",
 }
 
 

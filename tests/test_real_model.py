@@ -52,10 +52,22 @@ def prompt_ids(engine: Path) -> list[list[int]]:
     return [quality.tokenize(engine, p) for p in quality.chat_prompts(engine)]
 
 
+# Tokens per greedy answer compared: enough to cover each answer's first sentence (the
+# benchmark, `quanta bench quality`, compares 48).
+ANSWER_TOKENS = 16
+
+
 @pytest.fixture(scope="module")
 def fp32_answers(engine: Path, prompt_ids) -> list[list[int]]:
     """The fp32 engine's greedy answers, run once for the two tests that compare with them."""
-    return quality.quanta_greedy(engine, prompt_ids, max_tokens=32)
+    return quality.quanta_greedy(engine, prompt_ids, max_tokens=ANSWER_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(engine: Path) -> float:
+    """The fp32 engine's perplexity of the quality text, for both quantized engines."""
+    text = quality.tokenize(engine, PERPLEXITY_TEXT)
+    return quality.perplexity(quality.quanta_token_logprobs(engine, text))
 
 
 def test_the_manifest_names_the_gguf_source(engine: Path, gguf: Path):
@@ -69,7 +81,7 @@ def test_greedy_answers_equal_hf_fp32(engine: Path, hf, prompt_ids, fp32_answers
     assert len(prompt_ids) >= 20
     eos = load_model_config(engine).eos_token_ids
     ours = fp32_answers
-    theirs = quality.hf_greedy(hf, prompt_ids, 32, eos)
+    theirs = quality.hf_greedy(hf, prompt_ids, ANSWER_TOKENS, eos)
     comparison = quality.compare_greedy(ours, theirs)
     assert comparison.identical == len(CHAT_QUESTIONS), comparison.first_difference
     answer = quality._decoder(engine)(ours[0])
@@ -83,7 +95,7 @@ def test_bf16_answers_and_agreement_with_fp32(gguf: Path, prompt_ids, fp32_answe
     if not onednn_supports(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this CPU runs no bf16 through oneDNN")
     bf16 = engine_for_gguf(gguf, dtype="bfloat16")
-    bf16_answers = quality.quanta_greedy(bf16, prompt_ids, max_tokens=32)
+    bf16_answers = quality.quanta_greedy(bf16, prompt_ids, max_tokens=ANSWER_TOKENS)
     comparison = quality.compare_greedy(bf16_answers, fp32_answers)
     with capsys.disabled():
         print(
@@ -153,7 +165,7 @@ def test_chat_through_the_gateway_answers_the_question(gateway: str):
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_engines_keep_perplexity_and_the_answer(
-    engine: Path, gguf: Path, prompt_ids, quantization: str
+    engine: Path, gguf: Path, prompt_ids, fp32_perplexity: float, quantization: str
 ):
     """docs/quantization.md's quality claims: int8 (per channel, from the dequantized Q4_1
     weights) and int4 (the file's Q4_1 kept) within 1% of the float engine's perplexity on
@@ -166,9 +178,8 @@ def test_quantized_engines_keep_perplexity_and_the_answer(
     dtype = "bfloat16" if onednn_supports(torch.bfloat16, torch.device("cpu")) else "float32"
     quantized = engine_for_gguf(gguf, dtype=dtype, quantization=quantization)
     text = quality.tokenize(engine, PERPLEXITY_TEXT)
-    want = quality.perplexity(quality.quanta_token_logprobs(engine, text))
     got = quality.perplexity(quality.quanta_token_logprobs(quantized, text))
-    assert abs(got / want - 1) < 0.01, (got, want)
+    assert abs(got / fp32_perplexity - 1) < 0.01, (got, fp32_perplexity)
     if quantization == "int8":
-        answers = quality.quanta_greedy(quantized, prompt_ids[:1], max_tokens=32)
+        answers = quality.quanta_greedy(quantized, prompt_ids[:1], max_tokens=ANSWER_TOKENS)
         assert "Paris" in quality._decoder(quantized)(answers[0])

@@ -208,14 +208,17 @@ def run_quality(
     llama_cpp_python: Path | None = None,
     with_hf: bool = True,
     quantized: dict[str, Path] | None = None,
+    questions: int | None = None,
 ) -> QualityReport:
     """Every check this machine can run; peers that are not given are left out.
 
     ``quantized`` maps a label (``quanta-int4-bfloat16``) to a quantized engine of the same
     file: its perplexity joins the table and its greedy answers are compared with the float
-    engine of its dtype."""
-    report = QualityReport(model=gguf.name, prompts=len(CHAT_QUESTIONS), max_tokens=max_tokens)
-    prompts = chat_prompts(engine_fp32)
+    engine of its dtype. ``questions`` keeps the first so many chat questions (a quick look;
+    the perplexity text is always whole)."""
+    asked = CHAT_QUESTIONS[:questions]
+    report = QualityReport(model=gguf.name, prompts=len(asked), max_tokens=max_tokens)
+    prompts = chat_prompts(engine_fp32, asked)
     ids = [tokenize(engine_fp32, p) for p in prompts]
     fp32_llm = load(engine_fp32)
     fp32 = quanta_greedy(fp32_llm, ids, max_tokens)

@@ -17,6 +17,10 @@ def bench_quality(
         str, typer.Option(help="catalogue name (quanta fetch-model --list) or a LLaMA .gguf file")
     ] = "smollm2-135m-instruct",
     max_tokens: Annotated[int, typer.Option(min=1, help="longest greedy answer")] = 48,
+    questions: Annotated[
+        int | None,
+        typer.Option(min=1, help="ask only the first N chat questions (default: all 22)"),
+    ] = None,
     llama_cpp_venv: Annotated[
         Path | None,
         typer.Option(help="virtual environment with llama-cpp-python (the llama.cpp peer)"),
@@ -78,6 +82,7 @@ def bench_quality(
         llama_cpp_python=python,
         with_hf=hf,
         quantized=quantized,
+        questions=questions,
     )
     console = Console()
     table = Table(title=f"quality: {report.model} (CPU {cpu_isa()}, torch {torch.__version__})")
