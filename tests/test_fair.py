@@ -397,7 +397,7 @@ def test_cli_repro_fair(tmp_path):
     from typer.testing import CliRunner
 
     doc = tmp_path / "fairserve.md"
-    args = ["simulate", "repro", "--figure", "fair", "--num-requests", "60", "--seeds", "0"]
+    args = ["simulate", "repro", "--figure", "fair", "--num-requests", "20", "--seeds", "0"]
     res = CliRunner().invoke(app, [*args, "--jobs", "1", "--output", str(doc)])
     assert res.exit_code == 0, res.output
     text = doc.read_text()

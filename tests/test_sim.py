@@ -199,12 +199,12 @@ def test_swapped_out_block_is_reused_only_after_its_copy():
 def test_same_seed_same_json():
     runs = []
     for _ in range(2):
-        trace = make_workload("sharegpt", 120, 2.0, seed=5)
+        trace = make_workload("sharegpt", 40, 2.0, seed=5)
         runs.append(
             json.dumps(summarize(simulate(trace, SimSetup("sj-mlfq", COST))), sort_keys=True)
         )
     assert runs[0] == runs[1]
-    other = make_workload("sharegpt", 120, 2.0, seed=6)
+    other = make_workload("sharegpt", 40, 2.0, seed=6)
     assert (
         json.dumps(summarize(simulate(other, SimSetup("sj-mlfq", COST))), sort_keys=True) != runs[0]
     )
