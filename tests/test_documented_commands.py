@@ -57,6 +57,8 @@ FASTER = {
     "quanta bench quality": "--max-tokens 4 --no-bf16 --questions 2",
     "quanta bench schedule-step": "--waiting 40 --steps 3",
     "quanta bench engine": "--repeat 1",
+    "quanta simulate repro --figure apt --quick": "--num-requests 8",
+    "quanta simulate repro --figure conserve --quick": "--num-requests 12",
 }
 
 
