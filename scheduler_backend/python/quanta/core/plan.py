@@ -171,19 +171,25 @@ class StepPlan:
         host block the host cannot keep (this step's swap-outs may have taken the room), so a
         start never fails for want of host blocks; it computes the rest instead."""
         hit = self.prefix_hit(req, kind)
-        if hit is None or not (hit.of(Tier.HOST) and self._hit_cost(hit, 0)[1] > self.free_host):
+        if hit is None or self._host_keep(hit) <= self.free_host:
             return hit
         kept: set[int] = set()
-        for i, (tier, b) in enumerate(hit.blocks):
+        cut = 0  # NOTE: the walk always stops at a block over: the whole hit does not fit
+        for tier, b in hit.blocks:
             if tier is Tier.HOST and b not in kept and self._keeps(b):
                 if len(kept) == self.free_host:
-                    return PrefixHit(hit.blocks[:i], hit.block_size) if i else None
+                    break
                 kept.add(b)
-        return hit  # NOTE: unreachable: the whole hit fits when no block was over
+            cut += 1
+        return PrefixHit(hit.blocks[:cut], hit.block_size) if cut else None
 
     def _keeps(self, block: int) -> bool:
         """A start reading host ``block`` keeps it from eviction at a cost: it is free now."""
         return block not in self._reserved and self._ref(Tier.HOST, block) == 0
+
+    def _host_keep(self, hit: PrefixHit) -> int:
+        """Free host blocks a start with ``hit`` keeps from eviction until its copies run."""
+        return sum(1 for b in set(hit.of(Tier.HOST)) if self._keeps(b))
 
     def _hit_cost(self, hit: PrefixHit, n: int) -> tuple[int, int]:
         """(device, host) blocks a start with ``hit`` and ``n`` new tokens takes: new device
@@ -192,8 +198,7 @@ class StepPlan:
         device = hit.of(Tier.DEVICE)
         pins = sum(1 for b in device if self._ref(Tier.DEVICE, b) == 0)
         grow = self.pool.blocks_for(hit.num_tokens + n) - len(device)
-        host = sum(1 for b in set(hit.of(Tier.HOST)) if self._keeps(b))
-        return grow + pins, host
+        return grow + pins, self._host_keep(hit)
 
     def _ref(self, tier: Tier, block: int) -> int:
         return self._refs.get((tier, block), self.pool.refs(tier, block))
