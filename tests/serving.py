@@ -12,6 +12,7 @@ variant, as ``quanta serve --openai-port`` runs its own.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
 
@@ -58,6 +59,45 @@ def scrape(metrics_url: str, model: str | None = None) -> dict[str, float]:
     return samples
 
 
+class OutputPump:
+    """Reads a child's combined output in a thread as it comes. Why: a child whose pipe
+    nobody reads blocks once it fills (64 KiB), so a server that logs after its ready line
+    would freeze mid-test; and a ``readline`` on a silent child blocks past any deadline."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []  # everything read so far
+        self._new: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+            self._new.put(line)
+        self._new.put(None)
+
+    def wait_for(self, prefix: str, timeout: float) -> str | None:
+        """The first line not yet waited past that starts with ``prefix``; None when the
+        child ended or ``timeout`` s went by first."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._new.get(timeout=left)
+            except queue.Empty:
+                return None
+            if line is None:
+                self._new.put(None)  # NOTE: a later wait sees the end too
+                return None
+            if line.startswith(prefix):
+                return line
+        return None
+
+    def text(self, timeout: float = 10) -> str:
+        """All the output; once the child has exited, up to its last line."""
+        self._thread.join(timeout)
+        return "".join(self.lines)
+
+
 class Background:
     """``text`` run through bash (``exec``, so the signal reaches the command itself)."""
 
@@ -72,19 +112,18 @@ class Background:
             text=True,
             start_new_session=True,
         )
-        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        self.output = OutputPump(self.proc.stdout)
+
+    @property
+    def lines(self) -> list[str]:
+        return self.output.lines
 
     def wait_for_line(self, prefix: str, timeout: float = 300) -> str:
-        deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                break
-            self.lines.append(line)
-            if line.startswith(prefix):
-                return line
-        raise AssertionError(f"{self.text}: no {prefix!r} line\n" + "".join(self.lines))
+        line = self.output.wait_for(prefix, timeout)
+        if line is None:
+            raise AssertionError(f"{self.text}: no {prefix!r} line\n" + "".join(self.lines))
+        return line
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -94,6 +133,7 @@ class Background:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.output.text()  # NOTE: the lines up to the exit, for the caller's message
         return self.proc.returncode
 
 
@@ -120,7 +160,11 @@ class LiveServe:
     metrics_url: str
     openai_url: str
     model_dir: Path
-    lines: list[str]
+    output: OutputPump
+
+    @property
+    def lines(self) -> list[str]:
+        return self.output.lines
 
 
 def start_serve(
@@ -148,39 +192,34 @@ def start_serve(
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
     )
-    watchdog = threading.Timer(timeout, proc.kill)
-    watchdog.start()
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready"):
-                break
-    finally:
-        watchdog.cancel()
+    assert proc.stdout is not None
+    output = OutputPump(proc.stdout)
+    if output.wait_for("ready", timeout) is None:
+        _stop(proc)
+        raise RuntimeError("quanta serve did not become ready:\n" + output.text())
     urls = {}
-    for line in lines:
+    for line in output.lines:
         if m := re.match(r"(HTTP|gRPC|metrics|OpenAI)\s+(\S+)", line):
             urls[m.group(1)] = m.group(2)
-    if not lines or not lines[-1].startswith("ready"):
-        stop_serve(proc)
-        raise RuntimeError("quanta serve did not become ready:\n" + "".join(lines))
     return LiveServe(
-        proc, urls["HTTP"], urls["gRPC"], urls["metrics"], urls["OpenAI"], model_dir, lines
+        proc, urls["HTTP"], urls["gRPC"], urls["metrics"], urls["OpenAI"], model_dir, output
     )
 
 
-def stop_serve(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    """Ctrl-C, as a user would; returns the exit code and the rest of the output."""
+def stop_serve(serve: LiveServe) -> tuple[int, str]:
+    """Ctrl-C, as a user would; returns the exit code and the whole output."""
+    return _stop(serve.proc), serve.output.text()
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     try:
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
-    return proc.returncode, out or ""
+        proc.wait()
+    return proc.returncode
 
 
 # -- the shared server -----------------------------------------------------------------------

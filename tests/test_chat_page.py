@@ -61,7 +61,7 @@ def live(tmp_path_factory):
     try:
         yield serve
     finally:
-        code, out = stop_serve(serve.proc)
+        code, out = stop_serve(serve)
     assert code == 0, out
 
 

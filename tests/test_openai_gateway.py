@@ -82,7 +82,7 @@ def test_serve_with_the_gateway_stops_cleanly_on_ctrl_c(tmp_path, opt_tiny):
         with openai.OpenAI(base_url=serve.openai_url, api_key="-", max_retries=0) as c:
             assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
     finally:
-        code, out = stop_serve(serve.proc)
+        code, out = stop_serve(serve)
     assert code == 0, out
     assert "shutting down" in out
     port = int(serve.openai_url.rsplit(":", 1)[1].split("/")[0])
