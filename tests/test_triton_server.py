@@ -216,18 +216,26 @@ def test_concurrent_requests_complete_and_match(server, llm):
     params = [
         SamplingParams(max_tokens=40 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(12)
     ]
-    expected = llm.generate(prompts, params)
+    # A long request holds up to 20 of the 24 device blocks while the others arrive, so they
+    # overlap it however slowly their clients connect: the policy has to preempt.
+    holder_params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([*prompts, "a long story"], [*params, holder_params])
     before = scrape(server)
+    holder = grpc_events(
+        server.grpc_url, MODEL, request_inputs("a long story", holder_params, stream=True)
+    )
+    holder_events = [next(holder)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [
             pool.submit(run, server, MODES[i % 4], p, sp, tenant=f"t{i % 3}")
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         results = [f.result(timeout=120) for f in futures]
-    for (ids, events), exp, sp in zip(results, expected, params, strict=True):
+    holder_events += list(holder)
+    results.append(([t for e in holder_events for t in output_ids(e)], holder_events))
+    for (ids, events), exp, sp in zip(results, expected, [*params, holder_params], strict=True):
         assert ids == exp.token_ids and len(ids) == sp.max_tokens
         assert events[-1]["finish_reason"] == "length"
-    # 12 requests x 3-4 blocks do not fit 24 device blocks: the policy had to preempt.
     after = wait_for(
         lambda: (s := scrape(server))['quanta_kv_blocks_used{tier="device"}'] == 0 and s,
         what="blocks to be freed",
