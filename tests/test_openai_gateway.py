@@ -378,6 +378,62 @@ def test_chat_logprobs_with_top_logprobs(client, llm):
         )
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_response_format_json_schema_and_guided_choice(client, stream):
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["answer", "score"],
+        "additionalProperties": False,
+    }
+    asks = [
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "v", "schema": schema},
+            }
+        },
+        {"extra_body": {"guided_choice": ["left", "right"]}},
+    ]
+    texts = []
+    for ask in asks:
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Answer in JSON."}],
+            max_tokens=24,
+            temperature=0,
+            stream=stream,
+            **ask,
+        )
+        chunks = list(out) if stream else [out]
+        if stream:
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            texts.append(out.choices[0].message.content)
+            assert out.choices[0].finish_reason == "stop"
+    value = json.loads(texts[0])
+    assert set(value) == {"answer", "score"} and value["answer"] in ("yes", "no")
+    assert texts[1] in ("left", "right")
+
+
+def test_a_guide_that_cannot_compile_is_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError, match="the regex cannot be compiled") as info:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "(ab"}
+        )
+    assert info.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="response_format type must be"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "yaml"},  # type: ignore[arg-type, typeddict-item]
+        )
+
+
 def test_invalid_chat_request_is_400(client):
     with pytest.raises(openai.BadRequestError, match="tools are not supported"):
         client.chat.completions.create(

@@ -244,6 +244,37 @@ def test_concurrent_requests_complete_and_match(server, llm):
     assert preemptions > sum(v for k, v in before.items() if k.startswith("quanta_num_preemptions"))
 
 
+# -- structured output --------------------------------------------------------------------------
+def test_guided_decoding_inputs_match_the_offline_api(server, llm):
+    schema = {
+        "type": "object",
+        "properties": {
+            "pick": {"enum": ["a", "b"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["pick", "n"],
+    }
+    params = SamplingParams(
+        max_tokens=32,
+        temperature=0.0,
+        structured_output=quanta.StructuredOutput(json_schema=schema),
+    )
+    expected = llm.generate("Pick one:", params)[0]
+    assert json.loads(expected.text)["pick"] in ("a", "b")
+    for mode in MODES:
+        ids, events = run(server, mode, "Pick one:", params)
+        assert ids == expected.token_ids, mode
+        assert events[-1]["finish_reason"] == "stop", mode
+    inputs = request_inputs("Pick one:", GREEDY, stream=False) | {
+        "guided_decoding_guide_type": "regex",
+        "guided_decoding_guide": "(ab",
+    }
+    with pytest.raises(GenerateError, match="the regex cannot be compiled"):
+        list(grpc_events(server.grpc_url, MODEL, inputs))
+    with pytest.raises(GenerateError, match="the regex cannot be compiled"):
+        list(http_events(server.http_url, MODEL, inputs, stream=False))
+
+
 # -- cancellation ------------------------------------------------------------------------------
 def _grpc_stream_then_cancel(server, inputs, holding):
     import tritonclient.grpc as grpcclient

@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from quanta.core.request import RequestMetadata, SamplingParams
+from quanta.core.structured import StructuredOutput
 
 if TYPE_CHECKING:
     from quanta.frontends.offline import LLM, GenerationResult
 
-__all__ = ["LLM", "GenerationResult", "RequestMetadata", "SamplingParams"]
+__all__ = ["LLM", "GenerationResult", "RequestMetadata", "SamplingParams", "StructuredOutput"]
 __version__ = "0.1.0"
 
 

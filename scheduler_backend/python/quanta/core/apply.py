@@ -163,7 +163,7 @@ def _processing(r: Request) -> LogitsProcessing | None:
     """The row's logits processing, or None for a plain request (nothing extra to ship)."""
     p = r.params
     early = r.num_output_tokens < p.min_tokens
-    if not (p.penalized or early or p.logprobs is not None):
+    if not (p.penalized or early or p.logprobs is not None or r.constraint is not None):
         return None
     suppress: tuple[int, ...] = ()
     if early:
@@ -178,6 +178,7 @@ def _processing(r: Request) -> LogitsProcessing | None:
         suppress=suppress,
         bad_words_ids=p.bad_words_ids,
         logprobs=p.logprobs,
+        constraint=r.constraint,
     )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from quanta.core.blocks import BlockManager
 from quanta.core.clock import Clock
 from quanta.core.detokenize import Decode, Detokenizer
-from quanta.core.errors import QuantaError
+from quanta.core.errors import EngineStepError, QuantaError
 from quanta.core.output import RunnerOutput, SchedulerOutput, TokenLogprob
 from quanta.core.prefix import block_hashes
 from quanta.core.request import Request, RequestStatus
@@ -68,6 +68,13 @@ class Committer:
                 r.cumulative_logprob += lp.logprob
             self.num_generated_tokens += 1
             status = self._stop_status(r, token)
+            if status is None and r.constraint is not None:
+                if not r.constraint.accept(token):
+                    self.finish_with_error(r, _forbidden(r, token))
+                    done.append(r)
+                    continue
+                if r.constraint.terminated:  # the grammar's stop token, under ignore_eos
+                    status = RequestStatus.FINISHED_STOPPED
             text, hit_stop = self._text(r, final=status is not None)
             if hit_stop:
                 status = RequestStatus.FINISHED_STOPPED
@@ -144,6 +151,16 @@ class Committer:
             sink(out)
         except Exception:  # a broken client must not take the loop down
             log.exception("sink of %s failed", r.request_id)
+
+
+def _forbidden(r: Request, token: int) -> QuantaError:
+    """A sampled token the grammar forbids: only when every token it allows was banned too
+    (``min_tokens`` holding back the stop token the grammar asks for, or bad words)."""
+    return EngineStepError(
+        f"structured output: token {token} at output position {r.num_output_tokens - 1} is "
+        "not allowed by the request's grammar (min_tokens or bad_words banned every token "
+        "the grammar allows there)"
+    )
 
 
 def _record_prompt_logprobs(r: Request, first: int, values: tuple[TokenLogprob, ...]) -> None:

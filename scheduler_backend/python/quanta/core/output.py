@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from quanta.core.safepoint import AbortSignal
+from quanta.core.structured import TokenConstraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,10 @@ class LogitsProcessing:
     suppress: tuple[int, ...] = ()  # token ids banned this step (EOS before min_tokens)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: int | None = None  # top log-probabilities to return (0: the sampled token's)
+    # Structured output: the runner masks every token the request's grammar forbids next. The
+    # one live object here: its state is the request's as of this step (it only advances
+    # when the step's token is committed), and a runner without logits ignores it.
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quanta.core.errors import EmptyPromptError, PromptTooLongError
 from quanta.core.output import TokenLogprob
+from quanta.core.structured import StructuredOutput, TokenConstraint
 
 
 class SamplingParams(BaseModel):
@@ -51,6 +52,8 @@ class SamplingParams(BaseModel):
     # The same for every prompt token after the first (what the model made of the prompt),
     # returned with the first output token.
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # The output must match this JSON schema, regex, choice or grammar (``core/structured``).
+    structured_output: StructuredOutput | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -208,6 +211,9 @@ class Request:
     # prompt is neither asked nor reported twice
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    # Grammar state of a structured-output request, compiled by the frontend from
+    # ``params.structured_output``; advanced only by committed tokens.
+    constraint: TokenConstraint | None = field(default=None, repr=False)
 
     # Timestamps in the loop clock's seconds; None until the event happens.
     first_scheduled_time: float | None = None

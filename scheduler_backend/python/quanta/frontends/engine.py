@@ -31,6 +31,7 @@ from quanta.runner import ModelRunner, load_model_config
 from quanta.runner.cpu import cpu_isa
 from quanta.runner.model_runner import resolve_dtype
 from quanta.runner.models.config import ModelConfig
+from quanta.structured import Grammars
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Engine:
     runner: ModelRunner
     loop: EngineLoop
     clock: Clock
+    grammars: Grammars
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def describe(self) -> dict[str, str]:
@@ -81,7 +83,8 @@ class Engine:
         """Tokenize and stamp a request; the loop validates lengths on submit.
 
         ``bad_words`` are strings (TensorRT-LLM's ``bad_words``), each tokenized as it would
-        appear mid-text and banned as a token sequence.
+        appear mid-text and banned as a token sequence. A ``structured_output`` guide is
+        compiled here, in the caller's thread, so a bad one is refused before it is queued.
         """
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt) if prompt else [], prompt
@@ -98,6 +101,7 @@ class Engine:
                 raise InvalidRequestError("bad_words: an entry is empty")
             params = params.model_copy(update={"bad_words_ids": (*params.bad_words_ids, *extra)})
         seed = params.seed if params.seed is not None else secrets.randbits(63)
+        spec = params.structured_output
         return Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=ids,
@@ -107,6 +111,7 @@ class Engine:
             eos_token_ids=self.model_config.eos_token_ids,
             prompt=text,
             metadata=metadata or RequestMetadata(),
+            constraint=None if spec is None else self.grammars(spec),
         )
 
 
@@ -191,4 +196,5 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         max_model_len=max_model_len,
         decode=tokenizer.decode,
     )
-    return Engine(config, model_config, tokenizer, runner, loop, clock)
+    grammars = Grammars(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+    return Engine(config, model_config, tokenizer, runner, loop, clock, grammars)

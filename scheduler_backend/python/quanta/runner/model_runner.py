@@ -40,6 +40,7 @@ from quanta.runner.models.loader import load_weights
 from quanta.runner.models.safepoints import Safepoints
 from quanta.runner.quantized import quantized_kernels
 from quanta.runner.sampler import sample
+from quanta.structured.masks import GrammarMasks, PendingMasks
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -147,6 +148,7 @@ class ModelRunner:
             num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
         self.bytes_per_block = self.kv_bytes_per_block(self.model_config, block_size, self.dtype)
+        self.grammar_masks = GrammarMasks(cfg.vocab_size)
         self.capabilities = RunnerCapabilities(
             hidden_cache=offers_hidden_cache(cfg), layer_safepoints=True
         )
@@ -192,6 +194,7 @@ class ModelRunner:
             logprobs: list[TokenLogprob | None] = [None] * len(seqs)
             prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
             if batch is not None:
+                masks = self.grammar_masks.start(seqs)  # filled while the model runs
                 safepoints = None if so.abort is None else self.safepoints_for(so.abort, started)
                 hidden = self.model(
                     batch.input_ids, batch.positions, self.device_kv_cache, batch.meta, safepoints
@@ -200,7 +203,7 @@ class ModelRunner:
                     if seq.prompt_logprobs is not None:
                         first_row = batch.last_rows[i] - seq.num_new_tokens + 1
                         prompt_logprobs[i] = self._prompt_logprobs(hidden, first_row, seq)
-                self._sample(hidden, batch, seqs, sampled, logprobs)
+                self._sample(hidden, batch, seqs, sampled, logprobs, masks)
             # NOTE: synchronous, like every copy here: on CPU both tiers are RAM, and on CUDA
             # a blocking ``.to`` the host waits for the copy. Overlapping checkpoints with the
             # next step on a side stream (ConServe's background copies) waits for a GPU
@@ -234,8 +237,11 @@ class ModelRunner:
         seqs: Sequence[ScheduledSeq],
         sampled: list[int | None],
         logprobs: list[TokenLogprob | None],
+        masks: PendingMasks | None = None,
     ) -> None:
-        """Fill ``sampled`` (and ``logprobs`` where asked) for the seqs that sample."""
+        """Fill ``sampled`` (and ``logprobs`` where asked) for the seqs that sample; the
+        grammar masks go first, so log-probabilities are those of the allowed tokens (as
+        vLLM reports them under guided decoding)."""
         chosen = [i for i, seq in enumerate(seqs) if seq.sample]
         if not chosen:
             return
@@ -247,6 +253,8 @@ class ModelRunner:
         # fp32 for every row, so they get it here.
         if any(row.processing is not None for row in rows):
             logits = logits.float()
+        if masks is not None:
+            self.grammar_masks.apply(logits, masks)
         raw = process_logits(logits, rows)
         tokens = sample(logits, rows)
         for i, token in zip(chosen, tokens, strict=True):

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from quanta.core.request import RequestMetadata, SamplingParams
+from quanta.core.structured import StructuredOutput
 from quanta.frontends.openai.errors import OpenAIError, invalid
 from quanta.frontends.triton.tensors import validation_message
 
@@ -86,6 +87,12 @@ class _GenerationRequest(_Checked):
     repetition_penalty: float | None = None  # vLLM's extension (HF's penalty)
     min_tokens: Int32 | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's guided decoding extensions (one guide per request, or a response_format)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Quanta extensions
     top_k: Int32 | None = None
     ignore_eos: bool = False
@@ -124,12 +131,38 @@ class _GenerationRequest(_Checked):
                 fields[name] = getattr(self, name)
         if self.stop is not None:
             fields["stop"] = self.stop
+        guide = self.structured_output()
+        if guide is not None:
+            fields["structured_output"] = guide
         wanted = self.top_logprobs_wanted
         if wanted is not None:
             fields["logprobs"] = wanted
             if self.prompt_logprobs_wanted:
                 fields["prompt_logprobs"] = wanted
         return _validated(SamplingParams, fields)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The guide of ``response_format`` or of one ``guided_*`` field; a malformed or a
+        second one is a 400 naming the field."""
+        guides = {
+            name: value for name in _GUIDED_FIELDS if (value := getattr(self, name)) is not None
+        }
+        response = _response_format_guide(self.response_format)
+        if response is not None:
+            guides["response_format"] = response
+        if len(guides) > 1:
+            raise invalid(f"give one structured output guide, got {', '.join(guides)}")
+        if not guides:
+            return None
+        ((name, value),) = guides.items()
+        if isinstance(value, StructuredOutput):
+            return value
+        key = _GUIDED_FIELDS[name]
+        try:
+            return StructuredOutput(**{key: tuple(value) if key == "choice" else value})
+        except ValidationError as exc:
+            detail = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            raise invalid(f"{name}: {detail}", name) from None
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -158,6 +191,43 @@ class _GenerationRequest(_Checked):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+_GUIDED_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def _response_format_guide(response_format: dict[str, Any] | None) -> StructuredOutput | None:
+    """OpenAI's ``response_format``: ``text`` (no guide), ``json_object`` or
+    ``json_schema`` (``{"json_schema": {"name": ..., "schema": {...}, "strict": ...}}``; the
+    schema is enforced whatever ``strict`` says)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise invalid(
+            "response_format type must be text, json_object or json_schema", "response_format"
+        )
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise invalid(
+            "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+            "response_format",
+        )
+    try:
+        return StructuredOutput(json_schema=schema)
+    except ValidationError as exc:
+        detail = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise invalid(f"response_format: {detail}", "response_format") from None
 
 
 _SAMPLING_FIELDS = (
@@ -238,7 +308,6 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -249,8 +318,6 @@ class ChatCompletionRequest(_GenerationRequest):
             return invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             return invalid("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            return invalid("only response_format {'type': 'text'} is supported", "response_format")
         if not self.messages:
             return invalid("messages is empty", "messages")
         return super().unsupported()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from quanta.core.request import RequestMetadata, SamplingParams
-from quanta.frontends.triton.tensors import INPUTS, OUTPUTS
+from quanta.frontends.triton.tensors import GUIDE_TYPES, INPUTS, OUTPUTS
 
 _NUMPY = {
     "TYPE_STRING": (np.object_, "BYTES"),
@@ -81,6 +81,13 @@ def request_inputs(
         inputs["top_log_probs"] = top.pop()
     if params.bad_words_ids:
         raise ValueError("the Triton frontend takes bad words as text (the bad_words input)")
+    guided = params.structured_output
+    if guided is not None:
+        inputs["guided_decoding_guide_type"] = next(
+            name for name, kind in GUIDE_TYPES.items() if kind == guided.kind
+        )
+        if guided.kind != "json_object":
+            inputs["guided_decoding_guide"] = guided.guide
     if metadata is not None:
         inputs.update(metadata.model_dump(exclude_none=True))
     return inputs

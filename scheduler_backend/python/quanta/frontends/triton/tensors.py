@@ -24,6 +24,7 @@ from quanta.core.errors import InvalidRequestError
 from quanta.core.output import TokenLogprob
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.stream import RequestMetrics
+from quanta.core.structured import StructuredOutput
 
 # (name, Triton data type, dims); every input is optional (text_input or input_ids is checked).
 INPUTS: tuple[tuple[str, str, list[int]], ...] = (
@@ -63,6 +64,10 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("pad_id", "TYPE_INT32", [1]),  # accepted: nothing is padded
     ("return_context_logits", "TYPE_BOOL", [1]),  # false only
     ("return_generation_logits", "TYPE_BOOL", [1]),  # false only
+    # TensorRT-LLM's structured output: the type (json, json_schema, regex, ebnf_grammar;
+    # Quanta adds choice, a JSON array of strings) and the guide (empty for json).
+    ("guided_decoding_guide_type", "TYPE_STRING", [1]),
+    ("guided_decoding_guide", "TYPE_STRING", [1]),
     # Quanta: true makes this a control request of its own (no other input): the engine
     # forgets every cached prefix, and the answer is one empty final response.
     ("reset_prefix_cache", "TYPE_BOOL", [1]),
@@ -188,6 +193,9 @@ def parse_request(
         sampling["stop"] = tuple(values["stop_words"])
     if "end_id" in values:
         sampling["stop_token_ids"] = (values["end_id"],)
+    guided = _structured_output(values)
+    if guided is not None:
+        sampling["structured_output"] = guided
     metadata = {name: values[name] for name in _METADATA_INPUTS if name in values}
     return ParsedRequest(
         prompt=prompt,
@@ -261,6 +269,43 @@ def _refuse_unknown_fields(parameters: str | None) -> None:
     raise InvalidRequestError(
         f"unknown input {', '.join(hints)}; this model's inputs are {', '.join(names)}"
     )
+
+
+# TensorRT-LLM's guide types -> ``StructuredOutput`` kinds (``choice`` is Quanta's own).
+GUIDE_TYPES = {
+    "json": "json_object",
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf_grammar": "grammar",
+    "choice": "choice",
+}
+
+
+def _structured_output(values: dict[str, Any]) -> StructuredOutput | None:
+    kind = values.get("guided_decoding_guide_type")
+    guide = values.get("guided_decoding_guide")
+    if kind is None:
+        if guide is not None:
+            raise InvalidRequestError(
+                "input 'guided_decoding_guide' needs 'guided_decoding_guide_type'"
+            )
+        return None
+    if kind not in GUIDE_TYPES:
+        raise InvalidRequestError(
+            f"input 'guided_decoding_guide_type' must be one of {', '.join(GUIDE_TYPES)}, "
+            f"got {kind!r}"
+        )
+    if kind != "json" and not guide:
+        raise InvalidRequestError(
+            f"guided_decoding_guide_type {kind} needs a guided_decoding_guide"
+        )
+    try:
+        return StructuredOutput.from_guide(GUIDE_TYPES[kind], guide or "")
+    except ValidationError as exc:
+        detail = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise InvalidRequestError(f"input 'guided_decoding_guide': {detail}") from None
+    except ValueError as exc:
+        raise InvalidRequestError(f"input 'guided_decoding_guide': {exc}") from None
 
 
 def _prompt(values: dict[str, Any]) -> str | list[int]:
