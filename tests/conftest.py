@@ -35,6 +35,7 @@ from quanta.core.clock import VirtualClock
 from quanta.core.config import SchedulerConfig
 from quanta.core.loop import EngineLoop
 from quanta.core.request import Request, RequestStatus, SamplingParams
+from quanta.core.speculative import SpeculativeConfig
 from quanta.policies import make_policy
 
 # Property tests draw the same examples on every run (a CI run checks what the author ran,
@@ -62,9 +63,13 @@ class LoopFactory:
         fail_on: set[str] | None = None,
         prefix_caching: bool = False,
         policy_options: dict[str, object] | None = None,
+        speculative: SpeculativeConfig | None = None,
+        vocab: int = 50,
         **sched: object,
     ) -> EngineLoop:
-        runner = HashRunner(device, host, block_size, fail_on=fail_on, keep_sources=prefix_caching)
+        runner = HashRunner(
+            device, host, block_size, vocab=vocab, fail_on=fail_on, keep_sources=prefix_caching
+        )
         loop = EngineLoop(
             runner=runner,
             policy=make_policy(policy, SchedulerConfig(**sched), **(policy_options or {})),  # type: ignore[arg-type]
@@ -72,6 +77,7 @@ class LoopFactory:
             clock=VirtualClock(),
             max_model_len=max_model_len,
             decode=decode,
+            speculative=speculative,
         )
         self.loops.append(loop)
         return loop

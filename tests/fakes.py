@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
+from quanta.core.output import RunnerCapabilities, RunnerOutput, ScheduledSeq, SchedulerOutput
 from quanta.core.safepoint import StepAborted
 
 
@@ -50,27 +50,47 @@ class HashRunner:
             if not self.keep_sources:
                 self.host[h] = [-1] * self.block_size
         sampled: list[int | None] = []
+        accepted: list[int] = []
         for s in so.seqs:
             for i, tok in enumerate(s.token_ids):
                 pos = s.start_pos + i
                 self.device[s.block_table[pos // self.block_size]][pos % self.block_size] = tok
             if not s.sample:
                 sampled.append(None)
+                accepted.append(0)
                 continue
             ctx = [
                 self.device[s.block_table[p // self.block_size]][p % self.block_size]
                 for p in range(s.context_len)
             ]
             assert -1 not in ctx, f"{s.request_id} read an unwritten slot"
-            digest = hashlib.sha256(repr((ctx, s.seed if s.temperature else 0)).encode())
-            sampled.append(int.from_bytes(digest.digest()[:4], "little") % self.vocab)
+            # NOTE: drafts verify as a model would: row i's token is what the context up to
+            # it hashes to, and drafts count while they equal it
+            k = s.num_draft_tokens
+            drafts = s.token_ids[len(s.token_ids) - k :] if k else ()
+            n = 0
+            token = self._next(ctx[: s.context_len - k], s)
+            while n < k and drafts[n] == token:
+                n += 1
+                token = self._next(ctx[: s.context_len - k + n], s)
+            accepted.append(n)
+            sampled.append(token)
         if so.abort is not None and so.abort.is_set():
             # NOTE: after the step's slots were written, as a real layer loop stopped half-way
             # leaves them: a later step must overwrite them, and no checkpoint copy is made
             raise StepAborted(layer=1)
         for d, h in so.checkpoint:
             self.host[h] = list(self.device[d])
-        return RunnerOutput(tuple(s.request_id for s in so.seqs), tuple(sampled))
+        return RunnerOutput(
+            tuple(s.request_id for s in so.seqs),
+            tuple(sampled),
+            num_accepted=tuple(accepted) if any(accepted) else (),
+        )
+
+    def _next(self, ctx: list[int], s: ScheduledSeq) -> int:
+        """The token that follows ``ctx``: a hash of everything read."""
+        digest = hashlib.sha256(repr((ctx, s.seed if s.temperature else 0)).encode())
+        return int.from_bytes(digest.digest()[:4], "little") % self.vocab
 
 
 class SafepointHashRunner(HashRunner):

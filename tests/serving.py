@@ -241,6 +241,13 @@ def shared_models(checkpoint: Path) -> dict[str, dict[str, str]]:
             "max_num_seqs": "64",
             "metrics_interval_ms": "50",
         },
+        # speculative decoding by prompt lookup: outputs must equal the plain model's
+        "quanta-spec": served
+        | {
+            "speculative_config": '{"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+            "metrics_interval_ms": "50",
+        },
     }
 
 

@@ -523,6 +523,35 @@ def test_a_shared_prefix_is_served_from_the_cache_until_a_reset(server, llm):
     assert run(server, "grpc", first, params)[1][-1]["num_cached_tokens"] == 0
 
 
+# -- speculative decoding ----------------------------------------------------------------------
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_speculative_decoding_answers_as_plain_decoding(server, llm, params):
+    """The ``quanta-spec`` variant verifies prompt-lookup drafts (``--speculative-config``):
+    streamed over gRPC and HTTP, its tokens are the offline API's plain decoding, and
+    /metrics counts drafts and acceptances."""
+    prompts = ["one two three one two three one two", "Hello, Quanta", "a b a b a b a"]
+    names = [
+        "quanta_spec_decode_num_drafts_total",
+        "quanta_spec_decode_num_draft_tokens_total",
+        "quanta_spec_decode_num_accepted_tokens_total",
+    ]
+    before = server.scrape("quanta-spec")
+    expected = [r.token_ids for r in llm.generate(prompts, params)]
+    for prompt, want in zip(prompts, expected, strict=True):
+        inputs = request_inputs(prompt, params, stream=True)
+        grpc = list(grpc_events(server.grpc_url, "quanta-spec", inputs, timeout=60))
+        http = list(http_events(server.http_url, "quanta-spec", inputs, stream=True, timeout=60))
+        for events in (grpc, http):
+            assert [t for e in events for t in output_ids(e)] == want, prompt
+    after = wait_for(
+        lambda: (
+            (s := server.scrape("quanta-spec")).get(names[2], 0) > before.get(names[2], 0) and s
+        ),
+        what="accepted drafts on /metrics",
+    )
+    assert after[names[1]] >= after[names[2]] and after[names[0]] > before.get(names[0], 0)
+
+
 # -- Locust ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_headless_locust_run_has_no_failures(server, tmp_path):

@@ -540,7 +540,9 @@ def test_failed_engine_step_reaches_its_client_as_internal_and_the_loop_goes_on(
     assert flags == 1 and len(response["output_ids"]) == 4
 
 
-_PARAM = re.compile(r'^(#\s*)?parameters: \{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}')
+_PARAM = re.compile(
+    r'^(#\s*)?parameters: \{ key: "(\w+)", value: \{ string_value: "((?:[^"\\]|\\.)*)" \} \}'
+)
 
 
 def test_template_documents_every_parameter_and_parses(tmp_path):

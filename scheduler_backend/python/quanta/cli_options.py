@@ -30,6 +30,25 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
+    """``--speculative-config`` as vLLM takes it (JSON), checked here so a typo is a usage
+    error naming the field rather than a model that fails to load."""
+    if text is None:
+        return None
+    from pydantic import ValidationError
+
+    from quanta.core.speculative import SpeculativeConfig
+
+    try:
+        config = SpeculativeConfig.model_validate_json(text)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise typer.BadParameter(problems, param_hint="--speculative-config") from None
+    return config.model_dump(exclude_none=True)
+
+
 def _choices(name: str, literal: Any) -> type[StrEnum]:
     """A Typer choice type with exactly the values of a config ``Literal``."""
     return StrEnum(name, {value: value for value in get_args(literal)})  # type: ignore[return-value]
@@ -50,6 +69,17 @@ PrefixCachingOpt = Annotated[bool, typer.Option(_PREFIX_CACHING, help=_PREFIX_CA
 PrefixCachingOverrideOpt = Annotated[
     bool | None,
     typer.Option(_PREFIX_CACHING, help=f"{_PREFIX_CACHING_HELP}; default: on", show_default=False),
+]
+
+# vLLM's speculative decoding flag: a JSON object (``core/speculative.SpeculativeConfig``).
+SpeculativeConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        help='speculative decoding as JSON, vLLM\'s spelling: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(prompt lookup; default: off)",
+        show_default=False,
+    ),
 ]
 
 # Apt-Serve's SLO attainment (``quanta.slo``): the TBT limit and the named presets.

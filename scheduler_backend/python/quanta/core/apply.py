@@ -91,7 +91,7 @@ class DecisionApplier:
             checkpoint: list[tuple[int, int]] = []
             for rid in d.checkpoint:
                 r = live[rid]
-                pairs = bm.checkpoint(rid, r.num_computed_tokens + ran.get(rid, 0))
+                pairs = bm.checkpoint(rid, r.num_computed_tokens + r.real_tokens(ran.get(rid, 0)))
                 assert pairs is not None
                 checkpoint.extend(pairs)
         finally:
@@ -118,6 +118,7 @@ class DecisionApplier:
     def _preempt(self, r: Request, mode: PreemptMode) -> list[tuple[int, int]]:
         """Preempt ``r``; the (device, host) copies a swap-out makes."""
         r.num_preemptions += 1
+        r.draft_token_ids = ()
         if mode is PreemptMode.SWAP:
             pairs = self.blocks.swap_out(r.request_id, r.num_computed_tokens)
             assert pairs is not None  # NOTE: validated above
@@ -141,10 +142,14 @@ class DecisionApplier:
         if r.first_scheduled_time is None:
             r.first_scheduled_time = now
         p = r.params
-        sample = start + n == r.num_tokens
+        sample = start + n >= r.num_tokens
+        drafts = start + n - r.num_tokens if sample else 0  # the optional tail: proposals
+        tokens = r.all_token_ids[start : start + n]
+        if drafts:
+            tokens = tokens + list(r.draft_token_ids[:drafts])
         return ScheduledSeq(
             request_id=r.request_id,
-            token_ids=tuple(r.all_token_ids[start : start + n]),
+            token_ids=tuple(tokens),
             start_pos=start,
             block_table=self.blocks.block_table(r.request_id),
             sample=sample,
@@ -156,6 +161,7 @@ class DecisionApplier:
             processing=_processing(r) if sample else None,
             prompt_logprobs=_prompt_logprobs(r, start, n),
             hidden=kind is CacheKind.HIDDEN,
+            num_draft_tokens=drafts,
         )
 
 

@@ -339,6 +339,19 @@ class BlockManager:
         self._kinds[request_id] = kind
         return new
 
+    def trim_slots(self, request_id: str, num_tokens: int) -> int:
+        """Return the device blocks past what ``num_tokens`` tokens need (the slots of drafts
+        a verification rejected); how many. Named blocks are never past them."""
+        tier, table = self._tables.get(request_id, (Tier.HOST, []))
+        if tier is not Tier.DEVICE:
+            return 0
+        keep = self.blocks_for(num_tokens, self._kinds[request_id])
+        spare = table[keep:]
+        if spare:
+            del table[keep:]
+            self.pools[Tier.DEVICE].release(spare[::-1])
+        return len(spare)
+
     def swap_out(
         self, request_id: str, num_tokens: int | None = None
     ) -> list[tuple[int, int]] | None:

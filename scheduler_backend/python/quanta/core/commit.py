@@ -29,6 +29,11 @@ class Committer:
         self._sinks: dict[str, Sink] = {}
         self._detok: dict[str, Detokenizer] = {}
         self.num_generated_tokens = 0
+        # Speculative decoding (vLLM's spec_decode counters): seqs that verified drafts, the
+        # drafts they verified, and those the runner accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def track(self, r: Request, sink: Sink) -> None:
         self._sinks[r.request_id] = sink
@@ -47,47 +52,77 @@ class Committer:
         done: list[Request] = []
         logprobs = out.logprobs or (None,) * len(sched.seqs)
         prompt_logprobs = out.prompt_logprobs or ((),) * len(sched.seqs)
-        for seq, token, lp, plp in zip(
-            sched.seqs, out.sampled_token_ids, logprobs, prompt_logprobs, strict=True
+        accepted = out.num_accepted or (0,) * len(sched.seqs)
+        for seq, token, lp, plp, num_accepted in zip(
+            sched.seqs, out.sampled_token_ids, logprobs, prompt_logprobs, accepted, strict=True
         ):
             r = live[seq.request_id]
-            r.num_computed_tokens += seq.num_new_tokens
-            if self.blocks.prefix_caching and not seq.hidden:
-                full = r.num_computed_tokens // self.blocks.block_size
-                self.blocks.name_blocks(
-                    r.request_id, block_hashes(r, self.blocks.block_size, full)[:full]
+            drafts = r.draft_token_ids[: seq.num_draft_tokens]
+            r.draft_token_ids = ()
+            if not 0 <= num_accepted <= len(drafts):
+                raise RuntimeError(
+                    f"{r.request_id}: {num_accepted} of {len(drafts)} drafts accepted"
                 )
+            # NOTE: the K/V of rejected drafts lies past the computed tokens: written over
+            # next step, never named, and its spare blocks go back below
+            r.num_computed_tokens += seq.num_new_tokens - len(drafts) + num_accepted
+            if not seq.hidden:
+                self._name_blocks(r)
             r.attained_service += step_time
             if seq.prompt_logprobs is not None:
                 _record_prompt_logprobs(r, seq.prompt_logprobs.first, plp)
             if token is None:
                 continue
-            r.append_token(token, now)
-            new_logprobs = () if lp is None else (lp,)
-            if lp is not None:
-                r.cumulative_logprob += lp.logprob
-            self.num_generated_tokens += 1
-            status = self._stop_status(r, token)
-            if status is None and r.constraint is not None:
-                if not r.constraint.accept(token):
-                    self.finish_with_error(r, _forbidden(r, token))
+            if drafts:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += num_accepted
+            for i, t in enumerate((*drafts[:num_accepted], token)):
+                if self._append(r, t, lp if i == num_accepted else None, now):
                     done.append(r)
-                    continue
-                if r.constraint.terminated:  # the grammar's stop token, under ignore_eos
-                    status = RequestStatus.FINISHED_STOPPED
-            text, hit_stop = self._text(r, final=status is not None)
-            if hit_stop:
-                status = RequestStatus.FINISHED_STOPPED
-            prompt = _prompt_extras(r)
-            if status is None:
-                self._emit(
-                    r,
-                    RequestOutput(r.request_id, (token,), text, logprobs=new_logprobs, **prompt),
-                )
+                    break
             else:
-                self._finish(r, status, (token,), text, logprobs=new_logprobs, **prompt)
-                done.append(r)
+                if drafts:
+                    self.blocks.trim_slots(r.request_id, r.num_tokens)
+                if num_accepted and not seq.hidden:
+                    # NOTE: the accepted drafts' tokens are in the request only now; a request
+                    # that finished on them leaves those blocks unnamed (they are its last)
+                    self._name_blocks(r)
         return done
+
+    def _name_blocks(self, r: Request) -> None:
+        """Name the full blocks of ``r``'s computed tokens for the prefix cache."""
+        if self.blocks.prefix_caching:
+            full = r.num_computed_tokens // self.blocks.block_size
+            self.blocks.name_blocks(
+                r.request_id, block_hashes(r, self.blocks.block_size, full)[:full]
+            )
+
+    def _append(self, r: Request, token: int, lp: TokenLogprob | None, now: float) -> bool:
+        """Append one sampled (or accepted) token and stream it; True when ``r`` finished."""
+        r.append_token(token, now)
+        new_logprobs = () if lp is None else (lp,)
+        if lp is not None:
+            r.cumulative_logprob += lp.logprob
+        self.num_generated_tokens += 1
+        status = self._stop_status(r, token)
+        if status is None and r.constraint is not None:
+            if not r.constraint.accept(token):
+                self.finish_with_error(r, _forbidden(r, token))
+                return True
+            if r.constraint.terminated:  # the grammar's stop token, under ignore_eos
+                status = RequestStatus.FINISHED_STOPPED
+        text, hit_stop = self._text(r, final=status is not None)
+        if hit_stop:
+            status = RequestStatus.FINISHED_STOPPED
+        prompt = _prompt_extras(r)
+        if status is None:
+            self._emit(
+                r, RequestOutput(r.request_id, (token,), text, logprobs=new_logprobs, **prompt)
+            )
+            return False
+        self._finish(r, status, (token,), text, logprobs=new_logprobs, **prompt)
+        return True
 
     def finish_with_error(self, r: Request, error: QuantaError) -> None:
         """End a request early (cancel, throttle, failed step) with a final error delta."""

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from quanta.core.speculative import SpeculativeConfig
+
 GiB = 1 << 30
 
 # How the engine runs its projections and its decode attention (see quanta.runner.linear and
@@ -79,6 +81,8 @@ class EngineConfig(BaseModel):
     # Share the K/V of full blocks of identical prefixes between requests (vLLM's automatic
     # prefix caching, on by default there too); off: every prompt is computed from token 0.
     enable_prefix_caching: bool = True
+    # Speculative decoding (vLLM's ``--speculative-config``): None decodes one token a step.
+    speculative_config: SpeculativeConfig | None = None
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 

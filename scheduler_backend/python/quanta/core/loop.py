@@ -31,6 +31,7 @@ from quanta.core.policy import Policy, check_capabilities
 from quanta.core.prefix import block_hashes
 from quanta.core.request import CacheKind, Request, RequestStatus, validate_prompt
 from quanta.core.safepoint import AbortRule, AbortSignal, StepAborted
+from quanta.core.speculative import Proposer, SpeculativeConfig
 from quanta.core.stream import RequestStream, Sink
 from quanta.core.view import SchedulerView
 
@@ -62,6 +63,10 @@ class LoopStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
     device_cached_blocks: int = 0  # named blocks: the prefix cache's content per tier
     host_cached_blocks: int = 0
+    # speculative decoding: steps' seqs that verified drafts, their drafts, those accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineLoop:
@@ -76,11 +81,13 @@ class EngineLoop:
         clock: Clock,
         max_model_len: int,
         decode: Decode | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         check_capabilities(policy, runner.capabilities, type(runner).__name__)
         self.runner, self.policy, self.blocks, self.clock = runner, policy, blocks, clock
         self.max_model_len = max_model_len
         self._applier = DecisionApplier(blocks)
+        self._proposer = None if speculative is None else Proposer(speculative, max_model_len)
         self._committer = Committer(clock, blocks, decode)
         self._pool = PoolView(blocks)
         self._live: dict[str, Request] = {}  # NOTE: insertion order is arrival order
@@ -178,6 +185,8 @@ class EngineLoop:
             view = self._view(now)
             self.blocks.forget_lookups()
             self._look_up_prefixes(view.waiting)
+            if self._proposer is not None:
+                self._proposer.propose(self._live.values(), len(view.running))
             decision = self.policy.schedule(view)
             self._count_preemptions(decision)
             sched = self._applier.apply(decision, self._live, now)
@@ -383,4 +392,7 @@ class EngineLoop:
             prefix_cache_hits=self._applier.prefix_hits,
             device_cached_blocks=self.blocks.num_cached(Tier.DEVICE),
             host_cached_blocks=self.blocks.num_cached(Tier.HOST),
+            spec_num_drafts=self._committer.num_drafts,
+            spec_num_draft_tokens=self._committer.num_draft_tokens,
+            spec_num_accepted_tokens=self._committer.num_accepted_tokens,
         )

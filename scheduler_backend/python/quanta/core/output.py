@@ -54,7 +54,8 @@ class PromptLogprobsAsk:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
-    """One request's share of a step: a prefill chunk or a single decode token."""
+    """One request's share of a step: a prefill chunk, a single decode token, or a decode
+    token with drafts to verify."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -71,6 +72,9 @@ class ScheduledSeq:
     # The block table holds hidden states (``HIDDEN_TOKENS_PER_BLOCK`` x block_size tokens a
     # block), from which the runner recomputes this sequence's K and V every step.
     hidden: bool = False
+    # Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are proposals to
+    # verify (only with ``sample``); the runner reports how many it accepts.
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -107,7 +111,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
-    """Sampled tokens in the order of ``SchedulerOutput.seqs``; None where nothing was sampled."""
+    """Sampled tokens in the order of ``SchedulerOutput.seqs``; None where nothing was sampled.
+    A seq that verified drafts yields its accepted drafts, then the sampled token."""
 
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int | None, ...]
@@ -115,6 +120,9 @@ class RunnerOutput:
     logprobs: tuple[TokenLogprob | None, ...] = ()  # per seq, where asked for (else empty)
     # per seq, one per row its ``prompt_logprobs`` asked for (else empty)
     prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # per seq, the leading drafts accepted (else empty: none had drafts); its sampled token
+    # follows them, so a seq yields ``accepted + 1`` tokens
+    num_accepted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

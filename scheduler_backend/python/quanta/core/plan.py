@@ -351,7 +351,7 @@ class StepPlan:
         rid = req.request_id
         if not (self.is_resident(req) or rid in self.chosen) or rid in self.checkpoint:
             raise PolicyError(f"checkpoint of {rid}: not resident, or repeated")
-        upto = req.num_context_tokens + self._ran.get(rid, 0)
+        upto = req.num_context_tokens + req.real_tokens(self._ran.get(rid, 0))
         if upto == 0:
             raise PolicyError(f"checkpoint of {rid}, which has no KV yet")
         kind = self.cache_kind(req) or (CacheKind.HIDDEN if rid in self.hidden else CacheKind.KV)

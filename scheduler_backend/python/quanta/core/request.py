@@ -214,6 +214,10 @@ class Request:
     # Grammar state of a structured-output request, compiled by the frontend from
     # ``params.structured_output``; advanced only by committed tokens.
     constraint: TokenConstraint | None = field(default=None, repr=False)
+    # Speculative decoding: tokens proposed to follow ``all_token_ids``, set before each
+    # schedule (``core/speculative.py``) and verified by the step that runs them; never part
+    # of the output until the runner accepts them.
+    draft_token_ids: tuple[int, ...] = ()
 
     # Timestamps in the loop clock's seconds; None until the event happens.
     first_scheduled_time: float | None = None
@@ -247,8 +251,28 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens left to compute: neither computed nor found in the prefix cache."""
-        return self.num_tokens - self.num_computed_tokens - self.num_cached_tokens
+        """Tokens left to compute: neither computed nor found in the prefix cache, drafts to
+        verify included (a step may run fewer of those: the rest is optional)."""
+        return (
+            self.num_tokens
+            + len(self.draft_token_ids)
+            - self.num_computed_tokens
+            - self.num_cached_tokens
+        )
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    def real_tokens(self, n: int) -> int:
+        """Of ``n`` tokens a step computes for this request, those that are not drafts: the
+        ones whose K/V is valid whatever the verification decides."""
+        return min(n, self.num_tokens - self.num_context_tokens)
+
+    @property
+    def decoding(self) -> bool:
+        """Only the newest token lacks KV: the next step samples (drafts aside)."""
+        return self.num_tokens - self.num_computed_tokens == 1
 
     @property
     def num_context_tokens(self) -> int:

@@ -68,6 +68,11 @@ class Engine:
             "device_blocks": str(self.runner.num_device_blocks),
             "host_blocks": str(self.runner.num_host_blocks),
             "prefix_caching": str(c.enable_prefix_caching).lower(),
+            "speculative_config": (
+                "none"
+                if c.speculative_config is None
+                else c.speculative_config.model_dump_json(exclude_none=True)
+            ),
         }
 
     def make_request(
@@ -195,6 +200,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         clock=clock,
         max_model_len=max_model_len,
         decode=tokenizer.decode,
+        speculative=config.speculative_config,
     )
     grammars = Grammars(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
     return Engine(config, model_config, tokenizer, runner, loop, clock, grammars)

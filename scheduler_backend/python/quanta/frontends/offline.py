@@ -14,6 +14,7 @@ from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quanta.core.errors import QuantaError
 from quanta.core.output import TokenLogprob
 from quanta.core.request import RequestMetadata, SamplingParams
+from quanta.core.speculative import SpeculativeConfig
 from quanta.core.stream import RequestMetrics, RequestStream
 from quanta.frontends.engine import Engine, build_engine
 
@@ -47,6 +48,7 @@ class LLM:
         cache: CacheConfig | dict[str, Any] | None = None,
         scheduler: SchedulerConfig | dict[str, Any] | None = None,
         enable_prefix_caching: bool = True,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -57,6 +59,11 @@ class LLM:
             cache=cache or CacheConfig(),
             scheduler=scheduler or SchedulerConfig(),
             enable_prefix_caching=enable_prefix_caching,
+            speculative_config=(
+                SpeculativeConfig.model_validate(speculative_config)
+                if isinstance(speculative_config, dict)
+                else speculative_config
+            ),
         )
         self.engine: Engine = build_engine(config)
 

@@ -109,7 +109,7 @@ class ClassLanes(Lanes):
         decodes = [
             r.num_computed_tokens
             for r in online
-            if r.status is RequestStatus.RUNNING and r.num_uncomputed_tokens == 1
+            if r.status is RequestStatus.RUNNING and r.decoding
         ]
         budget = slo_token_budget(
             self.cost,

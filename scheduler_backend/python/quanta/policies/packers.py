@@ -26,11 +26,12 @@ from quanta.policies.stages import Lane, Packer, Placement, Ranking
 
 
 def chunk(req: Request, budget: int, chunked: bool) -> int:
-    """A decode token, or the next prefill chunk (all of it when chunking is off)."""
+    """A decode token (with as many of its drafts as fit), or the next prefill chunk (all of
+    it when chunking is off)."""
     n = req.num_uncomputed_tokens
     if n <= budget:
         return n
-    return budget if chunked else 0
+    return budget if chunked or n - req.num_draft_tokens <= budget else 0
 
 
 def tokens_left(lane: Lane, plan: StepPlan) -> int:

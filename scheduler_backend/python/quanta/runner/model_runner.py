@@ -40,6 +40,7 @@ from quanta.runner.models.loader import load_weights
 from quanta.runner.models.safepoints import Safepoints
 from quanta.runner.quantized import quantized_kernels
 from quanta.runner.sampler import sample
+from quanta.runner.speculative import verify
 from quanta.structured.masks import GrammarMasks, PendingMasks
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -193,6 +194,7 @@ class ModelRunner:
             sampled: list[int | None] = [None] * len(seqs)
             logprobs: list[TokenLogprob | None] = [None] * len(seqs)
             prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
+            accepted = [0] * len(seqs)
             if batch is not None:
                 masks = self.grammar_masks.start(seqs)  # filled while the model runs
                 safepoints = None if so.abort is None else self.safepoints_for(so.abort, started)
@@ -203,7 +205,7 @@ class ModelRunner:
                     if seq.prompt_logprobs is not None:
                         first_row = batch.last_rows[i] - seq.num_new_tokens + 1
                         prompt_logprobs[i] = self._prompt_logprobs(hidden, first_row, seq)
-                self._sample(hidden, batch, seqs, sampled, logprobs, masks)
+                self._sample(hidden, batch, seqs, sampled, logprobs, accepted, masks)
             # NOTE: synchronous, like every copy here: on CPU both tiers are RAM, and on CUDA
             # a blocking ``.to`` the host waits for the copy. Overlapping checkpoints with the
             # next step on a side stream (ConServe's background copies) waits for a GPU
@@ -215,6 +217,7 @@ class ModelRunner:
             step_time=time.perf_counter() - started,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else (),
+            num_accepted=tuple(accepted) if any(s.num_draft_tokens for s in seqs) else (),
         )
 
     def safepoints_for(self, signal: AbortSignal, started: float) -> Safepoints:
@@ -237,17 +240,27 @@ class ModelRunner:
         seqs: Sequence[ScheduledSeq],
         sampled: list[int | None],
         logprobs: list[TokenLogprob | None],
+        accepted: list[int],
         masks: PendingMasks | None = None,
     ) -> None:
-        """Fill ``sampled`` (and ``logprobs`` where asked) for the seqs that sample; the
-        grammar masks go first, so log-probabilities are those of the allowed tokens (as
-        vLLM reports them under guided decoding)."""
+        """Fill ``sampled`` (and ``logprobs`` where asked) for the seqs that sample, and
+        ``accepted`` for those that verify drafts (``runner/speculative.py``); the grammar
+        masks go first, so log-probabilities are those of the allowed tokens (as vLLM reports
+        them under guided decoding)."""
         chosen = [i for i, seq in enumerate(seqs) if seq.sample]
         if not chosen:
             return
         rows_at = [batch.last_rows[i] for i in chosen]
-        index = torch.tensor(rows_at, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        # Speculative seqs: the rows before the last one predict their drafts.
+        drafted = [i for i in chosen if seqs[i].num_draft_tokens]
+        draft_rows = [
+            r
+            for i in drafted
+            for r in range(batch.last_rows[i] - seqs[i].num_draft_tokens, batch.last_rows[i])
+        ]
+        index = torch.tensor(rows_at + draft_rows, dtype=torch.long, device=self.device)
+        all_logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = all_logits[: len(chosen)]
         rows = [seqs[i] for i in chosen]
         # NOTE: the sampler casts what it picks from; processing and log-probabilities need
         # fp32 for every row, so they get it here.
@@ -256,7 +269,23 @@ class ModelRunner:
         if masks is not None:
             self.grammar_masks.apply(logits, masks)
         raw = process_logits(logits, rows)
-        tokens = sample(logits, rows)
+        plain = [j for j, i in enumerate(chosen) if not seqs[i].num_draft_tokens]
+        if len(plain) == len(chosen):
+            tokens = sample(logits, rows)
+        else:
+            tokens = [0] * len(chosen)
+            if plain:
+                picked = logits.index_select(0, torch.tensor(plain, device=logits.device))
+                for j, token in zip(plain, sample(picked, [rows[j] for j in plain]), strict=True):
+                    tokens[j] = token
+            first = len(chosen)
+            for j, i in enumerate(chosen):
+                k = seqs[i].num_draft_tokens
+                if not k:
+                    continue
+                rows_k = torch.cat((all_logits[first : first + k], logits[j : j + 1]))
+                accepted[i], tokens[j] = verify(rows_k, seqs[i].token_ids[-k:], rows[j])
+                first += k
         for i, token in zip(chosen, tokens, strict=True):
             sampled[i] = token
         for j, lp in raw.items():

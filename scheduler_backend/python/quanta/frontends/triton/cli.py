@@ -19,7 +19,9 @@ from quanta.cli_options import (
     LinearKernelOpt,
     PolicyOpt,
     PrefixCachingOverrideOpt,
+    SpeculativeConfigOpt,
     parse_options,
+    parse_speculative_config,
 )
 
 
@@ -119,6 +121,7 @@ def serve(
     ] = None,
     block_size: Annotated[int | None, typer.Option(min=1, help="tokens per KV block")] = None,
     enable_prefix_caching: PrefixCachingOverrideOpt = None,
+    speculative_config: SpeculativeConfigOpt = None,
     kv_cache_memory: Annotated[
         str | None, typer.Option(help="device KV tier, e.g. 4GiB (default: the engine's)")
     ] = None,
@@ -174,6 +177,7 @@ def serve(
             max_seq_len=max_seq_len,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
+            speculative_config=parse_speculative_config(speculative_config),
             kv_cache_memory=kv_cache_memory,
             host_cache_memory=host_cache_memory,
             torch_threads=torch_threads,

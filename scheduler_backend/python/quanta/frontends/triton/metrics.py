@@ -117,6 +117,22 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         "Blocks holding a cached prefix, by tier (device, host): in use or free to evict.",
         None,
     ),
+    "quanta_spec_decode_num_drafts_total": (
+        "COUNTER",
+        "Speculative decoding: request steps that verified drafts (prompt lookup).",
+        None,
+    ),
+    "quanta_spec_decode_num_draft_tokens_total": (
+        "COUNTER",
+        "Draft tokens verified.",
+        None,
+    ),
+    "quanta_spec_decode_num_accepted_tokens_total": (
+        "COUNTER",
+        "Of those, drafts the target model accepted (accepted / draft tokens: the acceptance "
+        "rate; each step also yields one token of its own).",
+        None,
+    ),
     "quanta_generation_tokens_total": (
         "COUNTER",
         "Generated tokens, by tenant and priority class.",
@@ -291,6 +307,15 @@ class MetricsReporter:
             ),
             ("quanta_prefix_cache_hits_total", ()): (
                 s.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
+            ),
+            ("quanta_spec_decode_num_drafts_total", ()): (
+                s.spec_num_drafts - (last.spec_num_drafts if last else 0)
+            ),
+            ("quanta_spec_decode_num_draft_tokens_total", ()): (
+                s.spec_num_draft_tokens - (last.spec_num_draft_tokens if last else 0)
+            ),
+            ("quanta_spec_decode_num_accepted_tokens_total", ()): (
+                s.spec_num_accepted_tokens - (last.spec_num_accepted_tokens if last else 0)
             ),
         }
         for (name, labels), delta in counters.items():

@@ -62,6 +62,7 @@ class _Parameters(BaseModel):
     safepoint_interval: int = 8
     max_seq_len: int | None = None
     enable_prefix_caching: bool = True
+    speculative_config: Json[dict[str, Any]] | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
     device_bytes: int | None = None
@@ -127,6 +128,7 @@ def parse_parameters(
             safepoint_interval=p.safepoint_interval,
             max_seq_len=p.max_seq_len,
             enable_prefix_caching=p.enable_prefix_caching,
+            speculative_config=p.speculative_config,
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**sched),
         )
