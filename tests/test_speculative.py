@@ -15,7 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from quanta.core.request import Request, RequestMetadata, RequestStatus, SamplingParams
-from quanta.core.speculative import Proposer, SpeculativeConfig, propose_ngram, speculates
+from quanta.core.speculative import (
+    Proposer,
+    SpeculativeConfig,
+    learn,
+    propose_ngram,
+    speculates,
+)
 from quanta.runner.sampler import sample_row
 from quanta.runner.speculative import verify
 
@@ -98,6 +104,34 @@ def test_only_plain_decodes_speculate_and_never_past_max_tokens() -> None:
     crowded = _decoding(SamplingParams(max_tokens=30), tokens)
     Proposer(SPEC.model_copy(update={"disable_by_batch_size": 2}), 64).propose([crowded], 3)
     assert crowded.draft_token_ids == ()
+
+
+def test_drafts_that_keep_failing_back_off_and_good_ones_grow() -> None:
+    r = _decoding(SamplingParams(max_tokens=100), [1, 2, 3, 1, 2, 3, 1, 2])
+    proposer = Proposer(SPEC, max_model_len=256)
+    skipped = []
+    for _ in range(4):  # every draft refused: sit out 1, 2, 4, 8 steps, then one draft
+        learn(r, 1, 0)
+        n = 0
+        while True:
+            proposer.propose([r], 1)
+            if r.draft_token_ids:
+                break
+            n += 1
+        skipped.append(n)
+        assert r.draft_token_ids == (3,)
+    assert skipped == [1, 2, 4, 8]
+    learn(r, 1, 1)  # accepted: one more each time, up to the configured four
+    proposer.propose([r], 1)
+    assert r.draft_token_ids == (3, 1)
+    learn(r, 2, 2)
+    learn(r, 3, 3)
+    learn(r, 4, 4)
+    proposer.propose([r], 1)
+    assert len(r.draft_token_ids) == 4
+    learn(r, 4, 1)  # partly accepted: one more than were
+    proposer.propose([r], 1)
+    assert len(r.draft_token_ids) == 2
 
 
 def _run(make_loop, policy: str, spec: SpeculativeConfig | None, **kwargs):

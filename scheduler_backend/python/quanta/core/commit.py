@@ -16,6 +16,7 @@ from quanta.core.errors import EngineStepError, QuantaError
 from quanta.core.output import RunnerOutput, SchedulerOutput, TokenLogprob
 from quanta.core.prefix import block_hashes
 from quanta.core.request import Request, RequestStatus
+from quanta.core.speculative import learn
 from quanta.core.stream import RequestMetrics, RequestOutput, Sink
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Committer:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += num_accepted
+                learn(r, len(drafts), num_accepted)
             for i, t in enumerate((*drafts[:num_accepted], token)):
                 if self._append(r, t, lp if i == num_accepted else None, now):
                     done.append(r)

@@ -218,6 +218,12 @@ class Request:
     # schedule (``core/speculative.py``) and verified by the step that runs them; never part
     # of the output until the runner accepts them.
     draft_token_ids: tuple[int, ...] = ()
+    # How the request's drafts have fared (``speculative.learn``): the most the next proposal
+    # may make (None: the configured number), steps to sit out after drafts that all failed,
+    # and the length of the latest sit-out (doubled on each failure in a row).
+    spec_window: int | None = None
+    spec_skip: int = 0
+    spec_backoff: int = 0
 
     # Timestamps in the loop clock's seconds; None until the event happens.
     first_scheduled_time: float | None = None

@@ -129,10 +129,15 @@ class Proposer:
             if not (enabled and speculates(r)):
                 r.draft_token_ids = ()
                 continue
+            if r.spec_skip:
+                r.spec_skip -= 1
+                r.draft_token_ids = ()
+                continue
             # NOTE: never past max_tokens or the model's length: the last draft's slot is the
             # request's last position, so the blocks a request may ever hold do not grow.
             room = min(
                 c.num_speculative_tokens,
+                c.num_speculative_tokens if r.spec_window is None else r.spec_window,
                 r.params.max_tokens - r.num_output_tokens - 1,
                 self.max_model_len - r.num_tokens - 1,
             )
@@ -140,4 +145,31 @@ class Proposer:
             r.draft_token_ids = drafts
 
 
-__all__ = ["Proposer", "SpeculativeConfig", "propose_ngram", "speculates"]
+def learn(r: Request, drafted: int, accepted: int) -> None:
+    """Adapt ``r``'s next proposals to how its drafts fared: after a partial acceptance,
+    propose one more than was accepted; after a full one, one more than this time (capped by
+    the configuration); after a total rejection, sit out 1, 2, 4 ... up to
+    ``MAX_BACKOFF_STEPS`` steps, then try a single draft. So a request whose text does not
+    repeat itself soon decodes plainly and pays for no verification it wastes, and one that
+    copies its input drafts at full length."""
+    if accepted == 0:
+        r.spec_backoff = min(2 * r.spec_backoff or 1, MAX_BACKOFF_STEPS)
+        r.spec_skip = r.spec_backoff
+        r.spec_window = 1
+        return
+    r.spec_backoff = 0
+    r.spec_window = accepted + 1
+
+
+# Longest run of steps a request sits out after its drafts failed again and again.
+MAX_BACKOFF_STEPS = 16
+
+
+__all__ = [
+    "MAX_BACKOFF_STEPS",
+    "Proposer",
+    "SpeculativeConfig",
+    "learn",
+    "propose_ngram",
+    "speculates",
+]

@@ -174,9 +174,19 @@ def _kv_metadata(
     prefills = [
         _prefill_chunk(o, seq.start_pos, len(seq.token_ids), table, device)
         for o, seq, table in entries
-        if len(seq.token_ids) > 1
+        if len(seq.token_ids) > 1 and not _verifies(seq)
     ]
-    decode_rows = [o for o, seq, _ in entries if len(seq.token_ids) == 1]
+    # NOTE: a verification's rows each decode over the context up to their own token, through
+    # the decode kernel, so each row's logits are rounded exactly as plain decoding's are.
+    decode_rows: list[int] = []
+    decode_seqs: list[int] = []
+    decode_lens: list[int] = []
+    for index, (o, seq, _) in enumerate(entries):
+        n = len(seq.token_ids)
+        if n == 1 or _verifies(seq):
+            decode_rows.extend(range(o, o + n))
+            decode_seqs.extend([index] * n)
+            decode_lens.extend(range(seq.start_pos + 1, seq.start_pos + n + 1))
     slot_table = _slot_table(tables, block_size)  # [S, max_blocks * block_size]
     lens = torch.tensor([s + n for s, n in zip(starts, counts, strict=True)], dtype=torch.long)
     start_t = torch.tensor(starts, dtype=torch.long)
@@ -184,9 +194,8 @@ def _kv_metadata(
     new = (positions[None, :] >= start_t[:, None]) & (positions[None, :] < lens[:, None])
     decode = None
     if decode_rows:
-        one = torch.tensor(counts, dtype=torch.long) == 1
-        ctx = slot_table[one]
-        ctx_lens = lens[one]
+        ctx = slot_table[torch.tensor(decode_seqs, dtype=torch.long)]
+        ctx_lens = torch.tensor(decode_lens, dtype=torch.long)
         owned = positions[None, :] < ctx_lens[:, None]
         decode = DecodeBatch(
             token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
@@ -201,6 +210,11 @@ def _kv_metadata(
         prefills=tuple(prefills),
         decode=decode,
     )
+
+
+def _verifies(seq: PagedSeq) -> bool:
+    """A decode token with drafts after it (``ScheduledSeq.num_draft_tokens``)."""
+    return getattr(seq, "num_draft_tokens", 0) > 0
 
 
 def _bounds(lens: torch.Tensor) -> torch.Tensor:

@@ -191,7 +191,7 @@ def serve(
         if model is not None:
             if model_repository is not None:
                 raise typer.BadParameter("give MODEL or --model-repository, not both")
-            model = _resolve_model(model, dtype)
+            model = resolve_model(model, dtype)
             try:
                 repo = write_entry(Path(tmp), served, model, flags)
             except EntryError as exc:
@@ -340,7 +340,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _resolve_model(model: Path, dtype: str | None) -> Path:
+def resolve_model(model: Path, dtype: str | None) -> Path:
     """A catalogue name or a ``.gguf`` file becomes its cached engine; a directory stays."""
     from quanta.build.cli import engine_from_gguf
     from quanta.build.fetch import CATALOGUE, FetchError, fetch_gguf
