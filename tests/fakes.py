@@ -51,6 +51,7 @@ class HashRunner:
                 self.host[h] = [-1] * self.block_size
         sampled: list[int | None] = []
         accepted: list[int] = []
+        proposals: dict[int, tuple[int, ...]] = {}
         for s in so.seqs:
             for i, tok in enumerate(s.token_ids):
                 pos = s.start_pos + i
@@ -75,6 +76,8 @@ class HashRunner:
                 token = self._next(ctx[: s.context_len - k + n], s)
             accepted.append(n)
             sampled.append(token)
+            if s.num_proposals:
+                proposals[len(sampled) - 1] = self._propose(ctx[: s.context_len - k + n], token, s)
         if so.abort is not None and so.abort.is_set():
             # NOTE: after the step's slots were written, as a real layer loop stopped half-way
             # leaves them: a later step must overwrite them, and no checkpoint copy is made
@@ -85,7 +88,25 @@ class HashRunner:
             tuple(s.request_id for s in so.seqs),
             tuple(sampled),
             num_accepted=tuple(accepted) if any(accepted) else (),
+            proposals=tuple(proposals.get(i, ()) for i in range(len(sampled))) if proposals else (),
         )
+
+    def _propose(self, ctx: list[int], token: int, s: ScheduledSeq) -> tuple[int, ...]:
+        """A draft model's proposals after ``token``: what the context will hash to, with
+        every proposal whose hash is odd off by one, so drafts are partly right. The slots a
+        draft model writes them through must be in the block table."""
+        position = len(ctx)  # the newest token's
+        assert len(s.block_table) * self.block_size >= position + s.num_proposals, (
+            f"{s.request_id}: no lookahead slots for {s.num_proposals} proposals"
+        )
+        ctx = [*ctx, token]
+        out: list[int] = []
+        for _ in range(s.num_proposals):
+            right = self._next(ctx, s)
+            guess = right if right % 2 == 0 or len(out) == 0 else (right + 1) % self.vocab
+            out.append(guess)
+            ctx.append(guess)
+        return tuple(out)
 
     def _next(self, ctx: list[int], s: ScheduledSeq) -> int:
         """The token that follows ``ctx``: a hash of everything read."""

@@ -70,8 +70,8 @@ def test_config_is_vllms_and_refuses_what_it_cannot_serve() -> None:
         '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
     )
     assert (config.num_speculative_tokens, config.prompt_lookup_max) == (5, 4)
-    with pytest.raises(ValidationError, match="not served yet"):
-        SpeculativeConfig.model_validate({"method": "draft_model", "model": "x"})
+    with pytest.raises(ValidationError, match="not served"):
+        SpeculativeConfig.model_validate({"method": "medusa"})
     with pytest.raises(ValidationError, match="must not exceed"):
         SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=2)
     with pytest.raises(ValidationError):
@@ -171,6 +171,34 @@ def test_outputs_equal_plain_decoding_under_every_policy(make_loop, policy, devi
     assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens  # and some were refused
     if device_blocks == 14:
         assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+
+
+DRAFT = SpeculativeConfig(method="draft_model", model="a draft", num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sj-mlfq", "conserve"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_draft_model_proposals_keep_outputs_and_return_their_slots(
+    make_loop, policy, prefix_caching
+):
+    """The fake runner proposes as a draft model would (partly right), through lookahead
+    slots it checks are reserved; tight pools preempt; tokens equal plain decoding's and
+    every block comes back (the fixture checks)."""
+    kwargs = {"device": 14, "host": 64, "block_size": 4, "max_model_len": 64}
+    kwargs["prefix_caching"] = prefix_caching
+    plain, _ = _run(make_loop, policy, None, **kwargs)
+    spec, stats = _run(make_loop, policy, DRAFT, **kwargs)
+    assert spec == plain
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_draft_model_config_follows_vllm() -> None:
+    config = SpeculativeConfig.model_validate({"model": "engines/d", "num_speculative_tokens": 2})
+    assert config.method == "draft_model"
+    with pytest.raises(ValidationError, match="takes the draft"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValidationError, match="not served"):
+        SpeculativeConfig.model_validate({"method": "eagle", "model": "x"})
 
 
 def test_prefix_caching_and_speculation_together(make_loop) -> None:
@@ -276,4 +304,31 @@ def test_real_engine_outputs_equal_plain_decoding(llama_tiny, params) -> None:
         assert stats.spec_num_accepted_tokens > 0
         assert spec.engine.loop.blocks.all_free()
         if cache["num_device_blocks"] == 8:
+            assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+
+
+@pytest.mark.engine
+def test_real_draft_model_keeps_the_targets_output(llama_tiny, tmp_path) -> None:
+    """A draft model on the PyTorch engine: the target itself (every greedy proposal right)
+    and another checkpoint of the same vocabulary (seed 1: mostly wrong), with swaps and
+    recomputes in a tight pool; the tokens are plain decoding's either way."""
+    from quanta import LLM
+    from quanta.build.checkpoint import ensure_checkpoint
+
+    other = ensure_checkpoint("llama-tiny", tmp_path / "draft", seed=1)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    want = [r.token_ids for r in LLM(str(llama_tiny), dtype="float32").generate(PROMPTS, params)]
+    for draft, cache in ((llama_tiny, 256), (llama_tiny, 10), (other, 10)):
+        llm = LLM(
+            str(llama_tiny),
+            dtype="float32",
+            cache={"num_device_blocks": cache, "block_size": 8},
+            speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+        )
+        assert [r.token_ids for r in llm.generate(PROMPTS, params)] == want, (draft, cache)
+        stats = llm.engine.loop.stats()
+        assert stats.spec_num_draft_tokens > 0 and llm.engine.loop.blocks.all_free()
+        if draft == llama_tiny:
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        if cache == 10:
             assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0

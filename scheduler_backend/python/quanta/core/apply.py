@@ -119,6 +119,7 @@ class DecisionApplier:
         """Preempt ``r``; the (device, host) copies a swap-out makes."""
         r.num_preemptions += 1
         r.draft_token_ids = ()
+        r.num_lookahead_tokens = 0
         if mode is PreemptMode.SWAP:
             pairs = self.blocks.swap_out(r.request_id, r.num_computed_tokens)
             assert pairs is not None  # NOTE: validated above
@@ -134,7 +135,7 @@ class DecisionApplier:
 
     def _schedule(self, r: Request, n: int, now: float, kind: CacheKind) -> ScheduledSeq:
         start = r.num_computed_tokens
-        new = self.blocks.allocate_slots(r.request_id, start + n, kind)
+        new = self.blocks.allocate_slots(r.request_id, start + r.slots_for(n), kind)
         assert new is not None
         r.num_cached_tokens = 0
         if r.status is RequestStatus.WAITING:
@@ -162,6 +163,7 @@ class DecisionApplier:
             prompt_logprobs=_prompt_logprobs(r, start, n),
             hidden=kind is CacheKind.HIDDEN,
             num_draft_tokens=drafts,
+            num_proposals=r.num_lookahead_tokens if sample else 0,
         )
 
 

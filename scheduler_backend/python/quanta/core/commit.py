@@ -54,8 +54,15 @@ class Committer:
         logprobs = out.logprobs or (None,) * len(sched.seqs)
         prompt_logprobs = out.prompt_logprobs or ((),) * len(sched.seqs)
         accepted = out.num_accepted or (0,) * len(sched.seqs)
-        for seq, token, lp, plp, num_accepted in zip(
-            sched.seqs, out.sampled_token_ids, logprobs, prompt_logprobs, accepted, strict=True
+        proposals = out.proposals or ((),) * len(sched.seqs)
+        for seq, token, lp, plp, num_accepted, proposed in zip(
+            sched.seqs,
+            out.sampled_token_ids,
+            logprobs,
+            prompt_logprobs,
+            accepted,
+            proposals,
+            strict=True,
         ):
             r = live[seq.request_id]
             drafts = r.draft_token_ids[: seq.num_draft_tokens]
@@ -84,8 +91,9 @@ class Committer:
                     done.append(r)
                     break
             else:
-                if drafts:
+                if drafts or seq.num_proposals:
                     self.blocks.trim_slots(r.request_id, r.num_tokens)
+                r.draft_token_ids = proposed  # the draft model's, verified next step
                 if num_accepted and not seq.hidden:
                     # NOTE: the accepted drafts' tokens are in the request only now; a request
                     # that finished on them leaves those blocks unnamed (they are its last)

@@ -75,6 +75,9 @@ class ScheduledSeq:
     # Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are proposals to
     # verify (only with ``sample``); the runner reports how many it accepts.
     num_draft_tokens: int = 0
+    # Draft-model speculation: tokens the draft model proposes after this step's output,
+    # through the lookahead slots the block table holds past ``token_ids`` (0: none).
+    num_proposals: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -123,6 +126,9 @@ class RunnerOutput:
     # per seq, the leading drafts accepted (else empty: none had drafts); its sampled token
     # follows them, so a seq yields ``accepted + 1`` tokens
     num_accepted: tuple[int, ...] = ()
+    # per seq, the draft model's proposals to follow its newest token (else empty): the
+    # drafts its next step verifies
+    proposals: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,7 +161,7 @@ class StepPlan:
         hit = self._start_hit(req, kind)
         if hit is not None:
             return self._hit_cost(hit, n)[0]
-        target = self.pool.blocks_for(req.num_computed_tokens + n, kind)
+        target = self.pool.blocks_for(req.num_computed_tokens + req.slots_for(n), kind)
         rid = req.request_id
         held = self._swapped_in.get(rid, self.held(req) if self.is_resident(req) else 0)
         return max(0, target - held)

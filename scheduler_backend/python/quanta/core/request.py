@@ -222,6 +222,10 @@ class Request:
     # may make (None: the configured number), steps to sit out after drafts that all failed,
     # and the length of the latest sit-out (doubled on each failure in a row).
     spec_window: int | None = None
+    # Draft-model speculation: slots past the step's tokens that the runner writes the draft
+    # model's proposals through (reserved with a run that reaches the newest token, returned
+    # at commit); 0 otherwise.
+    num_lookahead_tokens: int = 0
     spec_skip: int = 0
     spec_backoff: int = 0
 
@@ -269,6 +273,13 @@ class Request:
     @property
     def num_draft_tokens(self) -> int:
         return len(self.draft_token_ids)
+
+    def slots_for(self, n: int) -> int:
+        """Token slots a run of ``n`` tokens holds: the lookahead too when the run reaches
+        the newest token (the step samples and the draft model proposes after it)."""
+        if self.num_context_tokens + n >= self.num_tokens:
+            return n + self.num_lookahead_tokens
+        return n
 
     def real_tokens(self, n: int) -> int:
         """Of ``n`` tokens a step computes for this request, those that are not drafts: the

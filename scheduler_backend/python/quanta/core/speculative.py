@@ -28,17 +28,20 @@ from quanta.core.request import Request, RequestStatus
 
 
 class SpeculativeConfig(BaseModel):
-    """vLLM's ``--speculative-config`` for prompt lookup, with its names.
+    """vLLM's ``--speculative-config``, with its names.
 
     ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     "prompt_lookup_min": 2}``: propose up to 4 tokens after the latest earlier occurrence of
-    the request's last 4 (else 3, else 2) tokens. ``disable_by_batch_size``: no proposals in a
-    step whose batch already holds more running requests than this (at large batches a step
-    is compute-bound and verification costs what it saves)."""
+    the request's last 4 (else 3, else 2) tokens. ``{"model": "engines/draft",
+    "num_speculative_tokens": 3}`` (method ``draft_model``): a smaller model of the same
+    vocabulary proposes 3 tokens greedily after each step. ``disable_by_batch_size``: no
+    proposals in a step whose batch already holds more running requests than this (at large
+    batches a step is compute-bound and verification costs what it saves)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
+    model: str | None = None  # the draft model's engine or checkpoint (draft_model)
     num_speculative_tokens: int = Field(4, ge=1, le=32)
     prompt_lookup_max: int = Field(4, ge=1, le=64)
     prompt_lookup_min: int = Field(2, ge=1, le=64)
@@ -47,15 +50,24 @@ class SpeculativeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_method(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("method") in ("draft_model", "eagle", "medusa"):
+        if not isinstance(data, dict):
+            return data
+        if data.get("method") in ("eagle", "eagle3", "medusa", "mlp_speculator"):
             raise ValueError(
-                f'speculative method {data["method"]!r} is not served yet; use "ngram" '
-                "(prompt lookup)"
+                f'speculative method {data["method"]!r} is not served; use "ngram" (prompt '
+                'lookup) or "draft_model" with a "model"'
             )
+        if data.get("model") is not None and "method" not in data:
+            return {**data, "method": "draft_model"}  # vLLM: a model alone means a draft model
         return data
 
     @model_validator(mode="after")
     def _ordered(self) -> SpeculativeConfig:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                'method "draft_model" takes the draft\'s "model" (an engine or checkpoint '
+                'directory); "ngram" takes none'
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
@@ -122,10 +134,14 @@ class Proposer:
         self.max_model_len = max_model_len
 
     def propose(self, live: Iterable[Request], num_running: int) -> None:
-        """Drafts for the requests that may speculate; () for every other one."""
+        """Drafts for the requests that may speculate; () for every other one. With a draft
+        model, the drafts are those the runner proposed after the request's latest step (cut
+        to what may be verified now), and every speculating request reserves lookahead slots
+        for the draft model's next proposals."""
         c = self.config
         enabled = c.disable_by_batch_size is None or num_running <= c.disable_by_batch_size
         for r in live:
+            r.num_lookahead_tokens = 0
             if not (enabled and speculates(r)):
                 r.draft_token_ids = ()
                 continue
@@ -141,8 +157,23 @@ class Proposer:
                 r.params.max_tokens - r.num_output_tokens - 1,
                 self.max_model_len - r.num_tokens - 1,
             )
+            if c.method == "draft_model":
+                self._keep_proposals(r, room)
+                continue
             drafts = propose_ngram(r.all_token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max)
             r.draft_token_ids = drafts
+
+    def _keep_proposals(self, r: Request, room: int) -> None:
+        """The draft model's proposals, cut to ``room``, and lookahead slots for the next
+        ones: as many as the window allows, ending no later than the request's last position
+        and the model's length (so a request never holds more blocks than its longest
+        output needs)."""
+        r.draft_token_ids = r.draft_token_ids[:room]
+        end = min(self.max_model_len, r.num_prompt_tokens + r.params.max_tokens)
+        window = self.config.num_speculative_tokens
+        if r.spec_window is not None:
+            window = min(window, r.spec_window)
+        r.num_lookahead_tokens = max(0, min(window, end - r.num_tokens - len(r.draft_token_ids)))
 
 
 def learn(r: Request, drafted: int, accepted: int) -> None:

@@ -185,6 +185,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         linear_kernel=config.linear_kernel,
         attention_kernel=config.attention_kernel,
         safepoint_interval=config.safepoint_interval,
+        draft_model=_draft_model(config),
     )
     tokenizer = load_tokenizer(model_dir)
     clock = clock or WallClock()
@@ -204,3 +205,18 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     )
     grammars = Grammars(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
     return Engine(config, model_config, tokenizer, runner, loop, clock, grammars)
+
+
+def _draft_model(config: EngineConfig) -> Path | None:
+    """The draft model's directory, when the speculative config names one; checked here so
+    a wrong path is a load error naming the option."""
+    spec = config.speculative_config
+    if spec is None or spec.model is None:
+        return None
+    path = Path(spec.model).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"speculative_config model {spec.model!r} is not an engine or checkpoint "
+            "directory (no config.json)"
+        )
+    return path

@@ -31,6 +31,7 @@ from quanta.core.safepoint import AbortSignal, StepAborted
 from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
+from quanta.runner.draft import DraftModel
 from quanta.runner.layer_ops import layer_ops
 from quanta.runner.linear import fuse_model, onednn_supports, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
@@ -109,7 +110,10 @@ class ModelRunner:
         linear_kernel: LinearKernel = "auto",
         attention_kernel: AttentionKernel = "auto",
         safepoint_interval: int = 8,
+        draft_model: str | Path | None = None,
     ) -> None:
+        """``draft_model``: a smaller model of the same vocabulary whose greedy proposals the
+        steps verify (``runner/draft.py``); its caches get this runner's blocks."""
         if num_device_blocks <= 0 or num_host_blocks < 0 or block_size <= 0:
             raise ValueError("need num_device_blocks > 0, num_host_blocks >= 0, block_size > 0")
         if safepoint_interval < 1:
@@ -153,6 +157,19 @@ class ModelRunner:
         self.capabilities = RunnerCapabilities(
             hidden_cache=offers_hidden_cache(cfg), layer_safepoints=True
         )
+        self.draft: DraftModel | None = None
+        if draft_model is not None:
+            self.draft = DraftModel(
+                draft_model,
+                cfg,
+                num_device_blocks=num_device_blocks,
+                num_host_blocks=num_host_blocks,
+                block_size=block_size,
+                dtype=self.dtype,
+                device=self.device,
+                linear_kernel=linear_kernel,
+                attention_kernel=attention_kernel,
+            )
 
     @staticmethod
     def hidden_blocks_ratio(config: ModelConfig) -> float:
@@ -191,6 +208,9 @@ class ModelRunner:
             self._check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
             self._copy_blocks(so.swap_out, self.device_kv_cache, self.host_kv_cache)
             self._copy_blocks(so.swap_in, self.host_kv_cache, self.device_kv_cache)
+            if self.draft is not None:
+                self.draft.copy(so.swap_out, to_host=True)
+                self.draft.copy(so.swap_in, to_host=False)
             sampled: list[int | None] = [None] * len(seqs)
             logprobs: list[TokenLogprob | None] = [None] * len(seqs)
             prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
@@ -211,6 +231,10 @@ class ModelRunner:
             # next step on a side stream (ConServe's background copies) waits for a GPU
             # machine to test it on.
             self._copy_blocks(so.checkpoint, self.device_kv_cache, self.host_kv_cache)
+            proposals: tuple[tuple[int, ...], ...] = ()
+            if self.draft is not None:
+                self.draft.copy(so.checkpoint, to_host=True)
+                proposals = self.draft.run(so, sampled, accepted)
         return RunnerOutput(
             request_ids=tuple(seq.request_id for seq in seqs),
             sampled_token_ids=tuple(sampled),
@@ -218,6 +242,7 @@ class ModelRunner:
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else (),
             num_accepted=tuple(accepted) if any(s.num_draft_tokens for s in seqs) else (),
+            proposals=proposals if any(proposals) else (),
         )
 
     def safepoints_for(self, signal: AbortSignal, started: float) -> Safepoints:
