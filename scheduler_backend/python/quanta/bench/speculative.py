@@ -66,12 +66,18 @@ class Run:
     decode_tok_s: float  # output tokens after the first / seconds from first to last, summed
     mean_output_tokens: float
     steps: int
+    drafts: int  # request steps that verified drafts
     draft_tokens: int
     accepted_tokens: int
 
     @property
     def acceptance(self) -> float | None:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_verification(self) -> float | None:
+        """Tokens a request step that verified drafts yielded (its own one included)."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
 
 
 @dataclass
@@ -96,6 +102,7 @@ class SpeculativeReport:
         data = asdict(self)
         for run, row in zip(self.runs, data["runs"], strict=True):
             row["acceptance"] = run.acceptance
+            row["tokens_per_verification"] = run.tokens_per_verification
         data["speedup"] = {
             f"{r.workload}@{r.batch}": self.speedup(r.workload, r.batch)
             for r in self.runs
@@ -155,10 +162,12 @@ def run_speculative(
     for llm in engines.values():
         llm.generate("warm up", SamplingParams(max_tokens=4, temperature=0.0))
     for workload in workloads:
-        prompts = [
-            template.render([ChatMessage(role="user", content=p)]) for p in WORKLOADS[workload]()
-        ]
+        texts = WORKLOADS[workload]()
         for batch in batches:
+            # NOTE: a batch larger than the workload repeats its prompts (greedy: the copies
+            # answer alike, and each is a request of its own)
+            texts_b = (texts * -(-batch // len(texts)))[: max(batch, len(texts))]
+            prompts = [template.render([ChatMessage(role="user", content=p)]) for p in texts_b]
             times: dict[bool, list[list[float]]] = {False: [], True: []}
             outputs: dict[bool, list[list[int]]] = {False: [], True: []}
             before = {s: engines[s].engine.loop.stats() for s in engines}
@@ -179,6 +188,7 @@ def run_speculative(
                         decode_tok_s=decode_rate(times[spec]),
                         mean_output_tokens=statistics.fmean(len(o) for o in outputs[spec]),
                         steps=after.num_steps - before[spec].num_steps,
+                        drafts=after.spec_num_drafts - before[spec].spec_num_drafts,
                         draft_tokens=after.spec_num_draft_tokens
                         - before[spec].spec_num_draft_tokens,
                         accepted_tokens=after.spec_num_accepted_tokens

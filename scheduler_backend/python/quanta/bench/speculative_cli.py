@@ -74,7 +74,7 @@ def bench_speculative(
     )
     for column in ("workload", "batch", "plain tok/s", "spec tok/s", "speed-up"):
         table.add_column(column, justify="right")
-    for column in ("acceptance", "tokens/step", "same output"):
+    for column in ("acceptance", "tokens/verification", "same output"):
         table.add_column(column, justify="right")
     for name in names:
         for size in sizes:
@@ -83,7 +83,6 @@ def bench_speculative(
                 for key in ((name, size, False), (name, size, True))
             )
             speedup = report.speedup(name, size)
-            tokens = spec.mean_output_tokens * len(WORKLOADS[name]()) * repeats
             table.add_row(
                 name,
                 str(size),
@@ -91,7 +90,9 @@ def bench_speculative(
                 f"{spec.decode_tok_s:.1f}",
                 "-" if speedup is None else f"{speedup:.2f}x",
                 "-" if spec.acceptance is None else f"{spec.acceptance:.0%}",
-                f"{tokens / spec.steps:.2f}" if spec.steps else "-",
+                "-"
+                if spec.tokens_per_verification is None
+                else f"{spec.tokens_per_verification:.2f}",
                 "{}/{}".format(*report.identical[f"{name}@{size}"]),
             )
     Console(width=120).print(table)

@@ -20,17 +20,19 @@ from pathlib import Path
 
 import torch
 
-from quanta.core.output import ScheduledSeq, SchedulerOutput
+from quanta.core.output import SchedulerOutput
 from quanta.runner.models.config import ModelConfig
 
 
 class _Step:
-    """One decode token of a proposal (a ``PagedSeq``)."""
+    """Tokens from ``position`` on through a block table (a ``PagedSeq``)."""
 
     __slots__ = ("block_table", "hidden", "start_pos", "token_ids")
 
-    def __init__(self, token: int, position: int, block_table: tuple[int, ...]) -> None:
-        self.token_ids = (token,)
+    def __init__(
+        self, tokens: tuple[int, ...], position: int, block_table: tuple[int, ...]
+    ) -> None:
+        self.token_ids = tokens
         self.start_pos = position
         self.block_table = block_table
         self.hidden = False
@@ -68,48 +70,61 @@ class DraftModel:
         newest: Sequence[int | None],
         accepted: Sequence[int],
     ) -> tuple[tuple[int, ...], ...]:
-        """Compute the step's K/V in the draft's cache, then propose after each asking seq's
-        newest token (``newest[i]``, sampled after ``accepted[i]`` drafts); a proposal tuple
-        per seq (empty where none was asked)."""
+        """Bring the draft's cache up to the step's output, then propose after each asking
+        seq's newest token (``newest[i]``, sampled after ``accepted[i]`` drafts); a proposal
+        tuple per seq (empty where none was asked).
+
+        One pass takes every seq's tokens that stand (rejected drafts left out) and, for an
+        asking seq, its newest token too, whose row gives the first proposal; the rest are
+        decoded one token a pass."""
         r = self.runner
-        seqs = [s for s in so.seqs if not s.hidden]
+        chunks: list[_Step] = []
+        asking: list[tuple[int, int, int]] = []  # (seq index, its newest token's row, position)
+        num_rows = 0
+        for i, (s, token) in enumerate(zip(so.seqs, newest, strict=True)):
+            if s.hidden:
+                continue
+            kept = s.token_ids[: s.num_new_tokens - s.num_draft_tokens + accepted[i]]
+            if s.num_proposals and token is not None:
+                kept = (*kept, token)
+                asking.append((i, num_rows + len(kept) - 1, s.start_pos + len(kept) - 1))
+            chunks.append(_Step(kept, s.start_pos, s.block_table))
+            num_rows += len(kept)
+        out: list[tuple[int, ...]] = [()] * len(so.seqs)
+        if not chunks:
+            return tuple(out)
         with torch.inference_mode():
-            if seqs:
-                batch = r._prepare(seqs, r.num_device_blocks)
-                r.model(batch.input_ids, batch.positions, r.device_kv_cache, batch.meta)
-            asking = [
-                (i, s, token)
-                for i, (s, token) in enumerate(zip(so.seqs, newest, strict=True))
-                if s.num_proposals and token is not None and not s.hidden
+            batch = r._prepare(chunks, r.num_device_blocks)
+            hidden = r.model(batch.input_ids, batch.positions, r.device_kv_cache, batch.meta)
+            if not asking:
+                return tuple(out)
+            index = torch.tensor([row for _, row, _ in asking], device=hidden.device)
+            first = _greedy(r.model.compute_logits(hidden.index_select(0, index)))
+            starts = [
+                (pos, so.seqs[i].block_table, so.seqs[i].num_proposals) for i, _, pos in asking
             ]
-            out: list[tuple[int, ...]] = [()] * len(so.seqs)
-            if asking:
-                for i, proposal in zip(
-                    (i for i, _, _ in asking), self._propose(asking, accepted), strict=True
-                ):
-                    out[i] = proposal
+            proposals = self._more(starts, first)
+        for (i, _, _), proposal in zip(asking, proposals, strict=True):
+            out[i] = proposal
         return tuple(out)
 
-    def _propose(
-        self, asking: list[tuple[int, ScheduledSeq, int]], accepted: Sequence[int]
+    def _more(
+        self, starts: list[tuple[int, tuple[int, ...], int]], first: list[int]
     ) -> list[tuple[int, ...]]:
-        """Greedy decoding of every asking seq together, ``num_proposals`` tokens each."""
+        """Greedy decoding after each first proposal (``starts``: the newest token's position,
+        the block table, the proposals wanted), all seqs together, one token a pass."""
         r = self.runner
-        tokens = [token for _, _, token in asking]
-        # the newest token's position: after the real token and the accepted drafts
-        positions = [
-            s.start_pos + s.num_new_tokens - s.num_draft_tokens + accepted[i] for i, s, _ in asking
-        ]
-        wanted = [s.num_proposals for _, s, _ in asking]
-        proposals: list[list[int]] = [[] for _ in asking]
-        for step in range(max(wanted)):
-            live = [j for j in range(len(asking)) if len(proposals[j]) < wanted[j]]
-            steps = [_Step(tokens[j], positions[j] + step, asking[j][1].block_table) for j in live]
+        proposals = [[token] for token in first]
+        for step in range(1, max(wanted for _, _, wanted in starts)):
+            live = [j for j, (_, _, wanted) in enumerate(starts) if len(proposals[j]) < wanted]
+            steps = [_Step((proposals[j][-1],), starts[j][0] + step, starts[j][1]) for j in live]
             batch = r._prepare(steps, r.num_device_blocks)
             hidden = r.model(batch.input_ids, batch.positions, r.device_kv_cache, batch.meta)
-            logits = r.model.compute_logits(hidden)
-            picks = logits.float().max(dim=-1).indices.tolist()
-            for j, pick in zip(live, picks, strict=True):
+            for j, pick in zip(live, _greedy(r.model.compute_logits(hidden)), strict=True):
                 proposals[j].append(pick)
-                tokens[j] = pick
         return [tuple(p) for p in proposals]
+
+
+def _greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's most likely token (the draft proposes greedily)."""
+    return logits.float().max(dim=-1).indices.tolist()
