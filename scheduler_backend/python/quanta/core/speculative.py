@@ -152,8 +152,7 @@ class Proposer:
             # NOTE: never past max_tokens or the model's length: the last draft's slot is the
             # request's last position, so the blocks a request may ever hold do not grow.
             room = min(
-                c.num_speculative_tokens,
-                c.num_speculative_tokens if r.spec_window is None else r.spec_window,
+                self._window(r),
                 r.params.max_tokens - r.num_output_tokens - 1,
                 self.max_model_len - r.num_tokens - 1,
             )
@@ -170,10 +169,13 @@ class Proposer:
         output needs)."""
         r.draft_token_ids = r.draft_token_ids[:room]
         end = min(self.max_model_len, r.num_prompt_tokens + r.params.max_tokens)
-        window = self.config.num_speculative_tokens
-        if r.spec_window is not None:
-            window = min(window, r.spec_window)
-        r.num_lookahead_tokens = max(0, min(window, end - r.num_tokens - len(r.draft_token_ids)))
+        left = end - r.num_tokens - len(r.draft_token_ids)
+        r.num_lookahead_tokens = max(0, min(self._window(r), left))
+
+    def _window(self, r: Request) -> int:
+        """The most drafts ``r`` may have now (``learn`` adapts it)."""
+        k = self.config.num_speculative_tokens
+        return k if r.spec_window is None else min(k, r.spec_window)
 
 
 def learn(r: Request, drafted: int, accepted: int) -> None:
