@@ -332,3 +332,22 @@ def test_real_draft_model_keeps_the_targets_output(llama_tiny, tmp_path) -> None
             assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
         if cache == 10:
             assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+
+
+def test_a_bad_speculative_config_is_refused_by_name(tmp_path) -> None:
+    """config.pbtxt and ``quanta serve --speculative-config`` name the field at fault."""
+    from quanta.cli import app
+    from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
+    from typer.testing import CliRunner
+
+    engine, _ = parse_parameters(
+        {"model_dir": "m", "speculative_config": '{"num_speculative_tokens": 3}'}, cwd=tmp_path
+    )
+    assert engine.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(ConfigParameterError, match=r"speculative_config\.prompt_lookup_min"):
+        parse_parameters(
+            {"model_dir": "m", "speculative_config": '{"prompt_lookup_min": 0}'}, cwd=tmp_path
+        )
+    result = CliRunner().invoke(app, ["serve", "--speculative-config", '{"method": "medusa"}'])
+    words = " ".join(result.output.replace("│", " ").split())  # rich boxes and wraps it
+    assert result.exit_code == 2 and "'medusa' is not served" in words, result.output
