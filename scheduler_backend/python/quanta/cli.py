@@ -185,7 +185,14 @@ def bench_loop(
 
 def _register_subcommands() -> None:
     """Each sub-system adds its own commands; their heavy imports happen inside them."""
-    from quanta.bench import load_cli, quality_cli, safepoints, serve_cli, speculative_cli
+    from quanta.bench import (
+        load_cli,
+        quality_cli,
+        safepoints,
+        serve_cli,
+        speculative_cli,
+        structured_cli,
+    )
     from quanta.bench.peer import cli as peer_cli
     from quanta.build import cli as build_cli
     from quanta.frontends.openai import batch_cli
@@ -204,6 +211,7 @@ def _register_subcommands() -> None:
         sim_cli,
         safepoints,
         quality_cli,
+        structured_cli,
         speculative_cli,
     ):
         module.register(app, bench_app)
