@@ -59,6 +59,7 @@ FASTER = {
     "quanta bench engine": "--repeat 1",
     "quanta simulate repro --figure apt --quick": "--num-requests 8",
     "quanta simulate repro --figure conserve --quick": "--num-requests 12",
+    "quanta bench structured": "--batch 1 --max-tokens 8",
 }
 
 
