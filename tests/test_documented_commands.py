@@ -60,6 +60,7 @@ FASTER = {
     "quanta simulate repro --figure apt --quick": "--num-requests 8",
     "quanta simulate repro --figure conserve --quick": "--num-requests 12",
     "quanta bench structured": "--batch 1 --max-tokens 8",
+    "quanta bench speculative": "--batch 1 --max-tokens 8 --workload edit",
 }
 
 
@@ -100,6 +101,8 @@ ENGINE = (
     "quanta bench policies",
     "quanta bench quality",
     "quanta bench decode-profile",
+    "quanta bench structured",
+    "quanta bench speculative",
     "quanta fetch-model",
     "quanta profile",
     "quanta simulate validate",

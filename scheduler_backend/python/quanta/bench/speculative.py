@@ -2,8 +2,8 @@
 and what it costs where it does not, on a real model.
 
 Two workloads, each run with and without ``--speculative-config`` on engines of the same
-model in the same process, alternating, greedy (so the outputs must be equal, and are
-checked):
+model in the same process, alternating, greedy or seeded (so the outputs must be equal, and
+are checked):
 
 - ``edit``: input-grounded. Each prompt is a paragraph of public-domain text (the Gettysburg
   Address and the Preamble, ``quality_data``) with a few words misspelt, and the model is asked
@@ -88,6 +88,7 @@ class SpeculativeReport:
     threads: int
     config: dict[str, Any]
     max_tokens: int
+    temperature: float
     runs: list[Run] = field(default_factory=list)
     # per workload@batch: (outputs equal to plain decoding's, outputs)
     identical: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -128,6 +129,7 @@ def run_speculative(
     dtype: str | None,
     threads: int | None,
     repeats: int = 1,
+    temperature: float = 0.0,
 ) -> SpeculativeReport:
     """Plain and speculative runs of each workload at each batch size."""
     import torch
@@ -157,8 +159,10 @@ def run_speculative(
         threads=torch.get_num_threads(),
         config=config,
         max_tokens=max_tokens,
+        temperature=temperature,
     )
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    # NOTE: sampled runs are seeded: both engines draw the same tokens (runner/speculative.py)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     for llm in engines.values():
         llm.generate("warm up", SamplingParams(max_tokens=4, temperature=0.0))
     for workload in workloads:

@@ -29,6 +29,9 @@ def bench_speculative(
     max_tokens: Annotated[int, typer.Option(min=2, help="longest answer")] = 128,
     speculative_config: SpeculativeConfigOpt = _DEFAULT,
     repeats: Annotated[int, typer.Option(min=1, help="passes over each workload")] = 1,
+    temperature: Annotated[
+        float, typer.Option(min=0.0, help="0: greedy; above: seeded sampling")
+    ] = 0.0,
     dtype: Annotated[
         str | None, typer.Option(help="float32 or bfloat16 (default: bf16 where the CPU runs it)")
     ] = None,
@@ -67,9 +70,11 @@ def bench_speculative(
         dtype=dtype,
         threads=threads,
         repeats=repeats,
+        temperature=temperature,
     )
     table = Table(
-        title=f"speculative decoding ({json.dumps(config)}): {report.dtype}, CPU "
+        title=f"speculative decoding ({json.dumps(config)}), temperature {temperature}: "
+        f"{report.dtype}, CPU "
         f"{report.cpu_isa}, threads {torch.get_num_threads()}"
     )
     for column in ("workload", "batch", "plain tok/s", "spec tok/s", "speed-up"):
