@@ -72,7 +72,7 @@ class EngineConfig(BaseModel):
     # Like dtype, a mismatch with the engine's manifest is refused at load.
     quantization: Literal["none", "int8", "int4", "mixed"] | None = None
     # Decode attention: the native C kernel, fused by torch.compile, or eager; auto: native on
-    # CPU with one torch thread where a C compiler is found (see quanta.runner.decode_kernel).
+    # CPU (fp32, bf16) where a C compiler is found (see quanta.runner.decode_kernel).
     attention_kernel: AttentionKernel = "auto"
     # Layers between checks of a preemptible step's abort signal (ConServe's safepoints).
     safepoint_interval: int = Field(8, ge=1)
