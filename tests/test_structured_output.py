@@ -176,6 +176,24 @@ def test_choice_alternatives_are_taken_literally():
     assert not re.fullmatch(pattern, "axb") and not re.fullmatch(pattern, "11")
 
 
+@pytest.mark.parametrize("vocab", [64, 49_152, 50_001])
+def test_the_mask_bias_forbids_exactly_what_xgrammars_apply_kernel_does(vocab):
+    """The runner adds ``mask_bias`` to the logits instead of calling xgrammar's apply kernel
+    (cheaper after the LM head); the two must agree on every token, the odd tail included."""
+    import torch
+    import xgrammar as xgr
+    from quanta.structured.masks import mask_bias
+
+    torch.manual_seed(vocab)
+    bitmask = xgr.allocate_token_bitmask(5, vocab)
+    bitmask.random_(-(2**31), 2**31 - 1)
+    reference = torch.randn(5, vocab)
+    ours = reference.clone()
+    xgr.apply_token_bitmask_inplace(reference, bitmask, vocab_size=vocab)
+    ours.index_add_(0, torch.arange(5), mask_bias(bitmask, vocab))
+    assert torch.equal(ours, reference)
+
+
 # -- on the engine -----------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["opt-tiny", "llama-tiny"])
 def model_dir(request, tiny_checkpoint):
