@@ -44,22 +44,15 @@ def bench_speculative(
     from rich.console import Console
     from rich.table import Table
 
+    from quanta.bench.model_option import bench_model
     from quanta.bench.speculative import WORKLOADS, run_speculative
-    from quanta.frontends.triton.cli import resolve_model
-    from quanta.runner.linear import onednn_supports
 
     names = [w.strip() for w in workload.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
         raise typer.BadParameter(f"unknown workload {unknown[0]!r}", param_hint="--workload")
     config = parse_speculative_config(speculative_config) or {}
-    if dtype is None:
-        dtype = "bfloat16" if onednn_supports(torch.bfloat16, torch.device("cpu")) else "float32"
-    source = resolve_model(Path(model), dtype)
-    if not (source / "config.json").is_file():
-        raise typer.BadParameter(
-            f"{model} is not a catalogue name, a .gguf file or a model directory", "--model"
-        )
+    source, dtype = bench_model(model, dtype)
     sizes = [int(b) for b in batch.split(",") if b.strip()]
     report = run_speculative(
         str(source),

@@ -43,27 +43,12 @@ def bench_structured(
 ) -> None:
     """TPOT with and without a tool-call JSON schema, and the share of answers that are
     valid tool calls, on the same engine in the same run (docs/decoding.md)."""
-    import torch
     from rich.console import Console
 
+    from quanta.bench.model_option import bench_model
     from quanta.bench.structured import run_structured
-    from quanta.build.cli import engine_from_gguf
-    from quanta.build.fetch import CATALOGUE, FetchError, fetch_gguf
-    from quanta.runner.linear import onednn_supports
 
-    if dtype is None:
-        dtype = "bfloat16" if onednn_supports(torch.bfloat16, torch.device("cpu")) else "float32"
-    try:
-        source = fetch_gguf(model) if model in CATALOGUE else Path(model)
-    except FetchError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    if source.suffix == ".gguf" and source.is_file():
-        source = engine_from_gguf(source, dtype)
-    elif not (source / "config.json").is_file():
-        raise typer.BadParameter(
-            f"{model} is not a catalogue name, a .gguf file or a model directory", "--model"
-        )
+    source, dtype = bench_model(model, dtype)
     sizes = [int(b) for b in batch.split(",") if b.strip()]
     report = run_structured(
         str(source),
