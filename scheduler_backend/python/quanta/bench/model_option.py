@@ -4,8 +4,20 @@ a ``.gguf`` file or an engine directory, in bf16 where the CPU computes it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
+
+# The options every real-model benchmark takes, spelled once.
+ModelOpt = Annotated[
+    str,
+    typer.Option(help="catalogue name (quanta fetch-model --list), a .gguf file or an engine"),
+]
+DtypeOpt = Annotated[
+    str | None, typer.Option(help="float32 or bfloat16 (default: bf16 where the CPU runs it)")
+]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads")]
+OutOpt = Annotated[Path | None, typer.Option(help="write the report as JSON here")]
 
 
 def bench_model(model: str, dtype: str | None) -> tuple[Path, str]:

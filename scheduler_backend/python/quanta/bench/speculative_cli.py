@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from quanta.bench.model_option import DtypeOpt, ModelOpt, OutOpt, ThreadsOpt
 from quanta.cli_options import SpeculativeConfigOpt, parse_speculative_config
 
 _DEFAULT = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -18,10 +18,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
 
 def bench_speculative(
-    model: Annotated[
-        str,
-        typer.Option(help="catalogue name (quanta fetch-model --list), a .gguf file or an engine"),
-    ] = "smollm2-135m-instruct",
+    model: ModelOpt = "smollm2-135m-instruct",
     workload: Annotated[
         str, typer.Option(help="comma-separated: edit (copies its input), chat (does not)")
     ] = "edit,chat",
@@ -32,11 +29,9 @@ def bench_speculative(
     temperature: Annotated[
         float, typer.Option(min=0.0, help="0: greedy; above: seeded sampling")
     ] = 0.0,
-    dtype: Annotated[
-        str | None, typer.Option(help="float32 or bfloat16 (default: bf16 where the CPU runs it)")
-    ] = None,
-    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
-    out: Annotated[Path | None, typer.Option(help="write the report as JSON here")] = None,
+    dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    out: OutOpt = None,
 ) -> None:
     """Decode tokens/s with and without speculative decoding, acceptance rates, and a check
     that both answer the same, on the same model in one run (docs/decoding.md)."""

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from quanta.bench.model_option import DtypeOpt, ModelOpt, OutOpt, ThreadsOpt
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -19,16 +21,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
 
 def bench_structured(
-    model: Annotated[
-        str,
-        typer.Option(help="catalogue name (quanta fetch-model --list), a .gguf file or an engine"),
-    ] = "smollm2-135m-instruct",
+    model: ModelOpt = "smollm2-135m-instruct",
     batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,8,32",
     max_tokens: Annotated[int, typer.Option(min=8, help="longest answer")] = 64,
-    dtype: Annotated[
-        str | None, typer.Option(help="float32 or bfloat16 (default: bf16 where the CPU runs it)")
-    ] = None,
-    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
     repeats: Annotated[
         int, typer.Option(min=1, help="free and guided runs per batch size (the median counts)")
     ] = 3,
@@ -39,7 +36,7 @@ def bench_structured(
             "and vocabulary: compile and per-token mask fill"
         ),
     ] = False,
-    out: Annotated[Path | None, typer.Option(help="write the report as JSON here")] = None,
+    out: OutOpt = None,
 ) -> None:
     """TPOT with and without a tool-call JSON schema, and the share of answers that are
     valid tool calls, on the same engine in the same run (docs/decoding.md)."""
