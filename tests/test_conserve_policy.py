@@ -292,6 +292,36 @@ def test_abort_rule_is_the_ttft_arithmetic():
     assert not rule(patient, 6.0)
 
 
+def test_an_arrival_while_the_policy_decides_stops_the_step_before_it_computes():
+    """A request that comes in after the step's ingest, while the policy is still deciding,
+    is checked against the step's abort rule as soon as there is one: the step stops at its
+    first check, and nothing of it is committed."""
+    offline, online = workload()
+    loop = make_loop("conserve", runner=SafepointHashRunner, ttft_slo_s=1e-6)
+    for r in offline:
+        loop.submit(r)
+    loop.step()  # the offline prompts start
+    inner = loop.policy.schedule
+    arrivals = iter(online[:1])
+
+    def schedule(view):
+        decision = inner(view)
+        for r in arrivals:  # once, mid-decision
+            loop.submit(r)
+        return decision
+
+    loop.policy.schedule = schedule  # type: ignore[method-assign]
+    before = {r.request_id: r.num_computed_tokens for r in offline}
+    loop.step()
+    assert loop.stats().num_safepoint_aborts == 1
+    assert {r.request_id: r.num_computed_tokens for r in offline} == before
+    assert loop.last_abort is not None
+    loop.policy.schedule = inner  # type: ignore[method-assign]
+    loop.run_until_idle()
+    loop.blocks.check_integrity()
+    assert loop.blocks.all_free()
+
+
 def test_a_safepoint_abort_commits_nothing_and_outputs_hold():
     offline, online = workload()
     loop = make_loop("conserve", runner=SafepointHashRunner, ttft_slo_s=1e-6)

@@ -201,6 +201,10 @@ class EngineLoop:
             with self._cv:
                 self._abort.clear()
                 self._abort_rule = decision.abort_when
+                # NOTE: a request that came in while the policy decided was not checked
+                # against this rule (there was none): it stops the step at its first check
+                if any(self.would_abort(r, now) for r, _ in self._inbox):
+                    self._abort.raise_at(self.clock.now())
         try:
             out = self.runner.execute(sched)
         except StepAborted:

@@ -2,8 +2,9 @@
 
 The runner hands a model ``Safepoints`` only for a step the scheduler marked preemptible
 (``SchedulerOutput.abort``); the model walks its decoder layers through ``walk_layers``, which
-calls ``check`` after every ``interval`` layers. ``check`` raises to stop the pass. A step
-without safepoints walks the plain ``enumerate(layers)``, so it pays nothing per layer.
+calls ``check`` before the first layer and after every ``interval`` layers. ``check`` raises to
+stop the pass. A step without safepoints walks the plain ``enumerate(layers)``, so it pays
+nothing per layer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch import nn
 
 @dataclass(frozen=True, slots=True)
 class Safepoints:
-    """Check after every ``interval`` layers; ``check(layers_done)`` raises to stop."""
+    """Check before the first layer and after every ``interval`` layers;
+    ``check(layers_done)`` raises to stop."""
 
     interval: int
     check: Callable[[int], None]
@@ -37,9 +39,11 @@ def walk_layers(
 
 def _checked(layers: nn.ModuleList, safepoints: Safepoints) -> Iterator[tuple[int, nn.Module]]:
     # NOTE: the generator resumes after the caller has run layer i, so ``done`` layers are
-    # complete when ``check`` runs. None after the last layer: finishing costs less than the
-    # step that would redo it.
+    # complete when ``check`` runs. One before the first layer: a signal raised before the
+    # step (a request that arrived while it was scheduled) stops it having computed nothing.
+    # None after the last layer: finishing costs less than the step that would redo it.
     last, every = len(layers), safepoints.interval
+    safepoints.check(0)
     for i, layer in enumerate(layers):
         yield i, layer
         done = i + 1
