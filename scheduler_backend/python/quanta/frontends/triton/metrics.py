@@ -167,6 +167,22 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
 }
 OTHER_TENANTS = "other"
 
+# Counters fed from the loop's cumulative ``LoopStats``: (metric, labels, field); each report
+# adds what the field grew by since the last one.
+_LOOP_COUNTERS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
+    ("quanta_num_preemptions_total", (("kind", "swap"),), "num_preemptions_swap"),
+    ("quanta_num_preemptions_total", (("kind", "recompute"),), "num_preemptions_recompute"),
+    ("quanta_num_preemptions_total", (("kind", "checkpoint"),), "num_preemptions_checkpoint"),
+    ("quanta_engine_steps_total", (), "num_steps"),
+    ("quanta_safepoint_aborts_total", (), "num_safepoint_aborts"),
+    ("quanta_checkpoint_blocks_copied_total", (), "num_checkpoint_blocks_copied"),
+    ("quanta_prefix_cache_queries_total", (), "prefix_cache_queries"),
+    ("quanta_prefix_cache_hits_total", (), "prefix_cache_hits"),
+    ("quanta_spec_decode_num_drafts_total", (), "spec_num_drafts"),
+    ("quanta_spec_decode_num_draft_tokens_total", (), "spec_num_draft_tokens"),
+    ("quanta_spec_decode_num_accepted_tokens_total", (), "spec_num_accepted_tokens"),
+)
+
 
 @dataclass(frozen=True, slots=True)
 class FinishedRecord:
@@ -286,37 +302,8 @@ class MetricsReporter:
             self._metric(name, labels).set(float(value))
         last = self._last
         counters = {
-            ("quanta_num_preemptions_total", (("kind", "swap"),)): (
-                s.num_preemptions_swap - (last.num_preemptions_swap if last else 0)
-            ),
-            ("quanta_num_preemptions_total", (("kind", "recompute"),)): (
-                s.num_preemptions_recompute - (last.num_preemptions_recompute if last else 0)
-            ),
-            ("quanta_num_preemptions_total", (("kind", "checkpoint"),)): (
-                s.num_preemptions_checkpoint - (last.num_preemptions_checkpoint if last else 0)
-            ),
-            ("quanta_engine_steps_total", ()): s.num_steps - (last.num_steps if last else 0),
-            ("quanta_safepoint_aborts_total", ()): (
-                s.num_safepoint_aborts - (last.num_safepoint_aborts if last else 0)
-            ),
-            ("quanta_checkpoint_blocks_copied_total", ()): (
-                s.num_checkpoint_blocks_copied - (last.num_checkpoint_blocks_copied if last else 0)
-            ),
-            ("quanta_prefix_cache_queries_total", ()): (
-                s.prefix_cache_queries - (last.prefix_cache_queries if last else 0)
-            ),
-            ("quanta_prefix_cache_hits_total", ()): (
-                s.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
-            ),
-            ("quanta_spec_decode_num_drafts_total", ()): (
-                s.spec_num_drafts - (last.spec_num_drafts if last else 0)
-            ),
-            ("quanta_spec_decode_num_draft_tokens_total", ()): (
-                s.spec_num_draft_tokens - (last.spec_num_draft_tokens if last else 0)
-            ),
-            ("quanta_spec_decode_num_accepted_tokens_total", ()): (
-                s.spec_num_accepted_tokens - (last.spec_num_accepted_tokens if last else 0)
-            ),
+            (name, labels): getattr(s, field) - (getattr(last, field) if last else 0)
+            for name, labels, field in _LOOP_COUNTERS
         }
         for (name, labels), delta in counters.items():
             metric = self._metric(name, labels)  # created at 0 so it shows from the start
