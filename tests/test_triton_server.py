@@ -543,11 +543,12 @@ def test_speculative_decoding_answers_as_plain_decoding(server, llm, params):
         http = list(http_events(server.http_url, "quanta-spec", inputs, stream=True, timeout=60))
         for events in (grpc, http):
             assert [t for e in events for t in output_ids(e)] == want, prompt
+    # Drafts are proposed from the prompt's repeats whatever the sampling; whether a sampled
+    # token takes a draft depends on the random draws, so acceptance is required of greedy only.
+    grew = names[2] if params.temperature == 0 else names[0]
     after = wait_for(
-        lambda: (
-            (s := server.scrape("quanta-spec")).get(names[2], 0) > before.get(names[2], 0) and s
-        ),
-        what="accepted drafts on /metrics",
+        lambda: (s := server.scrape("quanta-spec")).get(grew, 0) > before.get(grew, 0) and s,
+        what=f"{grew} to grow on /metrics",
     )
     assert after[names[1]] >= after[names[2]] and after[names[0]] > before.get(names[0], 0)
 
