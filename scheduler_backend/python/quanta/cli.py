@@ -118,6 +118,9 @@ def bench_engine(
         typer.Option(help="the engine's quantization (none, int8, int4): refused if it differs"),
     ] = None,
     enable_prefix_caching: PrefixCachingOpt = True,
+    device: Annotated[
+        str, typer.Option(help="cpu, cuda or cuda:N: where both engines run")
+    ] = "cpu",
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer.
 
@@ -142,6 +145,7 @@ def bench_engine(
             attention_kernel=attention_kernel.value,
             quantization=quantization,
             prefix_caching=enable_prefix_caching,
+            device=device,
         )
     except EngineManifestError as exc:  # the engine cannot run this benchmark as asked
         typer.echo(f"error: {exc}", err=True)

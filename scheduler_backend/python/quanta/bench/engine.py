@@ -51,6 +51,7 @@ class BenchRow:
     attention_kernel: str = "eager"
     quantized_kernel: str = "none"
     weight_bytes: int = 0  # weights resident in memory (packed or quantized), once each
+    device: str = "cpu"  # where both engines ran: "cpu", or the GPU's name
 
 
 STEP_TOKENS = 4096  # tokens per step on a plain checkpoint: a batch's prompts in few steps
@@ -148,7 +149,8 @@ def _agreement(ours: list[tuple[int, ...]], reference: list[tuple[int, ...]]) ->
 
 
 def _time_hf(model: torch.nn.Module, prompts: list[list[int]], gen_len: int) -> float:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
+    _synchronize(ids.device)
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(  # type: ignore[operator]
@@ -159,7 +161,19 @@ def _time_hf(model: torch.nn.Module, prompts: list[list[int]], gen_len: int) -> 
             do_sample=False,
             pad_token_id=0,
         )
+    _synchronize(ids.device)
     return time.perf_counter() - start
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _synchronize(device: torch.device) -> None:
+    """HF's generate may return while a GPU still computes; the clock waits for it. (Quanta's
+    loop reads every step's tokens back to the host, so its runs end synchronized.)"""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _rates(prefill_s: float, total_s: float, batch: int, prompt_len: int, gen_len: int):
@@ -182,6 +196,7 @@ def run_engine_bench(
     attention_kernel: AttentionKernel = "auto",
     quantization: str | None = None,
     prefix_caching: bool = True,
+    device: str = "cpu",
 ) -> list[BenchRow]:
     """Measure every batch size, print a table, optionally write JSON.
 
@@ -209,6 +224,7 @@ def run_engine_bench(
             attention_kernel=attention_kernel,
             quantization=quantization,
             enable_prefix_caching=prefix_caching,
+            device=device,
         )
     )
     info = engine.describe()
@@ -217,7 +233,7 @@ def run_engine_bench(
     if compare_hf and info["quantized_kernel"] != "none":
         Console(stderr=True).print("note: no HF peer: transformers cannot read quantized weights")
         compare_hf = False
-    hf = _load_hf(model_dir, engine.runner.dtype) if compare_hf else None
+    hf = _load_hf(model_dir, engine.runner.dtype, engine.runner.device) if compare_hf else None
     reference = None
     if engine.runner.dtype != torch.float32:  # report what the faster dtype changes
         reference = _fp32_reference(engine.config, model_dir)
@@ -253,6 +269,7 @@ def run_engine_bench(
                 info["attention_kernel"],
                 info["quantized_kernel"],
                 resident,
+                _device_name(engine.runner.device),
             )
         )
     _print(rows, model_dir, prompt_len, gen_len)
@@ -278,11 +295,11 @@ def _fp32_reference(config: EngineConfig, model_dir: Path) -> Engine | None:
         return None
 
 
-def _load_hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+def _load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int) -> None:
@@ -291,7 +308,8 @@ def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int)
         title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
         f"{torch.get_num_threads()} threads, {first.dtype}, linears {first.linear_kernel}, "
         f"decode attention {first.attention_kernel}, quantized {first.quantized_kernel}, "
-        f"weights {first.weight_bytes / 1e6:.1f} MB, CPU {first.cpu_isa} (tokens/s)"
+        f"weights {first.weight_bytes / 1e6:.1f} MB, "
+        f"{'CPU ' + first.cpu_isa if first.device == 'cpu' else first.device} (tokens/s)"
     )
     for col in (
         "batch",

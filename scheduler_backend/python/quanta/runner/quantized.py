@@ -27,6 +27,10 @@ Kernels, chosen at load (``kernel`` names the one that runs):
   3.5 ms against 1.2 + 1.9 ms for a 3072x576 product at 32 rows, one thread);
 - int4 grouped, bf16: ``_weight_int4pack_mm_for_cpu`` at every row count (the packed layout
   cannot be dequantized cheaply, and keeping an unpacked copy would double the memory);
+- on CUDA, bf16: ``_weight_int4pack_mm`` (torch's tinygemm kernel, the same int4
+  convention, its own tile layout from ``_convert_weight_to_int4pack``) for int4, and
+  ``_weight_int8pack_mm`` for int8 per channel, where torch has a CUDA kernel for it; fp16
+  and fp32 (tinygemm is bf16 only) dequantize per call;
 - grouped int8 (GGUF Q8_0, group 32) and every fp32 engine: dequantize per call, then the
   float GEMM. ``_weight_int8pack_mm`` takes one scale per output channel only, and torch's
   int kernels have no fast fp32 path on CPU (5-15x slower than the fp32 GEMM, measured), so
@@ -51,6 +55,9 @@ log = logging.getLogger(__name__)
 # Rows above which an int8 product dequantizes to bf16 and runs the bf16 GEMM.
 DEQUANT_ROWS = 32
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+# tinygemm's k-tiles per inner loop on CUDA: 8 (as torch's own int4 tests use) asks the
+# input width to be a multiple of 8 * 16 columns.
+CUDA_INNER_K_TILES = 8
 QUANT_SUFFIXES = (".qweight", ".scales", ".zeros")
 
 
@@ -201,10 +208,7 @@ class QuantizedLinear(Projection):
             self.register_buffer("qweight", torch.empty_like(weight.qweight).copy_(weight.qweight))
             self.register_buffer("scales", weight.scales.view(-1).to(dtype))
         elif self.kernel == "int4pack":
-            self.register_buffer(
-                "qweight",
-                torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes().contiguous(), 1),
-            )
+            self.register_buffer("qweight", _pack_int4(weight))
             zeros = weight.zeros if weight.zeros is not None else torch.zeros_like(weight.scales)
             # torch's layout: [in/group, out, 2], scale then zero.
             packed = torch.stack((weight.scales, zeros), dim=-1).transpose(0, 1).contiguous()
@@ -235,6 +239,10 @@ class QuantizedLinear(Projection):
         elif self.kernel == "int8pack":
             w = self.qweight.to(x.dtype) * self.scales[:, None]
             return F.linear(x, w, self.bias)
+        elif self.kernel == "int4pack" and x.is_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(
+                x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
+            )
         elif self.kernel == "int4pack":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
@@ -258,9 +266,23 @@ class QuantizedLinear(Projection):
         )
 
 
+def _pack_int4(weight: QuantizedWeight) -> torch.Tensor:
+    """The codes in the tile layout of the device's int4 kernel."""
+    codes = weight.codes().contiguous()
+    if codes.is_cuda:
+        # tinygemm reads two codes a byte, the even column in the high nibble
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, CUDA_INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+
+
 def _pick_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> str:
     """The fastest correct kernel for this weight and activation dtype (module docstring)."""
-    if dtype != torch.bfloat16 or weight.qweight.device.type != "cpu":
+    if dtype != torch.bfloat16:
+        return "dequant"
+    if weight.qweight.device.type == "cuda":
+        return _pick_cuda_kernel(weight)
+    if weight.qweight.device.type != "cpu":
         return "dequant"
     if weight.mode == "int8":
         if weight.group_size != weight.in_features:
@@ -269,6 +291,32 @@ def _pick_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> str:
     if weight.group_size in INT4_GROUP_SIZES and weight.out_features % 16 == 0:
         return "int4pack"
     return "dequant"
+
+
+def _pick_cuda_kernel(weight: QuantizedWeight) -> str:
+    if weight.mode == "int8":
+        per_channel = weight.group_size == weight.in_features
+        return "int8pack" if per_channel and _cuda_int8pack(weight.qweight.device) else "dequant"
+    fits = weight.out_features % 8 == 0 and weight.in_features % (CUDA_INNER_K_TILES * 16) == 0
+    return "int4pack" if fits and weight.group_size in INT4_GROUP_SIZES else "dequant"
+
+
+_CUDA_INT8PACK: dict[torch.device, bool] = {}
+
+
+def _cuda_int8pack(device: torch.device) -> bool:
+    """Whether this torch build has a CUDA kernel for ``_weight_int8pack_mm`` (older builds
+    have CPU and MPS ones only): asked once per device with a one-row product."""
+    if device not in _CUDA_INT8PACK:
+        try:
+            x = torch.ones(1, 64, dtype=torch.bfloat16, device=device)
+            w = torch.ones(8, 64, dtype=torch.int8, device=device)
+            s = torch.ones(8, dtype=torch.bfloat16, device=device)
+            torch.ops.aten._weight_int8pack_mm(x, w, s)
+            _CUDA_INT8PACK[device] = True
+        except (RuntimeError, NotImplementedError):
+            _CUDA_INT8PACK[device] = False
+    return _CUDA_INT8PACK[device]
 
 
 def make_quantized(
