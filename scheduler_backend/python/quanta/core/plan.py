@@ -16,6 +16,9 @@ swap-outs have already happened by then, so a plan never credits it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from operator import countOf
+
 from quanta.core.blocks import BlockManager, PrefixHit, Tier
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
@@ -84,6 +87,11 @@ class PoolView:
     def refs(self, tier: Tier, block: int) -> int:
         return self._blocks.refs(tier, block)
 
+    def ref_counts(self, tier: Tier) -> Sequence[int]:
+        """Every block's reference count in ``tier``, indexed by block (read only): the plan
+        reads whole tables against it, a lookup per block being the step's hottest path."""
+        return self._blocks.pools[tier].ref
+
     def prefix_hit(self, request_id: str) -> PrefixHit | None:
         """What this step's lookup found cached for a waiting request (None: nothing)."""
         return self._blocks.prefix_hit(request_id)
@@ -117,7 +125,7 @@ class StepPlan:
         # NOTE: with prefix caching a block may be in several tables: the plan counts each
         # block's references as the decision changes them, and a block is free when its count
         # reaches zero, not when one holder lets go.
-        self._refs: dict[tuple[Tier, int], int] = {}
+        self._refs: dict[Tier, dict[int, int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
         self._reserved: set[int] = set()  # host blocks this step's prefix hits copy from
         # Starts whose hit is cut short (blocks kept): the host could not keep all its blocks.
         self.trimmed: dict[str, int] = {}
@@ -130,7 +138,12 @@ class StepPlan:
     def frees(self, req: Request) -> int:
         """Device blocks preempting resident ``req`` would free now: those of its table no
         other request shares."""
-        return sum(1 for b in self.pool.table(req.request_id) if self._ref(Tier.DEVICE, b) == 1)
+        table = self.pool.table(req.request_id)
+        counts = self.pool.ref_counts(Tier.DEVICE)
+        changed = self._refs[Tier.DEVICE]
+        if not changed:  # NOTE: most calls come before the plan takes or drops a block
+            return countOf(map(counts.__getitem__, table), 1)
+        return sum(1 for b in table if changed.get(b, counts[b]) == 1)
 
     def prefix_hit(self, req: Request, kind: CacheKind | None = None) -> PrefixHit | None:
         """The cached prefix ``req`` starts with if it runs now with a ``kind`` cache: only a
@@ -143,10 +156,10 @@ class StepPlan:
 
     def is_resident(self, req: Request) -> bool:
         """Its KV is on the device after this plan's moves."""
-        rid = req.request_id
-        if rid in self._swapped_in:
+        # NOTE: the status first: most of the requests a packer walks are waiting
+        if req.status is RequestStatus.RUNNING and req.request_id not in self.moved:
             return True
-        return req.status is RequestStatus.RUNNING and rid not in self.moved
+        return req.request_id in self._swapped_in
 
     def cache_kind(self, req: Request) -> CacheKind | None:
         """The kind of cache ``req`` holds after this plan's moves (None: it holds none)."""
@@ -201,7 +214,8 @@ class StepPlan:
         return grow + pins, self._host_keep(hit)
 
     def _ref(self, tier: Tier, block: int) -> int:
-        return self._refs.get((tier, block), self.pool.refs(tier, block))
+        changed = self._refs[tier]
+        return changed[block] if block in changed else self.pool.refs(tier, block)
 
     def _drop(self, tier: Tier, blocks: tuple[int, ...] | list[int]) -> int:
         """One reference fewer to each of ``blocks``; how many that frees (a host block a
@@ -209,7 +223,7 @@ class StepPlan:
         freed = 0
         for b in blocks:
             left = self._ref(tier, b) - 1
-            self._refs[(tier, b)] = left
+            self._refs[tier][b] = left
             if left == 0 and not (tier is Tier.HOST and b in self._reserved):
                 freed += 1
         return freed
@@ -217,7 +231,7 @@ class StepPlan:
     def _take(self, tier: Tier, block: int) -> int:
         """One reference more to a cached block; 1 when that takes it off the free list."""
         ref = self._ref(tier, block)
-        self._refs[(tier, block)] = ref + 1
+        self._refs[tier][block] = ref + 1
         return int(ref == 0 and not (tier is Tier.HOST and block in self._reserved))
 
     def swap_out_need(self, req: Request) -> int:
