@@ -14,7 +14,7 @@ from quanta.core.request import Request, SamplingParams
 from quanta.core.safepoint import AbortSignal, StepAborted
 from quanta.costmodel import PRESETS
 from quanta.sim import SimRunner, SimSetup, simulate, summarize
-from quanta.sim.conserve_repro import CONSERVE_SCHEDULER, conserve_profile
+from quanta.sim.conserve_repro import CONSERVE_SCHEDULER, CONSERVE_SLO, conserve_profile
 from quanta.sim.interactions import Replay
 from quanta.workloads import WorkloadRequest, save_workload
 from typer.testing import CliRunner
@@ -243,3 +243,67 @@ def test_cli_repro_conserve_quick_writes_the_report(tmp_path: Path):
 def test_cli_repro_conserve_needs_a_trace():
     res = CliRunner().invoke(app, ["simulate", "repro", "--figure", "conserve", "--quick"])
     assert res.exit_code != 0 and "--trace" in res.output
+
+
+# -- the step-time calibration -----------------------------------------------------------------
+_TIME_FIELDS = (
+    "step_overhead_s",
+    "per_seq_s",
+    "weights_read_s",
+    "compute_per_token_s",
+    "attn_per_pair_s",
+    "kv_read_per_token_s",
+    "per_attention_call_s",
+    "decode_pad_per_token_s",
+)
+
+
+def _online_tpots(calibrate: bool) -> list[float]:
+    """Online requests decoding beside long offline prefills, scheduled by a profile that
+    predicts every step at a third of the time the (simulated) engine takes; the step's
+    token cap is high enough that the SLO budget, not the cap, sizes the steps."""
+    engine = conserve_profile()
+    optimistic = engine.model_copy(update={f: getattr(engine, f) / 3 for f in _TIME_FIELDS})
+    scheduler = CONSERVE_SCHEDULER.model_copy(update={"max_num_batched_tokens": 8192})
+    trace = [
+        WorkloadRequest(0.0, 4000, 50, request_id=f"b{i}", priority_class="offline")
+        for i in range(60)
+    ] + [WorkloadRequest(0.5 + 0.4 * i, 200, 40, request_id=f"o{i}") for i in range(10)]
+    options = {"profile": optimistic, "calibrate": calibrate}
+    result = simulate(trace, SimSetup("conserve", engine, scheduler, policy_options=options))
+    online = [r for r in result.requests if r.request_id.startswith("o")]
+    return sorted(
+        (r.finish_time - r.first_token_time) / (r.num_output_tokens - 1)
+        for r in online
+        if r.finish_time is not None and r.first_token_time is not None
+    )
+
+
+def test_calibration_holds_the_tpot_slo_when_the_profile_is_optimistic():
+    """ConServe sizes online steps to the 110 ms TPOT SLO by its profile; on an engine three times
+    as slow as the profile the SLO is missed, unless the policy scales its predictions by
+    what steps really took (``CalibratedCost``)."""
+    slo = CONSERVE_SLO.tpot_s
+    blind = _online_tpots(calibrate=False)
+    calibrated = _online_tpots(calibrate=True)
+    assert max(blind) > slo, blind  # the problem is there
+    assert max(calibrated) <= slo, calibrated
+    assert sum(calibrated) < sum(blind)
+
+
+def test_calibration_changes_nothing_where_the_profile_is_right():
+    trace = _offline_then_online(ttft_slo_ms=100)
+    runs = [
+        simulate(
+            trace,
+            SimSetup(
+                "conserve",
+                conserve_profile(),
+                CONSERVE_SCHEDULER,
+                policy_options={"calibrate": calibrate},
+            ),
+        )
+        for calibrate in (False, True)
+    ]
+    times = [[(r.first_token_time, r.finish_time) for r in run.requests] for run in runs]
+    assert times[0] == times[1]

@@ -29,6 +29,7 @@ from quanta.core.decision import PreemptMode
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
+from quanta.policies.calibration import CalibratedCost
 from quanta.policies.common import OFFLINE, ONLINE, arrival_key, is_online, largest
 from quanta.policies.coserve_packer import CoservePacker
 from quanta.policies.coserve_placement import CoservePlacement
@@ -155,6 +156,11 @@ class ConserveOptions(ProfileOptions):
     allow_swap: bool = Field(
         True, description="offline work without a full checkpoint yields by swap (else recompute)"
     )
+    calibrate: bool = Field(
+        True,
+        description="scale the profile's step times by what steps really take (P90 of the "
+        "last 64), so the TPOT budget holds on a machine slower than the profile's",
+    )
 
 
 class OnlineOnlyOptions(SystemOptions):
@@ -166,8 +172,13 @@ def _mode(allow_swap: bool) -> PreemptMode:
 
 
 def _conserve(config: SchedulerConfig, o: ConserveOptions) -> Stages:
-    cost = o.cost()
+    cost: CostModel = o.cost()
+    observers: tuple[CalibratedCost, ...] = ()
+    if o.calibrate:
+        calibrated = CalibratedCost(cost)
+        cost, observers = calibrated, (calibrated,)  # type: ignore[assignment]
     return Stages(
+        observers=observers,
         lanes=ClassLanes(config, cost, tpot_slo_s=o.tpot_slo_s),
         packer=CoservePacker(config, cost),
         placement=CoservePlacement(
