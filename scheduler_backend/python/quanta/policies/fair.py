@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision
@@ -28,7 +28,8 @@ from quanta.core.output import RunnerOutput
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.policies.common import QUEUE_RANK
-from quanta.policies.interactions import InteractionTracker, ServiceCounters
+from quanta.policies.fair_state import Counters, check_state_url, fairness_state
+from quanta.policies.interactions import InteractionTracker
 from quanta.policies.stages import Ordering, Ranking
 from quanta.policies.systems import Stages, System, SystemOptions
 from quanta.policies.throttle import OITAdmission
@@ -37,9 +38,9 @@ from quanta.policies.throttle import OITAdmission
 class _CounterOrder(Ordering):
     """Residents by arrival, then everyone else by the key ``_key``."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, service: Counters | None = None) -> None:
         self.config = config
-        self.service = ServiceCounters()
+        self.service = service if service is not None else fairness_state(None).service
         self._live: dict[str, Request] = {}
 
     def on_admit(self, request: Request, view: SchedulerView) -> None:
@@ -51,6 +52,7 @@ class _CounterOrder(Ordering):
             self.service.leave(request.metadata.tenant)
 
     def rank(self, view: SchedulerView) -> Ranking:
+        self.service.sync()  # NOTE: a shared store's counters, read once for the whole sort
         order = sorted(view.candidates, key=lambda r: self._rank_key(r, view.now))
         seats = self.config.max_num_seqs
         return Ranking(order, {r.request_id: float(i // seats) for i, r in enumerate(order)})
@@ -75,8 +77,9 @@ class VTCOrder(_CounterOrder):
         input_weight: float = 1.0,
         output_weight: float = 2.0,
         weights: Mapping[str, float] | None = None,
+        service: Counters | None = None,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, service)
         self.input_weight, self.output_weight = input_weight, output_weight
         self.weights = dict(weights or {})
 
@@ -127,8 +130,9 @@ class WSCOrder(_CounterOrder):
         priorities: Mapping[str, float] | None = None,
         prior_weight: float = 1000.0,
         stage_weights: Mapping[str, list[float]] | None = None,
+        service: Counters | None = None,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, service)
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         self.tracker = tracker
@@ -217,13 +221,28 @@ def _pooled(means: list[_Mean]) -> _Mean | None:
 
 
 # -- the systems ---------------------------------------------------------------------------
-class VTCOptions(SystemOptions):
+class SharedStateOptions(SystemOptions):
+    """Where the counters, windows and open interactions live (``fair_state.py``)."""
+
+    state_url: str | None = Field(
+        None,
+        description="memory://NAME (shared in this process) or redis://HOST:PORT/DB (shared "
+        "by every replica); none: this policy's own",
+    )
+
+    @field_validator("state_url")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        return check_state_url(url)
+
+
+class VTCOptions(SharedStateOptions):
     input_weight: float = Field(1.0, ge=0, description="counter per prompt token at admission")
     output_weight: float = Field(2.0, ge=0, description="counter per generated token")
     weights: dict[str, float] = Field(default_factory=dict, description="tenant -> weight w")
 
 
-class WSCOptions(SystemOptions):
+class WSCOptions(SharedStateOptions):
     alpha: float = Field(1.0, ge=0, description="weight of input tokens")
     beta: float = Field(2.0, ge=0, description="weight of system-prompt tokens")
     gamma: float = Field(1.0, ge=0, description="weight of output tokens")
@@ -248,6 +267,11 @@ class FairOptions(WSCOptions):
     )
 
 
+def _tracker(o: WSCOptions) -> InteractionTracker:
+    store = fairness_state(o.state_url).interactions(o.interaction_timeout_s)
+    return InteractionTracker(o.interaction_timeout_s, store)
+
+
 def _wsc_order(config: SchedulerConfig, o: WSCOptions, tracker: InteractionTracker) -> WSCOrder:
     return WSCOrder(
         config,
@@ -258,18 +282,22 @@ def _wsc_order(config: SchedulerConfig, o: WSCOptions, tracker: InteractionTrack
         priorities=o.priorities,
         prior_weight=o.prior_weight,
         stage_weights=o.stage_weights,
+        service=fairness_state(o.state_url).service,
     )
 
 
 def _wsc(config: SchedulerConfig, o: WSCOptions) -> Stages:
-    tracker = InteractionTracker(o.interaction_timeout_s)
+    tracker = _tracker(o)
     return Stages(ordering=_wsc_order(config, o, tracker), observers=(tracker,))
 
 
 def _fair(config: SchedulerConfig, o: FairOptions) -> Stages:
-    tracker = InteractionTracker(o.interaction_timeout_s)
+    tracker = _tracker(o)
+    state = fairness_state(o.state_url)
     admission = OITAdmission(
         tracker,
+        users=state.windows("users", o.window_s),
+        apps=state.windows("apps", o.window_s),
         user_limit=o.user_limit,
         app_limit=o.app_limit,
         window_s=o.window_s,
@@ -280,7 +308,11 @@ def _fair(config: SchedulerConfig, o: FairOptions) -> Stages:
 
 def _vtc(config: SchedulerConfig, o: VTCOptions) -> Stages:
     order = VTCOrder(
-        config, input_weight=o.input_weight, output_weight=o.output_weight, weights=o.weights
+        config,
+        input_weight=o.input_weight,
+        output_weight=o.output_weight,
+        weights=o.weights,
+        service=fairness_state(o.state_url).service,
     )
     return Stages(ordering=order)
 

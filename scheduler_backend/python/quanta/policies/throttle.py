@@ -15,46 +15,28 @@ gateway), naming the limit that was hit.
 
 from __future__ import annotations
 
-from collections import deque
-
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
+from quanta.policies.fair_state import (
+    SlidingWindows,
+    Windows,
+    check_state_url,
+    fairness_state,
+)
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.stages import Admission
 from quanta.policies.systems import Stages, System, SystemOptions
 
 
-class _Windows:
-    """Arrival times per key over a sliding window."""
-
-    def __init__(self, window_s: float) -> None:
-        if window_s <= 0:
-            raise ValueError(f"window_s must be > 0, got {window_s}")
-        self.window_s = window_s
-        self._times: dict[str, deque[float]] = {}
-
-    def count(self, key: str, now: float) -> int:
-        times = self._times.setdefault(key, deque())
-        while times and times[0] <= now - self.window_s:
-            times.popleft()
-        return len(times)
-
-    def note(self, key: str, now: float) -> int:
-        """Record an arrival; the count in the window, this one included."""
-        n = self.count(key, now) + 1
-        self._times[key].append(now)
-        return n
-
-
 class RPMAdmission(Admission):
-    def __init__(self, *, limit: int, window_s: float) -> None:
+    def __init__(self, *, limit: int, window_s: float, windows: Windows | None = None) -> None:
         if limit < 1:
             raise ValueError(f"rpm_limit must be >= 1, got {limit}")
         self.limit = limit
-        self.windows = _Windows(window_s)
+        self.windows = windows if windows is not None else SlidingWindows(window_s)
 
     def admit(self, request: Request, view: SchedulerView) -> str | None:
         user = request.metadata.tenant
@@ -76,6 +58,8 @@ class OITAdmission(Admission):
         app_limit: int,
         window_s: float,
         watermark: float,
+        users: Windows | None = None,
+        apps: Windows | None = None,
     ) -> None:
         if user_limit < 1 or app_limit < 1:
             raise ValueError("user_limit and app_limit must be >= 1")
@@ -83,7 +67,8 @@ class OITAdmission(Admission):
             raise ValueError(f"overload_watermark must be in (0, 1], got {watermark}")
         self.tracker = tracker
         self.user_limit, self.app_limit, self.watermark = user_limit, app_limit, watermark
-        self.users, self.apps = _Windows(window_s), _Windows(window_s)
+        self.users = users if users is not None else SlidingWindows(window_s)
+        self.apps = apps if apps is not None else SlidingWindows(window_s)
 
     def overloaded(self, view: SchedulerView, newcomer: Request | None = None) -> bool:
         """The KV cache is overloaded: the device pool is ``watermark`` full and requests
@@ -115,10 +100,19 @@ class OITAdmission(Admission):
 class RPMOptions(SystemOptions):
     rpm_limit: int = Field(20, ge=1, description="requests per user per window")
     window_s: float = Field(60.0, gt=0)
+    state_url: str | None = Field(
+        None, description="memory://NAME or redis://HOST:PORT/DB: windows shared by replicas"
+    )
+
+    @field_validator("state_url")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        return check_state_url(url)
 
 
 def _rpm(config: SchedulerConfig, o: RPMOptions) -> Stages:
-    return Stages(admission=RPMAdmission(limit=o.rpm_limit, window_s=o.window_s))
+    windows = fairness_state(o.state_url).windows("rpm", o.window_s)
+    return Stages(admission=RPMAdmission(limit=o.rpm_limit, window_s=o.window_s, windows=windows))
 
 
 SYSTEMS = [System("rpm", RPMOptions, _rpm, doc="requests per minute")]

@@ -8,6 +8,7 @@ Heavy imports happen inside the commands so that ``quanta --help`` stays fast an
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +16,18 @@ import typer
 
 from quanta.cli_options import PolicyOpt, SloPresetOpt, TbtSloOpt, parse_options
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
+
+
+class RouterOpt(StrEnum):
+    least_outstanding = "least-outstanding"
+    round_robin = "round-robin"
+    prefix_affinity = "prefix-affinity"
+
+
+class OnOff(StrEnum):
+    on = "on"
+    off = "off"
+
 
 CalibrationOpt = Annotated[
     float,
@@ -91,6 +104,19 @@ def simulate_cmd(
             "only uncached prefill is computed, so only it costs time"
         ),
     ] = True,
+    replicas: Annotated[
+        int, typer.Option(min=1, help="engines behind one router on one virtual clock")
+    ] = 1,
+    router: Annotated[
+        RouterOpt, typer.Option(help="how --replicas share the requests")
+    ] = RouterOpt.least_outstanding,
+    shared_state: Annotated[
+        OnOff,
+        typer.Option(
+            help="on: the replicas' fair policies share one state (counters, windows, "
+            "interactions), as with --state-url redis://...; off: each its own"
+        ),
+    ] = OnOff.off,
 ) -> None:
     """Serve a seeded workload on the cost model with the real loop and policy.
 
@@ -149,7 +175,25 @@ def simulate_cmd(
         options,
         prefix_caching=enable_prefix_caching,
     )
-    result = summarize(simulate(trace, setup), delay_threshold_s=delay_threshold, slo=slo)
+    if replicas == 1 and shared_state is OnOff.off:
+        result = summarize(simulate(trace, setup), delay_threshold_s=delay_threshold, slo=slo)
+    else:
+        from quanta.sim.replicas import simulate_replicas
+
+        run = simulate_replicas(
+            trace,
+            setup,
+            replicas,
+            router=router.value,
+            shared_state=shared_state is OnOff.on,
+        )
+        result = summarize(run, delay_threshold_s=delay_threshold, slo=slo)
+        result["replicas"] = {
+            "count": replicas,
+            "router": router.value,
+            "shared_state": shared_state.value,
+            "per_replica": list(run.per_replica),
+        }
     result["workload"] = {
         "name": workload,
         "rate": rate,
