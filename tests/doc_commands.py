@@ -131,6 +131,8 @@ TINY_VALUES = {
     "--repeats": "1",
     "--streams": "3",
     "--tokens": "12",
+    "--replicas": "3",
+    "--abusers": "1",
 }
 
 

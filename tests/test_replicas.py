@@ -4,6 +4,7 @@ shares across replicas kept by a shared state and lost without one."""
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 
 import pytest
@@ -125,3 +126,15 @@ def test_the_cli_runs_replicas(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["replicas"]["count"] == 3 and figures["replicas"]["shared_state"] == "on"
     assert [p["routed"] for p in figures["replicas"]["per_replica"]] == [14, 13, 13]
+
+
+def test_serve_refuses_a_state_url_the_policy_cannot_use():
+    for args, message in (
+        (["--policy", "fcfs"], "unknown state_url"),
+        (["--policy", "fair"], "state_url must be memory://NAME"),
+        ([], "--state-url needs --policy"),
+    ):
+        url = "redis://h:1/0" if args != ["--policy", "fair"] else "mem://x"
+        result = CliRunner().invoke(app, ["serve", *args, "--state-url", url])
+        text = " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())  # the error box undone
+        assert result.exit_code == 2 and message in text, result.output

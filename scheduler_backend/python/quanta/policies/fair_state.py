@@ -149,7 +149,10 @@ class LocalInteractions:
 
 
 class FairnessState(Protocol):
-    """What the fair policies keep, wherever it is kept."""
+    """What the fair policies keep, wherever it is kept; ``errors`` counts the operations a
+    shared store could not do (they fell back to this process's view)."""
+
+    errors: int
 
     @property
     def service(self) -> Counters: ...
@@ -162,6 +165,7 @@ class LocalState:
     """State in this process: a policy's own (no URL) or shared in it (``memory://``)."""
 
     service: ServiceCounters = field(default_factory=ServiceCounters)
+    errors: int = 0  # NOTE: nothing here can fail
     _windows: dict[tuple[str, float], SlidingWindows] = field(default_factory=dict)
     _interactions: dict[float, LocalInteractions] = field(default_factory=dict)
 
@@ -189,6 +193,11 @@ def fairness_state(url: str | None) -> FairnessState:
 
             _SHARED[url] = RedisState(url)
     return _SHARED[url]
+
+
+def state_errors() -> int:
+    """Operations of this process's shared states that failed open (Redis unreachable)."""
+    return sum(s.errors for s in _SHARED.values())
 
 
 def forget_state(url: str) -> None:

@@ -98,6 +98,13 @@ def serve(
         str | None, typer.Option(help="scheduling policy, e.g. fcfs, sj-mlfq, fair+sj-mlfq")
     ] = None,
     policy_option: PolicyOpt = None,
+    state_url: Annotated[
+        str | None,
+        typer.Option(
+            help="redis://HOST:PORT/DB: the fair policies' counters, windows and interactions "
+            "shared with every replica naming it (the policy option state_url)"
+        ),
+    ] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N")] = None,
     linear_kernel: Annotated[
@@ -163,10 +170,14 @@ def serve(
     from quanta.frontends.triton.repository import DEFAULT_MODEL_NAME, write_model_repository
     from quanta.frontends.triton.supervise import drain, supervise
 
+    options = parse_options(policy_option) if policy_option else None
+    if state_url is not None:
+        options = {**(options or {}), "state_url": state_url}
+        _check_state_policy(policy, options)
     try:
         flags = served_parameters(
             policy=policy,
-            policy_options=parse_options(policy_option) if policy_option else None,
+            policy_options=options,
             dtype=dtype,
             device=device,
             linear_kernel=None if linear_kernel is None else linear_kernel.value,
@@ -400,3 +411,20 @@ def _demo(
 
 
 DEMO_TOKENS = 48
+
+
+def _check_state_policy(policy: str | None, options: dict[str, Any]) -> None:
+    """``--state-url`` only means something to a policy that keeps fairness state: refused
+    here, before a server starts, otherwise."""
+    from quanta.policies import parse_policy
+
+    if policy is None:
+        raise typer.BadParameter("--state-url needs --policy (fair, wsc, vtc or rpm)")
+    try:
+        spec = parse_policy(policy, options)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--state-url") from None
+    if not spec.accepts("state_url"):
+        raise typer.BadParameter(
+            f"policy {policy!r} keeps no fairness state to share", param_hint="--state-url"
+        )

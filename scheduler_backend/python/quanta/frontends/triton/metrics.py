@@ -16,6 +16,7 @@ from typing import Any
 
 from quanta.core.loop import LoopStats
 from quanta.core.stream import RequestMetrics
+from quanta.policies.fair_state import state_errors
 
 # fmt: off
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -101,6 +102,12 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         None,
     ),
     "quanta_engine_steps_total": ("COUNTER", "Engine iterations executed.", None),
+    "quanta_fairness_state_errors_total": (
+        "COUNTER",
+        "Operations on the shared fairness state (--state-url) that failed and fell back to "
+        "this replica's own view.",
+        None,
+    ),
     "quanta_prefix_cache_queries_total": (
         "COUNTER",
         "Tokens looked up in the prefix cache, each time a request starts (or restarts after "
@@ -246,6 +253,7 @@ class MetricsReporter:
         self._pending: list[FinishedRecord] = []
         self._lock = threading.Lock()
         self._last: LoopStats | None = None
+        self._state_errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="quanta-metrics", daemon=True)
 
@@ -310,6 +318,11 @@ class MetricsReporter:
             if delta > 0:
                 metric.increment(float(delta))
         self._last = s
+        errors = state_errors()
+        metric = self._metric("quanta_fairness_state_errors_total")
+        if errors > self._state_errors:
+            metric.increment(float(errors - self._state_errors))
+            self._state_errors = errors
 
     def _apply_finished(self, rec: FinishedRecord) -> None:
         tenant = (("tenant", self._tenant(rec.tenant)),)
