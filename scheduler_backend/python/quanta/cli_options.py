@@ -94,3 +94,11 @@ SloPresetOpt = Annotated[
         "longbench-13b, and -30b, -66b (explicit --ttft-slo/--tbt-slo override its parts)"
     ),
 ]
+
+
+class RouterOpt(StrEnum):
+    """How requests pick a replica: the gateway's router and the simulator's."""
+
+    least_outstanding = "least-outstanding"
+    round_robin = "round-robin"
+    prefix_affinity = "prefix-affinity"

@@ -14,14 +14,8 @@ from typing import Annotated, Any
 
 import typer
 
-from quanta.cli_options import PolicyOpt, SloPresetOpt, TbtSloOpt, parse_options
+from quanta.cli_options import PolicyOpt, RouterOpt, SloPresetOpt, TbtSloOpt, parse_options
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
-
-
-class RouterOpt(StrEnum):
-    least_outstanding = "least-outstanding"
-    round_robin = "round-robin"
-    prefix_affinity = "prefix-affinity"
 
 
 class OnOff(StrEnum):

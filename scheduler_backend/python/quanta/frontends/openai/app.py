@@ -13,11 +13,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -40,11 +40,13 @@ from quanta.frontends.openai.protocol import (
     completion_logprobs,
     usage,
 )
+from quanta.frontends.openai.router import ReplicaRouter, RoutedStream
 from quanta.frontends.openai.sse import DisconnectWatcher, event_stream, interleave
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
 from quanta.frontends.triton.client import request_inputs
 
 Body = CompletionRequest | ChatCompletionRequest
+Stream = GenerationStream | RoutedStream
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
 
@@ -61,6 +63,9 @@ class GatewaySettings(BaseModel):
     request_timeout_s: float | None = Field(None, gt=0)
     state_dir: Path = Path("quanta-state")  # Batch API files and batches (relative: to the cwd)
     batch_concurrency: int = Field(64, ge=1)  # batch lines in flight at once, all batches
+    # Several Triton replicas (``router.py``): when given, they replace ``triton_grpc_url``.
+    upstreams: tuple[str, ...] = ()
+    router: Literal["least-outstanding", "round-robin", "prefix-affinity"] = "least-outstanding"
 
 
 def create_app(
@@ -95,6 +100,8 @@ def create_app(
     app.get("/v1/models/{model}")(gateway.model)
     app.get("/health", response_model=None)(gateway.health)
     app.post("/reset_prefix_cache", response_model=None)(gateway.reset_prefix_cache)
+    if isinstance(gateway.upstream, ReplicaRouter):
+        app.get("/metrics", response_model=None)(gateway.metrics)
     app.exception_handler(OpenAIError)(_openai_error)
     app.exception_handler(RequestValidationError)(_validation_error)
     app.exception_handler(HTTPException)(_http_error)
@@ -109,13 +116,23 @@ class Gateway:
         self,
         settings: GatewaySettings,
         chat_template: ChatTemplate,
-        upstream: TritonGrpc | None = None,
+        upstream: TritonGrpc | ReplicaRouter | None = None,
     ) -> None:
         self.settings = settings
         self.template = chat_template
-        self.upstream = upstream or TritonGrpc(
-            settings.triton_grpc_url, timeout_s=settings.request_timeout_s
-        )
+        self.upstream: TritonGrpc | ReplicaRouter
+        if upstream is not None:
+            self.upstream = upstream
+        elif settings.upstreams:
+            self.upstream = ReplicaRouter(
+                list(settings.upstreams),
+                policy=settings.router,
+                timeout_s=settings.request_timeout_s,
+            )
+        else:
+            self.upstream = TritonGrpc(
+                settings.triton_grpc_url, timeout_s=settings.request_timeout_s
+            )
         self.triton_model = settings.triton_model or settings.model_name
         self.created = int(time.time())
 
@@ -151,6 +168,13 @@ class Gateway:
         if await self.upstream.is_model_ready(self.triton_model):
             return JSONResponse({"status": "ok"})
         raise OpenAIError(503, f"model '{self.triton_model}' is not ready in Triton")
+
+    async def metrics(self) -> Response:
+        """Each replica's load and state (Prometheus text format), when routing to several."""
+        assert isinstance(self.upstream, ReplicaRouter)  # NOTE: the route exists only then
+        return PlainTextResponse(
+            self.upstream.metrics_text(), media_type="text/plain; version=0.0.4"
+        )
 
     async def reset_prefix_cache(self) -> Response:
         """vLLM's route: the model forgets every cached prefix, so requests sent after the
@@ -289,7 +313,7 @@ class Gateway:
         rid: str,
         body: Body,
         firsts: list[dict[str, Any]],
-        streams: list[GenerationStream],
+        streams: list[Stream],
         echo: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         """Every choice's chunks as they come, then the usage chunk if asked."""
@@ -331,7 +355,7 @@ class Gateway:
         rid: str,
         body: Body,
         first: dict[str, Any],
-        stream: GenerationStream,
+        stream: Stream,
         index: int,
         note: Callable[[int, dict[str, Any]], None],
         echo: str = "",
@@ -397,14 +421,14 @@ def _indexed(chunk: dict[str, Any], index: int) -> dict[str, Any]:
     return chunk
 
 
-async def _next(stream: GenerationStream) -> dict[str, Any]:
+async def _next(stream: Stream) -> dict[str, Any]:
     try:
         return await stream.__anext__()
     except UpstreamError as exc:
         raise _upstream_error(exc) from None
 
 
-async def _mapped(stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
+async def _mapped(stream: Stream) -> AsyncIterator[dict[str, Any]]:
     while not stream.done:
         yield await _next(stream)
 

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from quanta.cli_options import RouterOpt
+
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     """Add ``openai`` to the main app."""
@@ -48,6 +50,16 @@ def openai(
     batch_concurrency: Annotated[
         int, typer.Option(min=1, help="batch requests in flight at once, over all batches")
     ] = 64,
+    upstream: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="a Triton replica's gRPC endpoint, host:port; repeat for several (replaces "
+            "--triton-grpc-url; docs/scale-out.md)"
+        ),
+    ] = None,
+    router: Annotated[
+        RouterOpt, typer.Option(help="how requests pick a replica (with --upstream)")
+    ] = RouterOpt.least_outstanding,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and the Batch API (/v1/files,
     /v1/batches), forwarding to Triton gRPC."""
@@ -68,6 +80,9 @@ def openai(
         request_timeout_s=request_timeout,
         state_dir=state_dir,
         batch_concurrency=batch_concurrency,
+        upstreams=tuple(upstream or ()),
+        router=router.value,
     )
-    typer.echo(f"OpenAI  http://{host}:{port}/v1 -> Triton gRPC {triton_grpc_url}")
+    target = ", ".join(upstream) + f" ({router.value})" if upstream else triton_grpc_url
+    typer.echo(f"OpenAI  http://{host}:{port}/v1 -> Triton gRPC {target}")
     GatewayServer(settings, host=host, port=port, chat_template=template, log_level="info").run()
