@@ -505,3 +505,34 @@ def test_real_engine_outputs_survive_mlfq_preemption(opt_tiny):
     assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute > 0
     tight.engine.loop.blocks.check_integrity()
     assert tight.engine.loop.blocks.all_free()
+
+
+# -- patience: a newcomer takes a seated job's place only after waiting ---------------------
+@pytest.mark.parametrize("patience", [0.0, 1.0, 100.0])
+def test_patience_bounds_how_long_a_newcomer_waits_for_a_seat(patience):
+    """One seat. A long job holds it; a short one arrives at 0.5 s. FastServe's rule
+    (patience 0) gives the newcomer the seat at once (its queue is higher); with patience it
+    waits that long first, and a patience longer than the long job leaves it FCFS's order."""
+    from quanta.sim import SimSetup, simulate
+    from quanta.workloads import WorkloadRequest
+
+    cost = PRESETS["a100-opt13b"]
+    trace = [
+        WorkloadRequest(0.0, 64, 400, request_id="long"),
+        WorkloadRequest(0.5, 64, 4, request_id="short"),
+    ]
+    setup = SimSetup(
+        "sj-mlfq",
+        cost,
+        SchedulerConfig(max_num_seqs=1),
+        policy_options={"patience_s": patience},
+    )
+    by_id = {r.request_id: r for r in simulate(trace, setup).requests}
+    long, short = by_id["long"], by_id["short"]
+    wait = short.first_token_time - short.arrival_time
+    if patience == 0.0:
+        assert wait < 0.1
+    elif patience == 1.0:
+        assert 1.0 <= wait < 1.1
+    else:
+        assert short.first_token_time > long.finish_time  # the seat was never taken

@@ -56,6 +56,12 @@ class SkipJoinOptions(PriorityOptions):
     num_queues: int = Field(16, ge=1)
     starve_limit: float = Field(3.0, gt=0, description="seconds without running before Q1")
     starve_check_every: int = Field(1000, ge=1, description="iterations between checks")
+    patience_s: float = Field(
+        0.0,
+        ge=0,
+        description="a new job takes a running job's seat only after waiting this long "
+        "(0: at once, FastServe's rule)",
+    )
 
 
 OrderMaker = Callable[[SchedulerConfig, Any, CostModel], PriorityOrder]
@@ -103,6 +109,7 @@ def _skip_join(kind: type[SkipJoinMLFQ]) -> OrderMaker:
             num_queues=o.num_queues,
             starve_limit=o.starve_limit,
             starve_check_every=o.starve_check_every,
+            patience_s=o.patience_s,
         )
 
     return make

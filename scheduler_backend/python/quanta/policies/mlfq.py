@@ -137,8 +137,14 @@ class SkipJoinMLFQ(PriorityOrder):
         num_queues: int = 16,
         starve_limit: float = 3.0,
         starve_check_every: int = 1000,
+        patience_s: float = 0.0,
     ) -> None:
         super().__init__(config, cost, service)
+        # A job that has not started yet ranks behind the running ones until it has waited
+        # this long: below capacity a seat frees before then, so nobody is displaced for a
+        # newcomer (FCFS's behaviour), while under overload waits pass it at once.
+        self.patience_s = patience_s
+        self._seated: set[str] = set()  # the jobs that ran in the latest step
         q1 = cost.min_iteration_time if base_quantum is None else base_quantum
         self.quanta = [q1 * quantum_ratio**k for k in range(num_queues)]
         # The paper tunes alpha from the SLO without giving a value, and checks
@@ -166,7 +172,19 @@ class SkipJoinMLFQ(PriorityOrder):
         return self._fit_level(prefill)
 
     def _key(self, job: Job) -> tuple[float, ...]:
-        return (job.level, job.ticket)
+        return (self._patient(job), job.level, job.ticket)
+
+    def _patient(self, job: Job) -> int:
+        """1 for a job without a seat (it did not run in the latest step) that has waited
+        less than its patience: it ranks behind the jobs that hold seats, so it takes only a
+        free one; 0 otherwise (the queue order decides)."""
+        if self.patience_s <= 0 or job.request.request_id in self._seated:
+            return 0
+        return int(self._now - job.last_run < self.patience_s)
+
+    def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
+        super().on_step(decision, output, step_time)
+        self._seated = {rid for rid, _ in decision.run}
 
     def _promote_starved(self, jobs: list[Job], now: float) -> None:
         self._iterations += 1
