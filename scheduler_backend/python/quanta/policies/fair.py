@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision
@@ -28,10 +28,10 @@ from quanta.core.output import RunnerOutput
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.policies.common import QUEUE_RANK
-from quanta.policies.fair_state import Counters, check_state_url, fairness_state
+from quanta.policies.fair_state import Counters, fairness_state
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.stages import Ordering, Ranking
-from quanta.policies.systems import Stages, System, SystemOptions
+from quanta.policies.systems import SharedStateOptions, Stages, System
 from quanta.policies.throttle import OITAdmission
 
 
@@ -221,21 +221,6 @@ def _pooled(means: list[_Mean]) -> _Mean | None:
 
 
 # -- the systems ---------------------------------------------------------------------------
-class SharedStateOptions(SystemOptions):
-    """Where the counters, windows and open interactions live (``fair_state.py``)."""
-
-    state_url: str | None = Field(
-        None,
-        description="memory://NAME (shared in this process) or redis://HOST:PORT/DB (shared "
-        "by every replica); none: this policy's own",
-    )
-
-    @field_validator("state_url")
-    @classmethod
-    def _known_scheme(cls, url: str | None) -> str | None:
-        return check_state_url(url)
-
-
 class VTCOptions(SharedStateOptions):
     input_weight: float = Field(1.0, ge=0, description="counter per prompt token at admission")
     output_weight: float = Field(2.0, ge=0, description="counter per generated token")

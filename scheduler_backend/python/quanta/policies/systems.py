@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.core.config import SchedulerConfig
 from quanta.costmodel import PRESETS, CostModel, get_profile, load_profile
+from quanta.policies.fair_state import check_state_url
 from quanta.policies.stages import Admission, Lanes, Ordering, Packer, Placement, Reorder, Stage
 
 
@@ -52,6 +53,22 @@ class ProfileOptions(SystemOptions):
 
     def cost(self) -> CostModel:
         return get_profile(self.profile)  # type: ignore[arg-type]
+
+
+class SharedStateOptions(SystemOptions):
+    """A system whose fairness state (counters, windows, interactions) may live elsewhere
+    (``fair_state.py``)."""
+
+    state_url: str | None = Field(
+        None,
+        description="memory://NAME (shared in this process) or redis://HOST:PORT/DB (shared "
+        "by every replica); none: this policy's own",
+    )
+
+    @field_validator("state_url")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        return check_state_url(url)
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,15 @@ gateway), naming the limit that was hit.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
-from quanta.policies.fair_state import (
-    SlidingWindows,
-    Windows,
-    check_state_url,
-    fairness_state,
-)
+from quanta.policies.fair_state import SlidingWindows, Windows, fairness_state
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.stages import Admission
-from quanta.policies.systems import Stages, System, SystemOptions
+from quanta.policies.systems import SharedStateOptions, Stages, System
 
 
 class RPMAdmission(Admission):
@@ -97,17 +92,9 @@ class OITAdmission(Admission):
         return None
 
 
-class RPMOptions(SystemOptions):
+class RPMOptions(SharedStateOptions):
     rpm_limit: int = Field(20, ge=1, description="requests per user per window")
     window_s: float = Field(60.0, gt=0)
-    state_url: str | None = Field(
-        None, description="memory://NAME or redis://HOST:PORT/DB: windows shared by replicas"
-    )
-
-    @field_validator("state_url")
-    @classmethod
-    def _known_scheme(cls, url: str | None) -> str | None:
-        return check_state_url(url)
 
 
 def _rpm(config: SchedulerConfig, o: RPMOptions) -> Stages:
