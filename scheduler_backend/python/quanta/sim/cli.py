@@ -172,22 +172,17 @@ def simulate_cmd(
     if replicas == 1 and shared_state is OnOff.off:
         result = summarize(simulate(trace, setup), delay_threshold_s=delay_threshold, slo=slo)
     else:
-        from quanta.sim.replicas import simulate_replicas
+        from quanta.sim.replicas import summarize_replicas
 
-        run = simulate_replicas(
+        result = summarize_replicas(
             trace,
             setup,
             replicas,
             router=router.value,
             shared_state=shared_state is OnOff.on,
+            delay_threshold_s=delay_threshold,
+            slo=slo,
         )
-        result = summarize(run, delay_threshold_s=delay_threshold, slo=slo)
-        result["replicas"] = {
-            "count": replicas,
-            "router": router.value,
-            "shared_state": shared_state.value,
-            "per_replica": list(run.per_replica),
-        }
     result["workload"] = {
         "name": workload,
         "rate": rate,

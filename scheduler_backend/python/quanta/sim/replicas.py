@@ -39,10 +39,12 @@ from quanta.core.errors import InvalidRequestError
 from quanta.core.loop import EngineLoop, LoopStats
 from quanta.core.request import Request
 from quanta.core.stream import RequestOutput
+from quanta.metrics import SLO
 from quanta.policies import parse_policy
 from quanta.policies.fair_state import forget_state
 from quanta.sim.driver import SimResult, SimSetup, build_requests, make_sim_policy, replay_of
 from quanta.sim.interactions import Replay
+from quanta.sim.metrics import summarize
 from quanta.sim.runner import SimRunner, SimStats
 from quanta.workloads import WorkloadRequest
 
@@ -111,6 +113,29 @@ def simulate_replicas(
     finally:
         if url is not None:
             forget_state(url)
+
+
+def summarize_replicas(
+    trace: Sequence[WorkloadRequest],
+    setup: SimSetup,
+    replicas: int,
+    *,
+    router: str,
+    shared_state: bool,
+    delay_threshold_s: float,
+    slo: SLO | None,
+) -> dict[str, Any]:
+    """``quanta simulate``'s JSON of a replicated run: ``summarize``'s figures over every
+    request, and under ``replicas`` the router, the state and each replica's share."""
+    run = simulate_replicas(trace, setup, replicas, router=router, shared_state=shared_state)
+    result = summarize(run, delay_threshold_s=delay_threshold_s, slo=slo)
+    result["replicas"] = {
+        "count": replicas,
+        "router": router,
+        "shared_state": "on" if shared_state else "off",
+        "per_replica": list(run.per_replica),
+    }
+    return result
 
 
 def _run(

@@ -40,7 +40,7 @@ from quanta.frontends.openai.protocol import (
     completion_logprobs,
     usage,
 )
-from quanta.frontends.openai.router import ReplicaRouter, RoutedStream
+from quanta.frontends.openai.router import ReplicaRouter, RoutedStream, make_upstream
 from quanta.frontends.openai.sse import DisconnectWatcher, event_stream, interleave
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
 from quanta.frontends.triton.client import request_inputs
@@ -120,19 +120,12 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.template = chat_template
-        self.upstream: TritonGrpc | ReplicaRouter
-        if upstream is not None:
-            self.upstream = upstream
-        elif settings.upstreams:
-            self.upstream = ReplicaRouter(
-                list(settings.upstreams),
-                policy=settings.router,
-                timeout_s=settings.request_timeout_s,
-            )
-        else:
-            self.upstream = TritonGrpc(
-                settings.triton_grpc_url, timeout_s=settings.request_timeout_s
-            )
+        self.upstream = upstream or make_upstream(
+            settings.triton_grpc_url,
+            settings.upstreams,
+            settings.router,
+            settings.request_timeout_s,
+        )
         self.triton_model = settings.triton_model or settings.model_name
         self.created = int(time.time())
 

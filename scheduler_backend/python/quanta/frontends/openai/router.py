@@ -155,6 +155,16 @@ class ReplicaRouter:
         return "\n".join(lines) + "\n"
 
 
+def make_upstream(
+    url: str, upstreams: tuple[str, ...], policy: str, timeout_s: float | None
+) -> TritonGrpc | ReplicaRouter:
+    """The gateway's upstream: a router over ``upstreams`` when any are given, else the one
+    Triton at ``url`` (no routing in the way)."""
+    if upstreams:
+        return ReplicaRouter(list(upstreams), policy=policy, timeout_s=timeout_s)
+    return TritonGrpc(url, timeout_s=timeout_s)
+
+
 def _affinity_key(inputs: dict[str, Any]) -> str:
     if "text_input" in inputs:
         return str(inputs["text_input"])[:AFFINITY_CHARS]
