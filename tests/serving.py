@@ -172,10 +172,13 @@ def start_serve(
     overrides: dict[str, str] | None = None,
     timeout: float = 180.0,
     model_dir: Path | None = None,
+    args: tuple[str, ...] = (),
 ) -> LiveServe:
     """Start ``quanta serve`` with the gateway on free ports; return once it printed "ready".
 
     Without ``model_dir`` the backend's preset builds ``root/engines/opt-tiny`` at model load.
+    ``args`` go to the command; with ``--replicas`` Triton's ports are left to each replica
+    (0), and the URLs returned are the first replica's.
     """
     from quanta.frontends.triton.launcher import free_port
     from quanta.frontends.triton.repository import write_model_repository
@@ -185,8 +188,10 @@ def start_serve(
         root / "models", overrides={"model_dir": str(model_dir), **TEST_MODEL, **(overrides or {})}
     )
     cmd = [sys.executable, "-m", "quanta.cli", "serve", "--model-repository", str(repo)]
+    replicated = "--replicas" in args
     for option in ("--http-port", "--grpc-port", "--metrics-port", "--openai-port"):
-        cmd += [option, str(free_port())]
+        cmd += [option, "0" if replicated and option != "--openai-port" else str(free_port())]
+    cmd += list(args)
     cmd += ["--log-file", str(root / "tritonserver.log")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -197,10 +202,10 @@ def start_serve(
     if output.wait_for("ready", timeout) is None:
         _stop(proc)
         raise RuntimeError("quanta serve did not become ready:\n" + output.text())
-    urls = {}
+    urls: dict[str, str] = {}
     for line in output.lines:
         if m := re.match(r"(HTTP|gRPC|metrics|OpenAI)\s+(\S+)", line):
-            urls[m.group(1)] = m.group(2)
+            urls.setdefault(m.group(1), m.group(2))
     return LiveServe(
         proc, urls["HTTP"], urls["gRPC"], urls["metrics"], urls["OpenAI"], model_dir, output
     )

@@ -726,3 +726,34 @@ def test_random_json_never_breaks_either_endpoint(live, body):
     status, raw = _post_raw(f"{live.http_url}/v2/models/{live.triton_model}/generate", body)
     assert status in (200, 400, 404, 500), raw
     assert json.loads(raw), raw  # an answer, whatever it is
+
+
+@pytest.mark.slow
+def test_serve_replicas_behind_one_gateway(tmp_path, opt_tiny):
+    """``quanta serve --replicas 2 --openai-port``: two tritonservers, the gateway routing to
+    both (concurrent requests spread by least-outstanding), and Ctrl-C stops all of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    serve = start_serve(tmp_path, model_dir=opt_tiny, args=("--replicas", "2"))
+    try:
+        with openai.OpenAI(base_url=serve.openai_url, api_key="-", max_retries=0) as c:
+
+            def ask(i: int) -> str:
+                choice = c.completions.create(model=MODEL, prompt=f"Hi {i}", max_tokens=8)
+                return choice.choices[0].finish_reason
+
+            with ThreadPoolExecutor(4) as pool:
+                assert list(pool.map(ask, range(8))) == ["length"] * 8
+        base = serve.openai_url.removesuffix("/v1")
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+    finally:
+        code, out = stop_serve(serve)
+    assert code == 0, out
+    assert out.count("(replica 1)") == 3 and "ready; Ctrl-C stops the servers" in out
+    sent = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("quanta_gateway_upstream_requests_total{")
+    ]
+    assert len(sent) == 2 and sum(sent) == 8 and min(sent) > 0, metrics

@@ -19,6 +19,7 @@ from quanta.cli_options import (
     LinearKernelOpt,
     PolicyOpt,
     PrefixCachingOverrideOpt,
+    RouterOpt,
     SpeculativeConfigOpt,
     parse_options,
     parse_speculative_config,
@@ -161,6 +162,17 @@ def serve(
             "(a server up for 5 minutes resets the count); 0: exit with it",
         ),
     ] = 5,
+    replicas: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="tritonservers of the same model on this machine, replica i on the ports "
+            "plus 10*i; with --openai-port the gateway routes to all of them",
+        ),
+    ] = 1,
+    router: Annotated[
+        RouterOpt, typer.Option(help="how the gateway picks a replica (with --replicas)")
+    ] = RouterOpt.least_outstanding,
 ) -> None:
     """Serve MODEL, or the model repository, through tritonserver (HTTP, gRPC, metrics)."""
     from quanta.frontends.openai.server import model_dir_from_repository
@@ -168,7 +180,7 @@ def serve(
     from quanta.frontends.triton.launcher import LaunchError, ServerOptions, TritonServer
     from quanta.frontends.triton.model_entry import EntryError, served_parameters, write_entry
     from quanta.frontends.triton.repository import DEFAULT_MODEL_NAME, write_model_repository
-    from quanta.frontends.triton.supervise import drain, supervise
+    from quanta.frontends.triton.supervise import drain_all, supervise_all
 
     options = parse_options(policy_option) if policy_option else None
     if state_url is not None:
@@ -227,46 +239,57 @@ def serve(
             typer.echo(f"error: {repo} would not load; nothing started", err=True)
             raise typer.Exit(1)
         model_name = model_name or served
-        server = TritonServer(
-            ServerOptions(
-                model_repository=repo,
-                host=host,
-                http_port=http_port,
-                grpc_port=grpc_port,
-                metrics_port=metrics_port,
-                tritonserver=tritonserver,
-                backend_dir=backend_dir,
-                log_verbose=log_verbose,
-            ),
-            log_file=log_file,
-        )
+        if replicas > 1 and demo is not None:
+            raise typer.BadParameter("--demo runs one server: leave out --replicas")
+        servers = [
+            TritonServer(
+                ServerOptions(
+                    model_repository=repo,
+                    host=host,
+                    http_port=_replica_port(http_port, i),
+                    grpc_port=_replica_port(grpc_port, i),
+                    metrics_port=_replica_port(metrics_port, i),
+                    tritonserver=tritonserver,
+                    backend_dir=backend_dir,
+                    log_verbose=log_verbose,
+                ),
+                log_file=_replica_log(log_file, i),
+            )
+            for i in range(replicas)
+        ]
+        server = servers[0]
         # `kill` stops the server cleanly too, and Ctrl-C / `kill -INT` works even when the
         # process was started with SIGINT ignored (a background job of a script).
         signal.signal(signal.SIGTERM, _interrupt)
         signal.signal(signal.SIGINT, _interrupt)
         gateway = None
         try:
-            server.start()
-            server.wait_ready(ready_timeout)
-            typer.echo(f"HTTP    {server.http_url}")
-            typer.echo(f"gRPC    {server.grpc_url}")
-            typer.echo(f"metrics {server.metrics_url}")
+            for s in servers:  # NOTE: all start loading at once, then each is waited for
+                s.start()
+            for i, s in enumerate(servers):
+                s.wait_ready(ready_timeout)
+                label = f" (replica {i})" if replicas > 1 else ""
+                typer.echo(f"HTTP    {s.http_url}{label}")
+                typer.echo(f"gRPC    {s.grpc_url}{label}")
+                typer.echo(f"metrics {s.metrics_url}{label}")
             if openai_port is not None:
-                gateway = _start_gateway(server, repo, host, openai_port, model_name, state_dir)
+                gateway = _start_gateway(
+                    servers, repo, host, openai_port, model_name, state_dir, router.value
+                )
                 typer.echo(f"OpenAI  {gateway.url}/v1")
             if demo is not None:
                 entry = model if model is not None else model_dir_from_repository(repo, model_name)
                 _demo(server.http_url, model_name, demo, entry, gateway and gateway.url)
                 return
-            typer.echo("ready; Ctrl-C stops the server")
-            code = supervise(server, max_restarts, ready_timeout)
+            typer.echo("ready; Ctrl-C stops the server" + ("s" if replicas > 1 else ""))
+            code = supervise_all(servers, max_restarts, ready_timeout)
             if code != 0:
                 raise typer.Exit(code)
         except LaunchError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
-            drain(server, drain_timeout)
+            drain_all(servers, drain_timeout)
             typer.echo("shutting down tritonserver ...")
         finally:
             # NOTE: a further Ctrl-C must not interrupt the stop half way and orphan Triton;
@@ -275,7 +298,8 @@ def serve(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if gateway is not None:
                 gateway.stop()
-            server.stop()
+            for s in servers:
+                s.stop()
 
 
 def check_config(
@@ -324,8 +348,25 @@ def reset_prefix_cache(
     typer.echo(f"model {model_name!r}: prefix cache reset")
 
 
+def _replica_port(port: int, i: int) -> int:
+    """Replica ``i``'s port: ten above the last one's, or any free one where 0 was asked."""
+    return port + 10 * i if port else 0
+
+
+def _replica_log(log_file: Path | None, i: int) -> Path | None:
+    if log_file is None or i == 0:
+        return log_file
+    return log_file.with_name(f"{log_file.stem}.{i}{log_file.suffix}")
+
+
 def _start_gateway(
-    server: Any, repo: Path, host: str, port: int, model_name: str, state_dir: Path
+    servers: list[Any],
+    repo: Path,
+    host: str,
+    port: int,
+    model_name: str,
+    state_dir: Path,
+    router: str,
 ) -> Any:
     from quanta.frontends.openai.server import (
         GatewayError,
@@ -335,8 +376,11 @@ def _start_gateway(
     from quanta.frontends.triton.launcher import LaunchError, free_port
 
     try:
+        upstreams = tuple(s.grpc_url for s in servers) if len(servers) > 1 else ()
         return start_gateway(
-            server.grpc_url,
+            servers[0].grpc_url,
+            upstreams=upstreams,
+            router=router,
             host=host,
             port=port or free_port(host),
             model_name=model_name,

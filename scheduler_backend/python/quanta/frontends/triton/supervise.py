@@ -6,6 +6,7 @@ this is the serve side: the messages, the backoff and the limits.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -77,3 +78,39 @@ def supervise(server: Any, max_restarts: int, ready_timeout: float) -> int:
             typer.echo(f"restart failed: {exc}", err=True)
             continue
         typer.echo(f"ready again after restart {server.restarts}")
+
+
+def supervise_all(servers: list[Any], max_restarts: int, ready_timeout: float) -> int:
+    """``supervise`` each server on a thread of its own; returns when every one has stopped
+    for good, with the first non-zero exit code (a replica that gives up leaves the others
+    serving). The main thread only waits, so Ctrl-C still reaches it."""
+    if len(servers) == 1:
+        return supervise(servers[0], max_restarts, ready_timeout)
+    codes = [0] * len(servers)
+
+    def run(i: int) -> None:
+        codes[i] = supervise(servers[i], max_restarts, ready_timeout)
+
+    threads = [
+        threading.Thread(target=run, args=(i,), name=f"supervise-{i}", daemon=True)
+        for i in range(len(servers))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)  # NOTE: a bounded join keeps the main thread interruptible
+    return next((c for c in codes if c != 0), 0)
+
+
+def drain_all(servers: list[Any], timeout: float) -> None:
+    """Drain every replica at once (each refuses new requests at the same moment), within
+    one ``timeout``."""
+    if len(servers) == 1:
+        drain(servers[0], timeout)
+        return
+    threads = [threading.Thread(target=drain, args=(s, timeout), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
