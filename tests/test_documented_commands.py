@@ -43,6 +43,9 @@ NOT_RUN = {
     "model twice (minutes); tests/test_bench_lm_eval.py covers its data and report",
     "docker ": "no container engine on the test machines; tests/test_packaging.py runs the "
     "image's steps",
+    "python loadtests/fair_replicas.py": "starts two replicas (and Redis) for each mode and "
+    "loads them for a minute each; tests/test_openai_gateway.py runs --replicas 2 behind the "
+    "gateway and tests/test_fair_redis.py the shared state",
     "bash loadtests/genai_perf.sh": "installs genai-perf and perf_analyzer's libraries (network); "
     "tests/test_trtllm_layout.py sends TensorRT-LLM-shaped requests",
 }
