@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from quanta.policies.fair_state import LocalInteractions, ServiceCounters, SlidingWindows
+from quanta.policies.fair_state import LocalInteractions, SlidingWindows
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -152,28 +152,25 @@ class RedisState:
 
 class RedisCounters:
     """``ServiceCounters`` over Redis: local additions sent, and all counters read, once a
-    step; entries and exits (the lift rule's bookkeeping) go at once."""
+    step; entries and exits (the lift rule's bookkeeping) go at once. While Redis is down an
+    entry lifts nobody: the counters stay as last read plus this replica's additions."""
 
     def __init__(self, state: RedisState) -> None:
         self.state = state
         self._snapshot: dict[str, float] = {}
         self._pending: dict[str, float] = defaultdict(float)
-        self._local = ServiceCounters()  # the lift rule, while Redis is down
         k = state.key
         self._keys = [k("service"), k("live"), k("last_exit")]
 
     def enter(self, user: str) -> None:
-        self._local.enter(user)
         self.sync()
         self.state.attempt(lambda: self.state.run("enter", self._keys, [user]), lambda: None)
 
     def leave(self, user: str) -> None:
-        self._local.leave(user)
         self.state.attempt(lambda: self.state.run("leave", self._keys, [user]), lambda: None)
 
     def add(self, user: str, amount: float) -> None:
         self._pending[user] += amount
-        self._local.add(user, amount)
 
     def of(self, user: str) -> float:
         return self._snapshot.get(user, 0.0) + self._pending.get(user, 0.0)
