@@ -18,7 +18,19 @@ MAX_AFTER = 30
 MODEL = "quanta-roomy"
 
 
+# A cancellation's way through Triton is timed by the machine, and a CI machine running
+# other test workers beside the server can stretch one measurement to twice the bound (77
+# once); the broken path ran on for about 100 tokens every time, so a second measurement is
+# taken before failing: a regression fails both.
+ATTEMPTS = 2
+
+
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 def test_a_disconnected_stream_stops_within_a_few_steps_under_load(triton, transport):
-    after, _ = tokens_after_disconnect(triton, OTHERS + 1, TOKENS, transport, model=MODEL)
-    assert 0 <= after <= MAX_AFTER, f"{after} tokens generated after the disconnect"
+    counts = []
+    for _ in range(ATTEMPTS):
+        after, _ = tokens_after_disconnect(triton, OTHERS + 1, TOKENS, transport, model=MODEL)
+        counts.append(after)
+        if 0 <= after <= MAX_AFTER:
+            return
+    raise AssertionError(f"tokens generated after the disconnect, each attempt: {counts}")
