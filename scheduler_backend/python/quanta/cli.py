@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt, PrefixCachingOpt
+from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt, PrefixCachingOpt, batch_sizes
 
 app = typer.Typer(
     help="Quanta: preemptive, fair, SLO-aware LLM serving for Triton.",
@@ -129,7 +129,7 @@ def bench_engine(
     from quanta.bench.engine import run_engine_bench
     from quanta.build.manifest import EngineManifestError
 
-    sizes = [int(b) for b in batch.split(",") if b.strip()]
+    sizes = batch_sizes(batch)
     try:
         run_engine_bench(
             model,

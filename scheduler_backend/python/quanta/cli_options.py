@@ -102,3 +102,25 @@ class RouterOpt(StrEnum):
     least_outstanding = "least-outstanding"
     round_robin = "round-robin"
     prefix_affinity = "prefix-affinity"
+
+
+def batch_sizes(text: str) -> list[int]:
+    """A ``--batch`` value, comma-separated sizes (``1,8,32``)."""
+    return [int(b) for b in text.split(",") if b.strip()]
+
+
+def check_state_policy(policy: str | None, options: dict[str, Any]) -> None:
+    """``--state-url`` only means something to a policy that keeps fairness state: refused
+    here, before a server starts, otherwise."""
+    from quanta.policies import parse_policy
+
+    if policy is None:
+        raise typer.BadParameter("--state-url needs --policy (fair, wsc, vtc or rpm)")
+    try:
+        spec = parse_policy(policy, options)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--state-url") from None
+    if not spec.accepts("state_url"):
+        raise typer.BadParameter(
+            f"policy {policy!r} keeps no fairness state to share", param_hint="--state-url"
+        )

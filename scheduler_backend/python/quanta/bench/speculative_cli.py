@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from quanta.bench.model_option import DtypeOpt, ModelOpt, OutOpt, ThreadsOpt
-from quanta.cli_options import SpeculativeConfigOpt, parse_speculative_config
+from quanta.cli_options import SpeculativeConfigOpt, batch_sizes, parse_speculative_config
 
 _DEFAULT = '{"method": "ngram", "num_speculative_tokens": 4}'
 
@@ -48,7 +48,7 @@ def bench_speculative(
         raise typer.BadParameter(f"unknown workload {unknown[0]!r}", param_hint="--workload")
     config = parse_speculative_config(speculative_config) or {}
     source, dtype = bench_model(model, dtype)
-    sizes = [int(b) for b in batch.split(",") if b.strip()]
+    sizes = batch_sizes(batch)
     report = run_speculative(
         str(source),
         workloads=names,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from quanta.bench.model_option import DtypeOpt, ModelOpt, OutOpt, ThreadsOpt
+from quanta.cli_options import batch_sizes
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -46,7 +47,7 @@ def bench_structured(
     from quanta.bench.structured import run_structured
 
     source, dtype = bench_model(model, dtype)
-    sizes = [int(b) for b in batch.split(",") if b.strip()]
+    sizes = batch_sizes(batch)
     report = run_structured(
         str(source),
         batches=sizes,

@@ -184,7 +184,8 @@ class SkipJoinMLFQ(PriorityOrder):
 
     def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
         super().on_step(decision, output, step_time)
-        self._seated = {rid for rid, _ in decision.run}
+        if self.patience_s > 0:  # NOTE: only patience reads it
+            self._seated = {rid for rid, _ in decision.run}
 
     def _promote_starved(self, jobs: list[Job], now: float) -> None:
         self._iterations += 1

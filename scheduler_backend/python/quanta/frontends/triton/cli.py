@@ -21,6 +21,7 @@ from quanta.cli_options import (
     PrefixCachingOverrideOpt,
     RouterOpt,
     SpeculativeConfigOpt,
+    check_state_policy,
     parse_options,
     parse_speculative_config,
 )
@@ -185,7 +186,7 @@ def serve(
     options = parse_options(policy_option) if policy_option else None
     if state_url is not None:
         options = {**(options or {}), "state_url": state_url}
-        _check_state_policy(policy, options)
+        check_state_policy(policy, options)
     try:
         flags = served_parameters(
             policy=policy,
@@ -241,20 +242,18 @@ def serve(
         model_name = model_name or served
         if replicas > 1 and demo is not None:
             raise typer.BadParameter("--demo runs one server: leave out --replicas")
+        options = ServerOptions(
+            model_repository=repo,
+            host=host,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+            tritonserver=tritonserver,
+            backend_dir=backend_dir,
+            log_verbose=log_verbose,
+        )
         servers = [
-            TritonServer(
-                ServerOptions(
-                    model_repository=repo,
-                    host=host,
-                    http_port=_replica_port(http_port, i),
-                    grpc_port=_replica_port(grpc_port, i),
-                    metrics_port=_replica_port(metrics_port, i),
-                    tritonserver=tritonserver,
-                    backend_dir=backend_dir,
-                    log_verbose=log_verbose,
-                ),
-                log_file=_replica_log(log_file, i),
-            )
+            TritonServer(options.replica(i), log_file=_replica_log(log_file, i))
             for i in range(replicas)
         ]
         server = servers[0]
@@ -348,12 +347,8 @@ def reset_prefix_cache(
     typer.echo(f"model {model_name!r}: prefix cache reset")
 
 
-def _replica_port(port: int, i: int) -> int:
-    """Replica ``i``'s port: ten above the last one's, or any free one where 0 was asked."""
-    return port + 10 * i if port else 0
-
-
 def _replica_log(log_file: Path | None, i: int) -> Path | None:
+    """Replica ``i``'s Triton log beside the first one's (``triton.1.log``)."""
     if log_file is None or i == 0:
         return log_file
     return log_file.with_name(f"{log_file.stem}.{i}{log_file.suffix}")
@@ -455,20 +450,3 @@ def _demo(
 
 
 DEMO_TOKENS = 48
-
-
-def _check_state_policy(policy: str | None, options: dict[str, Any]) -> None:
-    """``--state-url`` only means something to a policy that keeps fairness state: refused
-    here, before a server starts, otherwise."""
-    from quanta.policies import parse_policy
-
-    if policy is None:
-        raise typer.BadParameter("--state-url needs --policy (fair, wsc, vtc or rpm)")
-    try:
-        spec = parse_policy(policy, options)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--state-url") from None
-    if not spec.accepts("state_url"):
-        raise typer.BadParameter(
-            f"policy {policy!r} keeps no fairness state to share", param_hint="--state-url"
-        )

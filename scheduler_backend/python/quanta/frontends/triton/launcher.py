@@ -167,6 +167,16 @@ class ServerOptions:
     exit_timeout_s: int = 10
     extra_args: list[str] = field(default_factory=list)
 
+    def replica(self, i: int) -> ServerOptions:
+        """The options of replica ``i`` of several on one machine: every port ten above the
+        previous replica's, or any free one where 0 was asked."""
+        return dataclasses.replace(
+            self,
+            http_port=self.http_port + 10 * i if self.http_port else 0,
+            grpc_port=self.grpc_port + 10 * i if self.grpc_port else 0,
+            metrics_port=self.metrics_port + 10 * i if self.metrics_port else 0,
+        )
+
 
 def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
     """Until no process of the group is left (SIGKILL is delivered asynchronously), so the
