@@ -10,6 +10,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,45 @@ def test_streams_past_the_drain_timeout_end_with_an_error_event(model_dir, tmp_p
     errors = [detail for kind, detail, _ in results if kind == "error"]
     assert errors, "every stream finished within 0.5 s: the timeout was never exercised"
     assert all(re.search(r"shut down before this request finished", e) for e in errors), errors
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc, Linux only)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
+def test_a_killed_serve_takes_its_tritonserver_with_it(model_dir, tmp_path):
+    """SIGKILL gives ``quanta serve`` no chance to stop Triton (its own session): the server
+    must still go, or it holds the ports the next ``quanta serve`` needs."""
+    srv, _ = serve(model_dir, tmp_path, drain_timeout=1)
+    triton = _children(srv.proc.pid)
+    try:
+        assert triton, "quanta serve started no process"
+        srv.proc.kill()
+        srv.proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in triton) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in triton), "tritonserver outlived quanta serve"
+    finally:
+        srv.stop()
+        for pid in triton:  # NOTE: never leave an orphan holding ports to the next test
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)

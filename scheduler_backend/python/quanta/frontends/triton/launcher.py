@@ -199,8 +199,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _parent_death_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux send the child SIGTERM (Triton's clean shutdown) when
+    the process that started it dies; None where there is no ``prctl``.
+
+    Why: the server runs in a session of its own (so a Ctrl-C reaches ``quanta serve`` alone,
+    which forwards it once); a ``quanta serve`` killed with SIGKILL or by the OOM killer then
+    had no way to stop it, and the orphan kept the ports a restart needs. The libc call is
+    resolved here, before the fork, so the child only makes the system call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died between the fork and the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
 class TritonServer:
-    """One tritonserver process; a context manager that always stops it."""
+    """One tritonserver process; a context manager that always stops it.
+
+    The server dies with the process that started it (``_parent_death_hook``), and
+    ``start``/``restart`` must run on a thread that lives as long as the server: Linux ties
+    the parent-death signal to the starting thread.
+    """
 
     def __init__(self, options: ServerOptions, *, log_file: Path | None = None) -> None:
         ports = ("http_port", "grpc_port", "metrics_port")
@@ -267,6 +302,7 @@ class TritonServer:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches us only; we forward it exactly once
+            preexec_fn=_parent_death_hook(),
         )
         if self.log_file is None:
             threading.Thread(target=self._tee, args=(self._proc,), daemon=True).start()
