@@ -121,6 +121,15 @@ def bench_engine(
     device: Annotated[
         str, typer.Option(help="cpu, cuda or cuda:N: where both engines run")
     ] = "cpu",
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--tensor-parallel-size",
+            "--tp-size",
+            min=1,
+            help="ranks of Quanta's engine; --threads is split between them",
+        ),
+    ] = 1,
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer.
 
@@ -146,6 +155,7 @@ def bench_engine(
             quantization=quantization,
             prefix_caching=enable_prefix_caching,
             device=device,
+            tensor_parallel_size=tensor_parallel_size,
         )
     except EngineManifestError as exc:  # the engine cannot run this benchmark as asked
         typer.echo(f"error: {exc}", err=True)

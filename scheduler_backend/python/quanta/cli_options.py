@@ -82,6 +82,22 @@ SpeculativeConfigOpt = Annotated[
     ),
 ]
 
+# vLLM's tensor-parallel flag (``EngineConfig.tensor_parallel_size``); ``--tp-size`` and
+# trtllm-build's ``--tp_size`` spell the same.
+TensorParallelOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--tensor-parallel-size",
+        "--tp-size",
+        "--tp_size",
+        "-tp",
+        min=1,
+        help="split the model and its KV cache over this many ranks (worker processes, "
+        "torch.distributed gloo on CPU); cache sizes are per rank (default: 1)",
+        show_default=False,
+    ),
+]
+
 # Apt-Serve's SLO attainment (``quanta.slo``): the TBT limit and the named presets.
 TbtSloOpt = Annotated[
     float | None,

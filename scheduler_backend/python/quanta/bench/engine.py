@@ -197,6 +197,7 @@ def run_engine_bench(
     quantization: str | None = None,
     prefix_caching: bool = True,
     device: str = "cpu",
+    tensor_parallel_size: int = 1,
 ) -> list[BenchRow]:
     """Measure every batch size, print a table, optionally write JSON.
 
@@ -225,6 +226,7 @@ def run_engine_bench(
             quantization=quantization,
             enable_prefix_caching=prefix_caching,
             device=device,
+            tensor_parallel_size=tensor_parallel_size,
         )
     )
     info = engine.describe()
@@ -272,7 +274,8 @@ def run_engine_bench(
                 _device_name(engine.runner.device),
             )
         )
-    _print(rows, model_dir, prompt_len, gen_len)
+    _print(rows, model_dir, prompt_len, gen_len, tensor_parallel_size)
+    engine.runner.close()
     if output is not None:
         output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
@@ -287,7 +290,9 @@ def _fp32_reference(config: EngineConfig, model_dir: Path) -> Engine | None:
     manifest = read_manifest(model_dir)
     source = model_dir if manifest is None else Path(manifest.source.path)
     try:
-        return build_engine(config.model_copy(update={"dtype": "float32", "model": str(source)}))
+        # NOTE: one process holds one tensor-parallel group; the reference runs in one rank
+        update = {"dtype": "float32", "model": str(source), "tensor_parallel_size": 1}
+        return build_engine(config.model_copy(update=update))
     except (OSError, EngineManifestError) as exc:
         Console(stderr=True).print(
             f"note: no fp32 reference, so no greedy agreement with fp32: {exc}", highlight=False
@@ -302,11 +307,14 @@ def _load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch
     return model.to(device).eval()
 
 
-def _print(rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int) -> None:
+def _print(
+    rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int, ranks: int = 1
+) -> None:
     first = rows[0]
+    threads = f"{torch.get_num_threads()} threads" + (f" x {ranks} ranks" if ranks > 1 else "")
     table = Table(
         title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
-        f"{torch.get_num_threads()} threads, {first.dtype}, linears {first.linear_kernel}, "
+        f"{threads}, {first.dtype}, linears {first.linear_kernel}, "
         f"decode attention {first.attention_kernel}, quantized {first.quantized_kernel}, "
         f"weights {first.weight_bytes / 1e6:.1f} MB, "
         f"{'CPU ' + first.cpu_isa if first.device == 'cpu' else first.device} (tokens/s)"

@@ -80,6 +80,17 @@ def build(
             "--weight-only-precision", "--weight_only_precision", help="int8 or int4 (alias)"
         ),
     ] = "int8",
+    tp_size: Annotated[
+        int,
+        typer.Option(
+            "--tp_size",
+            "--tp-size",
+            "--tensor-parallel-size",
+            min=1,
+            help="ranks the engine is served on by default (trtllm-build's name); the KV "
+            "cache memory is per rank",
+        ),
+    ] = 1,
     overwrite: Annotated[bool, typer.Option(help="replace an existing engine")] = False,
 ) -> None:
     """Validate a checkpoint and convert it into an engine directory with a manifest."""
@@ -106,6 +117,7 @@ def build(
             symmetric=symmetric,
             quantize_lm_head=quantize_lm_head or lm_head_quantization is not None,
             lm_head_quantization=lm_head_quantization,  # type: ignore[arg-type]
+            tensor_parallel_size=tp_size,
         )
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -131,6 +143,8 @@ def build(
         f"built {manifest.name} ({m.architecture}, {manifest.num_parameters / 1e6:.1f}M "
         f"parameters, {manifest.dtype}, {manifest.device}) in {out}"
     )
+    if manifest.tensor_parallel_size > 1:
+        typer.echo(f"tensor parallel: {manifest.tensor_parallel_size} ranks (KV sizes per rank)")
     typer.echo(
         f"limits: max_batch_size {lim.max_batch_size}, max_num_tokens {lim.max_num_tokens}, "
         f"max_seq_len {lim.max_seq_len}"

@@ -58,6 +58,7 @@ from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import checkpoint_files
 from quanta.runner.quantized import QUANT_SUFFIXES
+from quanta.runner.tensor_parallel.shard import check_divisible
 
 GiB = 1 << 30
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -93,6 +94,9 @@ class BuildOptions(BaseModel):
     # The head's mode when it is quantized; None: the layers' (an int8 head beside int4 layers
     # keeps most of the head's quality, docs/quantization.md).
     lm_head_quantization: Literal["int8", "int4"] | None = None
+    # Ranks the engine is served on by default (trtllm-build's --tp_size); its KV sizing is
+    # per rank. The weights stay whole on disk: every rank keeps its share at load.
+    tensor_parallel_size: int = Field(1, ge=1)
 
 
 def build_engine_dir(
@@ -160,6 +164,7 @@ def _build(
     plan = _plan_tensors(checkpoint, config, builder)
     quant = quant_plan(options, config, frozenset(plan.prequantized), checkpoint)
     limits = _limits(options, config)
+    _check_split(options, config, quant is not None)
     weight_bytes = plan.bytes_at(dtype)
     if quant is not None:
         weight_bytes = quantized_weight_bytes(build_model_skeleton(config), quant, dtype)
@@ -188,7 +193,9 @@ def _build(
             capabilities=Capabilities(
                 **dataclasses.asdict(
                     RunnerCapabilities(
-                        hidden_cache=offers_hidden_cache(config), layer_safepoints=True
+                        hidden_cache=offers_hidden_cache(config)
+                        and options.tensor_parallel_size == 1,
+                        layer_safepoints=True,
                     )
                 )
             ),
@@ -196,6 +203,7 @@ def _build(
             weights=weights,
             source=source,
             quantization=quant_manifest(quant, frozenset(plan.prequantized), kept),
+            tensor_parallel_size=options.tensor_parallel_size,
         )
         manifest.write(tmp)
         move_into_place(tmp, out)
@@ -315,10 +323,27 @@ def _limits(options: BuildOptions, config: ModelConfig) -> Limits:
     )
 
 
+def _check_split(options: BuildOptions, config: ModelConfig, quantized: bool) -> None:
+    """A --tp_size the model's heads or MLP cannot be split by, or quantized weights (which
+    tensor parallelism does not cut), is a build error, not a serving one."""
+    if options.tensor_parallel_size == 1:
+        return
+    try:
+        check_divisible(config, options.tensor_parallel_size)
+    except ValueError as exc:
+        raise BuildError(f"--tp_size: {exc}") from None
+    if quantized:
+        raise BuildError("--tp_size: tensor parallelism serves bf16/fp32 weights, not quantized")
+    if options.device != "cpu":
+        raise BuildError("--tp_size: tensor-parallel ranks run on CPU (gloo) in this version")
+
+
 def _cache_sizing(
     options: BuildOptions, config: ModelConfig, dtype: torch.dtype, limits: Limits, weights: int
 ) -> CacheSizing:
+    # NOTE: per rank: each holds its heads' share of every block
     per_block = ModelRunner.kv_bytes_per_block(config, options.block_size, dtype)
+    per_block //= options.tensor_parallel_size
     device_blocks = options.kv_cache_memory // per_block
     tokens = device_blocks * options.block_size
     if tokens < limits.max_seq_len:

@@ -134,6 +134,8 @@ class EngineManifest(_Frozen):
     weights: list[WeightFile]
     source: Source
     quantization: Quantization | None = None  # None: every weight in ``dtype``
+    # Ranks a server runs by default (``--tp_size``); ``cache`` is sized per rank for it.
+    tensor_parallel_size: int = Field(1, ge=1)
 
     def write(self, engine_dir: Path) -> Path:
         path = Path(engine_dir) / MANIFEST_FILE
@@ -253,14 +255,18 @@ def apply_manifest(config: EngineConfig, manifest: EngineManifest) -> EngineConf
         )
     sizing = manifest.cache
     given = config.cache.model_dump(include=config.cache.model_fields_set)
+    tp = config.tensor_parallel_size
+    if "tensor_parallel_size" not in config.model_fields_set:
+        tp = manifest.tensor_parallel_size
+    same_split = tp == manifest.tensor_parallel_size
     cache: dict[str, Any] = {
         "block_size": sizing.block_size,
         "device_bytes": sizing.kv_cache_memory,
         "host_bytes": sizing.host_cache_memory,
     }
-    if given.get("block_size", sizing.block_size) == sizing.block_size:
-        # The manifest's block counts hold for its block size; a budget given explicitly
-        # (in bytes or blocks) replaces them.
+    if given.get("block_size", sizing.block_size) == sizing.block_size and same_split:
+        # The manifest's block counts hold for its block size and split; a budget given
+        # explicitly (in bytes or blocks) replaces them, and another split resizes the bytes.
         if not {"device_bytes", "num_device_blocks"} & given.keys():
             cache["num_device_blocks"] = sizing.num_device_blocks
         if not {"host_bytes", "num_host_blocks"} & given.keys():
@@ -271,5 +277,6 @@ def apply_manifest(config: EngineConfig, manifest: EngineManifest) -> EngineConf
             "max_seq_len": max_seq_len,
             "scheduler": SchedulerConfig(**sched),
             "cache": CacheConfig(**(cache | given)),
+            "tensor_parallel_size": tp,
         }
     )

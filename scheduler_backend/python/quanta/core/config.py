@@ -83,6 +83,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     # Speculative decoding (vLLM's ``--speculative-config``): None decodes one token a step.
     speculative_config: SpeculativeConfig | None = None
+    # Ranks the model and every KV block are split over (vLLM's ``--tensor-parallel-size``):
+    # worker processes joined by torch.distributed (gloo on CPU). KV cache sizes are per rank.
+    tensor_parallel_size: int = Field(1, ge=1)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 

@@ -66,3 +66,10 @@ class CapabilityError(QuantaError, ValueError):
     the runner lacks; raised when the loop is built, before any request is accepted."""
 
     code = "internal"
+
+
+class WorkerLostError(QuantaError, RuntimeError):
+    """A tensor-parallel worker died: the KV cache it held for every request is gone, so
+    every request on the engine ends with this error; the next step starts new workers."""
+
+    code = "internal"

@@ -24,6 +24,7 @@ from quanta.core.errors import (
     QuantaError,
     RequestAbortedError,
     ThrottledError,
+    WorkerLostError,
 )
 from quanta.core.output import Runner, SchedulerOutput
 from quanta.core.plan import PoolView
@@ -209,6 +210,13 @@ class EngineLoop:
             out = self.runner.execute(sched)
         except StepAborted:
             self._aborted(decision)
+            return True
+        except WorkerLostError as exc:
+            # NOTE: every request's KV (and every cached prefix) had a shard on the lost rank
+            self.blocks.drop_pending_checkpoints()
+            log.error("%s", exc)
+            self._fail(list(self._live.values()), str(exc), WorkerLostError)
+            self.blocks.reset_prefix_cache()
             return True
         except Exception as exc:
             self.blocks.drop_pending_checkpoints()

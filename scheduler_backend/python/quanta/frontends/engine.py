@@ -68,6 +68,7 @@ class Engine:
             "device_blocks": str(self.runner.num_device_blocks),
             "host_blocks": str(self.runner.num_host_blocks),
             "prefix_caching": str(c.enable_prefix_caching).lower(),
+            "tensor_parallel_size": str(c.tensor_parallel_size),
             "speculative_config": (
                 "none"
                 if c.speculative_config is None
@@ -165,7 +166,10 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     config = engine_config_for(config, model_config)
     cache = config.cache
     dtype = resolve_dtype(config.dtype, torch.device(config.device))
+    # NOTE: each rank holds its heads' share of a block, and a cache size is per rank (as
+    # vLLM sizes each GPU's), so tensor parallelism fits that many times more blocks.
     per_block = ModelRunner.kv_bytes_per_block(model_config, cache.block_size, dtype)
+    per_block //= config.tensor_parallel_size
     num_device, num_host = cache.resolve(per_block)
     _check_memory(config, num_device * per_block, num_host * per_block)
     sched = config.scheduler
@@ -186,6 +190,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         attention_kernel=config.attention_kernel,
         safepoint_interval=config.safepoint_interval,
         draft_model=_draft_model(config),
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     tokenizer = load_tokenizer(model_dir)
     clock = clock or WallClock()

@@ -49,7 +49,10 @@ class LLM:
         scheduler: SchedulerConfig | dict[str, Any] | None = None,
         enable_prefix_caching: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        tensor_parallel_size: int | None = None,
     ) -> None:
+        """``tensor_parallel_size``: ranks to split the model over (default: an engine
+        directory's ``--tp_size``, else 1)."""
         config = EngineConfig(
             model=str(model),
             policy=policy,
@@ -64,8 +67,24 @@ class LLM:
                 if isinstance(speculative_config, dict)
                 else speculative_config
             ),
+            **(
+                {}
+                if tensor_parallel_size is None
+                else {"tensor_parallel_size": tensor_parallel_size}
+            ),
         )
         self.engine: Engine = build_engine(config)
+
+    def close(self) -> None:
+        """Stop what the engine runs beside this process (tensor-parallel workers); they
+        also stop when the engine is garbage-collected or the process exits."""
+        self.engine.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

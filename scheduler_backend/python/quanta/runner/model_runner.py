@@ -10,9 +10,11 @@ last copies the step's incremental checkpoints to the host tier.  A step of pree
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,18 @@ from quanta.runner.models.safepoints import Safepoints
 from quanta.runner.quantized import quantized_kernels
 from quanta.runner.sampler import sample
 from quanta.runner.speculative import verify
+from quanta.runner.tensor_parallel import (
+    Rank,
+    WorkerGroup,
+    agree,
+    check_tensor_parallel,
+    end_exchanges,
+    exchange_rows,
+    per_rank_threads,
+    shard_model,
+    worker_step,
+    wrap_row_parallel,
+)
 from quanta.structured.masks import GrammarMasks, PendingMasks
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -111,9 +125,14 @@ class ModelRunner:
         attention_kernel: AttentionKernel = "auto",
         safepoint_interval: int = 8,
         draft_model: str | Path | None = None,
+        tensor_parallel_size: int = 1,
+        tensor_rank: Rank | None = None,
     ) -> None:
         """``draft_model``: a smaller model of the same vocabulary whose greedy proposals the
-        steps verify (``runner/draft.py``); its caches get this runner's blocks."""
+        steps verify (``runner/draft.py``); its caches get this runner's blocks.
+        ``tensor_parallel_size`` > 1 splits the model and every KV block over that many
+        ranks (``quanta.runner.tensor_parallel``): this runner is rank 0 and starts the
+        others; ``tensor_rank`` is how a worker process builds its own shard."""
         if num_device_blocks <= 0 or num_host_blocks < 0 or block_size <= 0:
             raise ValueError("need num_device_blocks > 0, num_host_blocks >= 0, block_size > 0")
         if safepoint_interval < 1:
@@ -129,17 +148,57 @@ class ModelRunner:
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
         self.model_config: ModelConfig = load_model_config(model_dir)
+        self.tp: WorkerGroup | None = None
+        rank = tensor_rank
+        if rank is None and tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, tensor_parallel_size, self.device, draft_model)
+            rank = Rank(0, tensor_parallel_size)
+            threads = per_rank_threads(tensor_parallel_size)
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            args = dict(
+                model_dir=model_dir,
+                num_device_blocks=num_device_blocks,
+                num_host_blocks=num_host_blocks,
+                block_size=block_size,
+                dtype=self.dtype,
+                device=str(self.device),
+                linear_kernel=linear_kernel,
+                attention_kernel=attention_kernel,
+                safepoint_interval=safepoint_interval,
+            )
+            self.tp = WorkerGroup(tensor_parallel_size, args, threads)
+            self.tp.spawn()  # the workers load their shards while this one loads its own
+        self.tensor_rank = rank
+        # What this rank's KV cache and attention kernels hold: its heads (all without TP).
+        self.kv_config = self.model_config
         self.model = build_model_skeleton(self.model_config)
-        load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
-        self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
-        fuse_model(self.model, self.linear_kernel)
-        # Quantized products' kernels (int8pack, int4pack, dequant), "none" for a float model.
-        self.quantized_kernel = ",".join(quantized_kernels(self.model)) or "none"
+        try:
+            load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
+            if rank is not None:
+                self.kv_config = shard_model(self.model, self.model_config, rank, self._exchange)
+            self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
+            fuse_model(self.model, self.linear_kernel)
+            # Quantized products' kernels (int8pack, int4pack, dequant), "none" for floats.
+            self.quantized_kernel = ",".join(quantized_kernels(self.model)) or "none"
+            if rank is not None:
+                if self.quantized_kernel != "none":
+                    raise ValueError(
+                        "tensor parallelism runs bf16/fp32 engines; this one holds quantized "
+                        "weights: build it without --quantization"
+                    )
+                wrap_row_parallel(self.model, self.model_config)
+            if self.tp is not None:
+                self.tp.connect()
+                weakref.finalize(self, self.tp.close)  # a dropped runner stops its workers
+        except BaseException:
+            self.close()
+            raise
         self.model.eval()
         use_layer_ops = getattr(self.model, "use_layer_ops", None)
         if use_layer_ops is not None:  # models whose layers run through quanta.runner.layer_ops
             use_layer_ops(layer_ops(self.device))
-        cfg = self.model_config
+        cfg = self.kv_config
         self._decode_kernel, self.attention_kernel = decode_kernel(
             resolve_attention_kernel(attention_kernel, self.device, self.dtype),
             heads=cfg.num_heads,
@@ -152,10 +211,12 @@ class ModelRunner:
         self.host_kv_cache = self._allocate_kv(
             num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
-        self.bytes_per_block = self.kv_bytes_per_block(self.model_config, block_size, self.dtype)
+        self.bytes_per_block = self.kv_bytes_per_block(cfg, block_size, self.dtype)
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
+        # NOTE: under tensor parallelism a hidden-cache token's K and V need the whole hidden
+        # state on every rank (an all-gather per layer); not built, so not offered.
         self.capabilities = RunnerCapabilities(
-            hidden_cache=offers_hidden_cache(cfg), layer_safepoints=True
+            hidden_cache=offers_hidden_cache(cfg) and rank is None, layer_safepoints=True
         )
         self.draft: DraftModel | None = None
         if draft_model is not None:
@@ -206,35 +267,42 @@ class ModelRunner:
             self._check_copies(so.swap_out, self.num_device_blocks, self.num_host_blocks)
             self._check_copies(so.swap_in, self.num_host_blocks, self.num_device_blocks)
             self._check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
-            self._copy_blocks(so.swap_out, self.device_kv_cache, self.host_kv_cache)
-            self._copy_blocks(so.swap_in, self.host_kv_cache, self.device_kv_cache)
-            if self.draft is not None:
-                self.draft.copy(so.swap_out, to_host=True)
-                self.draft.copy(so.swap_in, to_host=False)
-            sampled: list[int | None] = [None] * len(seqs)
-            logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-            prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
-            accepted = [0] * len(seqs)
-            if batch is not None:
-                masks = self.grammar_masks.start(seqs)  # filled while the model runs
-                safepoints = None if so.abort is None else self.safepoints_for(so.abort, started)
-                hidden = self.model(
-                    batch.input_ids, batch.positions, self.device_kv_cache, batch.meta, safepoints
-                )
-                for i, seq in enumerate(seqs):
-                    if seq.prompt_logprobs is not None:
-                        first_row = batch.last_rows[i] - seq.num_new_tokens + 1
-                        prompt_logprobs[i] = self._prompt_logprobs(hidden, first_row, seq)
-                self._sample(hidden, batch, seqs, sampled, logprobs, accepted, masks)
-            # NOTE: synchronous, like every copy here: on CPU both tiers are RAM, and on CUDA
-            # a blocking ``.to`` the host waits for the copy. Overlapping checkpoints with the
-            # next step on a side stream (ConServe's background copies) waits for a GPU
-            # machine to test it on.
-            self._copy_blocks(so.checkpoint, self.device_kv_cache, self.host_kv_cache)
-            proposals: tuple[tuple[int, ...], ...] = ()
-            if self.draft is not None:
-                self.draft.copy(so.checkpoint, to_host=True)
-                proposals = self.draft.run(so, sampled, accepted)
+            with self._tp_call(lambda: ("step", worker_step(so))):
+                self._copy_blocks(so.swap_out, self.device_kv_cache, self.host_kv_cache)
+                self._copy_blocks(so.swap_in, self.host_kv_cache, self.device_kv_cache)
+                if self.draft is not None:
+                    self.draft.copy(so.swap_out, to_host=True)
+                    self.draft.copy(so.swap_in, to_host=False)
+                sampled: list[int | None] = [None] * len(seqs)
+                logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+                prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
+                accepted = [0] * len(seqs)
+                if batch is not None:
+                    masks = self.grammar_masks.start(seqs)  # filled while the model runs
+                    safepoints = (
+                        None if so.abort is None else self.safepoints_for(so.abort, started)
+                    )
+                    hidden = self.model(
+                        batch.input_ids,
+                        batch.positions,
+                        self.device_kv_cache,
+                        batch.meta,
+                        safepoints,
+                    )
+                    for i, seq in enumerate(seqs):
+                        if seq.prompt_logprobs is not None:
+                            first_row = batch.last_rows[i] - seq.num_new_tokens + 1
+                            prompt_logprobs[i] = self._prompt_logprobs(hidden, first_row, seq)
+                    self._sample(hidden, batch, seqs, sampled, logprobs, accepted, masks)
+                # NOTE: synchronous, like every copy here: on CPU both tiers are RAM, and on CUDA
+                # a blocking ``.to`` the host waits for the copy. Overlapping checkpoints with the
+                # next step on a side stream (ConServe's background copies) waits for a GPU
+                # machine to test it on.
+                self._copy_blocks(so.checkpoint, self.device_kv_cache, self.host_kv_cache)
+                proposals: tuple[tuple[int, ...], ...] = ()
+                if self.draft is not None:
+                    self.draft.copy(so.checkpoint, to_host=True)
+                    proposals = self.draft.run(so, sampled, accepted)
         return RunnerOutput(
             request_ids=tuple(seq.request_id for seq in seqs),
             sampled_token_ids=tuple(sampled),
@@ -248,10 +316,15 @@ class ModelRunner:
     def safepoints_for(self, signal: AbortSignal, started: float) -> Safepoints:
         """The checks of ``signal`` a forward pass makes: every ``safepoint_interval``
         layers, raising ``StepAborted`` (with the seconds since ``started``, the step's
-        ``perf_counter`` start) once it is raised."""
+        ``perf_counter`` start) once it is raised. Under tensor parallelism every rank
+        stops at the same check (``agree``)."""
+        tp = self.tp
 
         def check(layers_done: int) -> None:
-            if signal.is_set():
+            raised = signal.is_set()
+            if tp is not None:
+                raised = agree(raised)
+            if raised:
                 raise StepAborted(layers_done, time.perf_counter() - started)
 
         # NOTE: on CUDA the check runs when the CPU has queued the layers, not when the GPU has
@@ -343,13 +416,37 @@ class ModelRunner:
         table = tuple(reversed(range(num_blocks)))
         step = chunk_size or len(token_ids)
         outputs = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self._tp_call(lambda: ("logits", list(token_ids), chunk_size)):
             for start in range(0, len(token_ids), step):
                 chunk = _Chunk(tuple(token_ids[start : start + step]), start, table)
                 batch = self._prepare([chunk], num_blocks)
                 hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta)
                 outputs.append(self.model.compute_logits(hidden).float())
+                if self.tp is not None:
+                    end_exchanges()
         return torch.cat(outputs)
+
+    def _tp_call(
+        self, message: Callable[[], tuple[object, ...]]
+    ) -> contextlib.AbstractContextManager[None]:
+        """The workers' share of what runs inside (nothing without tensor parallelism);
+        ``message`` is built only when there are workers."""
+        return contextlib.nullcontext() if self.tp is None else self.tp.call(message())
+
+    def _exchange(
+        self, hidden: torch.Tensor, local: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The LM head's logits over every rank's vocabulary shard (rank 0 only)."""
+        if self.tp is None:
+            raise RuntimeError("only rank 0 of a tensor-parallel group computes logits")
+        return exchange_rows(hidden, local, self.tp.world)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the runner is unusable afterwards."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+            torch.set_num_threads(self._threads_before)
 
     def _prepare(self, seqs: Sequence[PagedSeq], num_blocks: int) -> _Batch:
         """Pack the step's tokens and build the attention indices; validates, writes nothing."""
@@ -381,7 +478,7 @@ class ModelRunner:
     def _allocate_kv(
         self, num_blocks: int, device: torch.device, pin: bool = False
     ) -> torch.Tensor:
-        cfg = self.model_config
+        cfg = self.kv_config
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 

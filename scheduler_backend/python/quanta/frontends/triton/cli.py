@@ -21,6 +21,7 @@ from quanta.cli_options import (
     PrefixCachingOverrideOpt,
     RouterOpt,
     SpeculativeConfigOpt,
+    TensorParallelOpt,
     check_state_policy,
     parse_options,
     parse_speculative_config,
@@ -131,6 +132,7 @@ def serve(
     block_size: Annotated[int | None, typer.Option(min=1, help="tokens per KV block")] = None,
     enable_prefix_caching: PrefixCachingOverrideOpt = None,
     speculative_config: SpeculativeConfigOpt = None,
+    tensor_parallel_size: TensorParallelOpt = None,
     kv_cache_memory: Annotated[
         str | None, typer.Option(help="device KV tier, e.g. 4GiB (default: the engine's)")
     ] = None,
@@ -202,6 +204,7 @@ def serve(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             speculative_config=parse_speculative_config(speculative_config),
+            tensor_parallel_size=tensor_parallel_size,
             kv_cache_memory=kv_cache_memory,
             host_cache_memory=host_cache_memory,
             torch_threads=torch_threads,

@@ -149,6 +149,9 @@ def server_env(tritonserver: Path, base: dict[str, str] | None = None) -> dict[s
         libs.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
     env["QUANTA_PYTHONPATH"] = os.pathsep.join(import_paths())
+    # The interpreter tensor-parallel workers run under: inside Triton's Python stub,
+    # ``sys.executable`` is not one (``quanta.runner.tensor_parallel.group``).
+    env.setdefault("QUANTA_PYTHON", sys.executable)
     return env
 
 

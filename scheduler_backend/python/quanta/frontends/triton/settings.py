@@ -63,6 +63,7 @@ class _Parameters(BaseModel):
     max_seq_len: int | None = None
     enable_prefix_caching: bool = True
     speculative_config: Json[dict[str, Any]] | None = None
+    tensor_parallel_size: int = 1
     block_size: int | None = None
     num_device_blocks: int | None = None
     device_bytes: int | None = None
@@ -85,6 +86,10 @@ _ONE_OF = {
     "host": ("num_host_blocks", "host_bytes"),
 }
 _SCHED_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
+
+
+def _given(p: BaseModel, field: str) -> bool:
+    return field in p.model_fields_set
 
 
 def parameters_from_model_config(model_config: dict[str, Any]) -> dict[str, str]:
@@ -129,6 +134,12 @@ def parse_parameters(
             max_seq_len=p.max_seq_len,
             enable_prefix_caching=p.enable_prefix_caching,
             speculative_config=p.speculative_config,
+            # NOTE: only when given, so an engine's manifest supplies the default
+            **(
+                {"tensor_parallel_size": p.tensor_parallel_size}
+                if _given(p, "tensor_parallel_size")
+                else {}
+            ),
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**sched),
         )
