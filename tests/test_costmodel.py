@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from quanta.costmodel import (
     get_profile,
     load_profile,
     save_profile,
+    tensor_parallel,
 )
 
 LAYERS_HIDDEN = {
@@ -159,3 +161,34 @@ def test_a_quantized_preset_reads_fewer_weight_bytes_and_nothing_else_changes():
     assert int4.step_time([(1, 512)]) < base.step_time([(1, 512)])
     with pytest.raises(ValueError, match="NAME@int8"):
         get_profile("a100-opt13b@int3")
+
+
+def test_tensor_parallel_splits_the_work_and_adds_the_allreduces():
+    one = get_profile("a100-opt13b")
+    assert tensor_parallel(one, 1) is one
+    assert one.allreduce_time(512) == 0.0
+    two, four = tensor_parallel(one, 2), tensor_parallel(one, 4)
+    assert two.tensor_parallel_size == 2 and two.allreduce_calls == 2 * one.num_layers
+    assert two.weights_read_s == pytest.approx(one.weights_read_s / 2)
+    # a ring moves 2 (N-1)/N of hidden x fp16 per token per call: 5120 x 2 bytes on OPT-13B
+    per_call = 2 * (1 / 2) * 2 * 5120 * 100 / two.allreduce_bandwidth
+    assert two.allreduce_time(100) == pytest.approx(80 * (two.allreduce_latency_s + per_call))
+    assert four.allreduce_time(100) > two.allreduce_time(100)
+    # decode gets faster, but by less than the split: the all-reduces and overheads remain
+    d1, d2, d4 = (m.decode_time(32, 32 * 600) for m in (one, two, four))
+    assert d1 > d2 > d4 > d1 / 4
+    assert sum(two.shares([(1, 99), (64, 0)])) == pytest.approx(two.step_time([(1, 99), (64, 0)]))
+    assert two.num_blocks(16)[0] > 2 * one.num_blocks(16)[0]  # the weights are paid once
+    with pytest.raises(ValueError, match="already split"):
+        tensor_parallel(two, 2)
+
+
+def test_simulate_plans_a_tensor_parallel_deployment(tmp_path):
+    from quanta.cli import app
+    from typer.testing import CliRunner
+
+    out = tmp_path / "tp.json"
+    args = ["simulate", "--profile", "a100-opt13b", "--num-requests", "40", "--rate", "4"]
+    result = CliRunner().invoke(app, [*args, "--tp-size", "4", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["profile"] == "a100-opt13b@tp4"

@@ -75,6 +75,17 @@ class CostModel(BaseModel):
     safepoint_overhead: float = Field(
         0.0, ge=0, description="fraction a preemptible step is slowed by its safepoint checks"
     )
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over")
+    allreduce_calls: int = Field(
+        0, ge=0, description="all-reduces per step (tensor parallelism: 2 per layer)"
+    )
+    allreduce_bytes_per_token: float = Field(
+        0.0, ge=0, description="bytes one all-reduce sums per new token (hidden x fp16: 2h)"
+    )
+    allreduce_bandwidth: float = Field(
+        1.0, gt=0, description="bytes/s of the link a ring all-reduce runs over, per GPU"
+    )
+    allreduce_latency_s: float = Field(0.0, ge=0, description="fixed cost of one all-reduce")
 
     # -- iteration times -----------------------------------------------------------------
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
@@ -98,6 +109,7 @@ class CostModel(BaseModel):
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
         return (
             self.step_overhead_s
+            + self.allreduce_time(num_tokens)
             + self.per_seq_s * num_seqs
             + self.per_attention_call_s * (prefills + (decodes > 0))
             + dense
@@ -116,6 +128,7 @@ class CostModel(BaseModel):
             return []
         num_tokens = sum(new for new, _ in chunks)
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
+        dense += self.allreduce_time(num_tokens)  # per step and per token, like the GEMMs
         fixed = self.step_overhead_s / len(chunks) + self.per_seq_s
         decode_contexts = [start + 1 for new, start in chunks if new == 1]
         longest = max(decode_contexts, default=0)
@@ -131,6 +144,15 @@ class CostModel(BaseModel):
             )
             for new, start in chunks
         ]
+
+    def allreduce_time(self, num_tokens: int) -> float:
+        """The step's all-reduces under tensor parallelism: each moves ``2 (N-1)/N`` of its
+        bytes over each GPU's link (a ring), plus a fixed latency; 0 on one GPU."""
+        if self.allreduce_calls == 0 or self.tensor_parallel_size == 1:
+            return 0.0
+        n = self.tensor_parallel_size
+        moved = 2 * (n - 1) / n * self.allreduce_bytes_per_token * num_tokens
+        return self.allreduce_calls * (self.allreduce_latency_s + moved / self.allreduce_bandwidth)
 
     @property
     def hidden_per_token_s(self) -> float:
@@ -333,6 +355,58 @@ PRESETS: dict[str, CostModel] = {
 # channel (one scale per row, negligible), int4 in groups of 32 (``quanta build``'s default)
 # with a bf16 scale and zero.
 QUANTIZED_BYTES_PER_PARAM = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+
+
+# NVLink 3 on an A100 SXM: 600 GB/s both ways, of which NCCL's ring all-reduce reaches about
+# 230 GB/s of bus bandwidth (nccl-tests on DGX A100); a launch costs ~10 us at decode sizes.
+NVLINK_A100_BANDWIDTH = 230e9
+ALLREDUCE_LATENCY_S = 10e-6
+# What one A100-40GB holds beside its share of the weights: 40 GB less ~2 GB of activations.
+A100_FREE_BYTES = 38 * GB
+
+
+def tensor_parallel(
+    model: CostModel,
+    size: int,
+    *,
+    bandwidth: float = NVLINK_A100_BANDWIDTH,
+    latency_s: float = ALLREDUCE_LATENCY_S,
+    free_bytes_per_gpu: int = A100_FREE_BYTES,
+) -> CostModel:
+    """``model`` (one GPU) split Megatron-style over ``size`` GPUs: each streams and computes
+    ``1/size`` of the weights, FLOPs and KV, and every step adds two all-reduces per layer of
+    ``hidden`` fp16 values per token over ``bandwidth``. The KV space grows by what each
+    added GPU holds beside its share (``free_bytes_per_gpu``), and the host tier with it."""
+    if size < 1:
+        raise ValueError(f"tensor-parallel size must be >= 1, got {size}")
+    if size == 1:
+        return model
+    if model.tensor_parallel_size != 1:
+        raise ValueError(f"{model.name} is already split over {model.tensor_parallel_size} GPUs")
+    hidden = model.kv_bytes_per_token / (4 * model.num_layers)  # K+V, fp16, multi-head
+    return model.model_copy(
+        update={
+            "name": f"{model.name}@tp{size}",
+            "source": f"{model.source}; tensor parallel over {size} GPUs, all-reduce at "
+            f"{bandwidth / GB:g} GB/s + {latency_s * 1e6:g} us per call",
+            "weights_read_s": model.weights_read_s / size,
+            "compute_per_token_s": model.compute_per_token_s / size,
+            "attn_per_pair_s": model.attn_per_pair_s / size,
+            "kv_read_per_token_s": model.kv_read_per_token_s / size,
+            "hidden_projection_per_token_s": (
+                None
+                if model.hidden_projection_per_token_s is None
+                else model.hidden_projection_per_token_s / size
+            ),
+            "device_kv_bytes": model.device_kv_bytes + (size - 1) * free_bytes_per_gpu,
+            "host_kv_bytes": model.host_kv_bytes * size,
+            "tensor_parallel_size": size,
+            "allreduce_calls": 2 * model.num_layers,
+            "allreduce_bytes_per_token": 2 * hidden,
+            "allreduce_bandwidth": bandwidth,
+            "allreduce_latency_s": latency_s,
+        }
+    )
 
 
 def available_profiles() -> list[str]:

@@ -76,6 +76,14 @@ def simulate_cmd(
     abusers: Annotated[
         int | None, typer.Option(min=0, help="--workload agents: abusive users (default 0)")
     ] = None,
+    abuse_factor: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0,
+            help="--workload agents: how many times as often an abuser starts "
+            "interactions as a benign user (default 15)",
+        ),
+    ] = None,
     delay_threshold: Annotated[
         float, typer.Option(min=0.0, help="seconds queued that make a user delayed (fairness)")
     ] = 2.0,
@@ -111,6 +119,21 @@ def simulate_cmd(
             "interactions), as with --state-url redis://...; off: each its own"
         ),
     ] = OnOff.off,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--tensor-parallel-size",
+            "--tp-size",
+            min=1,
+            help="split the profile's model over this many GPUs: 1/N of the weights, FLOPs "
+            "and KV each, 2 all-reduces per layer over --allreduce-bandwidth, and each added "
+            "GPU's free memory as KV space (a single-GPU profile)",
+        ),
+    ] = 1,
+    allreduce_bandwidth: Annotated[
+        float,
+        typer.Option(min=1.0, help="GB/s of a ring all-reduce per GPU (NVLink 3 on A100: 230)"),
+    ] = 230.0,
 ) -> None:
     """Serve a seeded workload on the cost model with the real loop and policy.
 
@@ -120,7 +143,7 @@ def simulate_cmd(
     if ctx.invoked_subcommand is not None:
         return
     from quanta.core.config import SchedulerConfig
-    from quanta.costmodel import load_profile
+    from quanta.costmodel import load_profile, tensor_parallel
     from quanta.policies import parse_policy
     from quanta.sim import SimSetup, simulate, summarize
     from quanta.slo import resolve_slo, with_slo
@@ -131,6 +154,10 @@ def simulate_cmd(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--slo-preset/--ttft-slo/--tbt-slo") from None
     cost = load_profile(profile)
+    try:
+        cost = tensor_parallel(cost, tensor_parallel_size, bandwidth=allreduce_bandwidth * 1e9)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tensor-parallel-size") from None
     try:
         trace = make_workload(
             workload,
@@ -144,6 +171,7 @@ def simulate_cmd(
             too_long=too_long,
             num_users=num_users,
             abusers=abusers,
+            abuse_factor=abuse_factor,
         )
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
@@ -193,7 +221,11 @@ def simulate_cmd(
         "time_scale": time_scale,
         "token_scale": token_scale,
         "too_long": too_long,
-        **({"num_users": num_users, "abusers": abusers} if workload == "agents" else {}),
+        **(
+            {"num_users": num_users, "abusers": abusers, "abuse_factor": abuse_factor}
+            if workload == "agents"
+            else {}
+        ),
     }
     for key in (
         "mean_normalized_latency",
