@@ -212,7 +212,6 @@ def test_an_engine_built_with_tp_size_serves_on_that_many_ranks(llama_tiny, tmp_
     )
     # the same memory per rank holds twice the blocks: each rank keeps half of every block
     assert manifest.cache.num_device_blocks == 2 * one.cache.num_device_blocks
-    assert not manifest.capabilities.hidden_cache
     config = load_model_config(engine)
     assert engine_config_for(EngineConfig(model=str(engine)), config).tensor_parallel_size == 2
     asked = engine_config_for(EngineConfig(model=str(engine), tensor_parallel_size=1), config)
@@ -233,3 +232,43 @@ def test_quanta_build_refuses_a_tp_size_the_model_cannot_split(llama_tiny, tmp_p
     )
     assert result.exit_code == 1
     assert "--tp_size" in result.output and "num_key_value_heads (2)" in result.output
+
+
+@pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny-mha"])
+def test_hidden_cache_requests_under_two_ranks_match_one(tiny_checkpoint, preset):
+    """Each rank stores its columns of the hidden states and gathers the rest to project
+    its K and V heads; mixed with KV requests, chunked and swapped out and back."""
+    import dataclasses
+
+    from runner_helpers import FakeRequest, ToyScheduler
+
+    model_dir = tiny_checkpoint(preset)
+    prompts = [list(range(5, 24)), [40, 41, 42], list(range(50, 90))]
+
+    def run(tp: int) -> dict[str, list[int]]:
+        runner = ModelRunner(
+            model_dir,
+            num_device_blocks=64,
+            num_host_blocks=16,
+            block_size=4,
+            dtype="float32",
+            tensor_parallel_size=tp,
+        )
+        try:
+            assert runner.capabilities.hidden_cache
+            requests = [
+                FakeRequest(f"r{i}", p, 12, chunk_size=7 if i == 2 else None, arrival_step=i)
+                for i, p in enumerate(prompts)
+            ]
+            toy = ToyScheduler(runner, requests, swaps={3: ("out", "r0"), 6: ("in", "r0")})
+            schedule = toy._schedule
+
+            def with_kind(r: FakeRequest) -> ScheduledSeq:
+                return dataclasses.replace(schedule(r), hidden=r.request_id in {"r0", "r2"})
+
+            toy._schedule = with_kind  # type: ignore[method-assign]
+            return toy.run()
+        finally:
+            runner.close()
+
+    assert run(2) == run(1)

@@ -193,8 +193,7 @@ def _build(
             capabilities=Capabilities(
                 **dataclasses.asdict(
                     RunnerCapabilities(
-                        hidden_cache=offers_hidden_cache(config)
-                        and options.tensor_parallel_size == 1,
+                        hidden_cache=offers_hidden_cache(config),
                         layer_safepoints=True,
                     )
                 )

@@ -83,6 +83,16 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class HiddenShard:
+    """Under tensor parallelism a rank's share of a block holds ``1/N`` of each hidden
+    state: these ``columns``. Its K and V heads need the whole state of every past token,
+    so ``gather`` puts the ranks' columns back together (one all-gather per layer)."""
+
+    columns: slice
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
 class HiddenBatch:
     """The step's hidden-cache sequences. Their contexts are assembled, sequence after
     sequence, in one buffer ``cat(past K/V [P], the rows' new K/V [R])[context_index]``;
@@ -95,6 +105,7 @@ class HiddenBatch:
     context_index: torch.Tensor  # [P + R] assembles every sequence's context contiguously
     prefills: tuple[PrefillChunk, ...]  # block_ids: the chunk's context rows in the buffer
     decode: DecodeBatch | None  # slots: each row's context rows in the buffer
+    shard: HiddenShard | None = None  # tensor parallelism: what this rank stores
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +125,7 @@ def build_metadata(
     num_blocks: int,
     device: torch.device,
     decode_kernel: DecodeKernel,
+    hidden_shard: HiddenShard | None = None,
 ) -> AttentionMetadata:
     """Index tensors for one packed step; raises ValueError on a too-short or bad block table.
 
@@ -138,7 +150,9 @@ def build_metadata(
         prefills=meta.prefills,
         decode=meta.decode,
         kv_rows=torch.tensor(kv_rows, dtype=torch.long, device=device),
-        hidden=_hidden_metadata(hidden, block_size, num_blocks, device, decode_kernel),
+        hidden=_hidden_metadata(
+            hidden, block_size, num_blocks, device, decode_kernel, hidden_shard
+        ),
     )
 
 
@@ -243,6 +257,7 @@ def _hidden_metadata(
     num_blocks: int,
     device: torch.device,
     kernel: DecodeKernel,
+    shard: HiddenShard | None = None,
 ) -> HiddenBatch:
     rows: list[int] = []
     slots: list[torch.Tensor] = []
@@ -298,6 +313,7 @@ def _hidden_metadata(
         context_index=torch.cat(context_index).to(device),
         prefills=tuple(prefills),
         decode=decode,
+        shard=shard,
     )
 
 
@@ -415,12 +431,16 @@ def _attend_hidden(
 ) -> None:
     """Store the hidden sequences' inputs, rebuild their contexts' K and V (past tokens
     projected again, the step's own rows as computed), and attend over them."""
-    width = hidden_input.shape[1]
-    slots = layer_cache.view(-1, width)  # [2 * num_blocks * block_size, hidden]
-    slots.index_copy_(0, batch.slots, hidden_input.index_select(0, batch.rows).to(slots.dtype))
+    shard = batch.shard
+    stored = hidden_input if shard is None else hidden_input[:, shard.columns]
+    slots = layer_cache.view(-1, stored.shape[1])  # [2 * num_blocks * block_size, width]
+    slots.index_copy_(0, batch.slots, stored.index_select(0, batch.rows).to(slots.dtype))
     k_rows, v_rows = k.index_select(0, batch.rows), v.index_select(0, batch.rows)
     if batch.past_slots.numel():
-        k_past, v_past = project_kv(slots.index_select(0, batch.past_slots).to(hidden_input.dtype))
+        past = slots.index_select(0, batch.past_slots)
+        if shard is not None:
+            past = shard.gather(past)
+        k_past, v_past = project_kv(past.to(hidden_input.dtype))
         k_rows = torch.cat((k_past, k_rows))
         v_rows = torch.cat((v_past, v_rows))
     keys = k_rows.index_select(0, batch.context_index)  # [contexts, KVH, D]

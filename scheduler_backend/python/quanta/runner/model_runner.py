@@ -30,7 +30,7 @@ from quanta.core.output import (
 )
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.core.safepoint import AbortSignal, StepAborted
-from quanta.runner.attention import AttentionMetadata, PagedSeq, build_metadata
+from quanta.runner.attention import AttentionMetadata, HiddenShard, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
 from quanta.runner.draft import DraftModel
@@ -51,6 +51,7 @@ from quanta.runner.tensor_parallel import (
     check_tensor_parallel,
     end_exchanges,
     exchange_rows,
+    gather_columns,
     per_rank_threads,
     shard_model,
     worker_step,
@@ -213,10 +214,14 @@ class ModelRunner:
         )
         self.bytes_per_block = self.kv_bytes_per_block(cfg, block_size, self.dtype)
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
-        # NOTE: under tensor parallelism a hidden-cache token's K and V need the whole hidden
-        # state on every rank (an all-gather per layer); not built, so not offered.
+        # Under tensor parallelism each rank stores its columns of a hidden-cache token's
+        # state and gathers the others' to project its K and V heads (``HiddenShard``).
+        self._hidden_shard = None
+        if rank is not None:
+            columns = rank.span(self.model_config.hidden_size)
+            self._hidden_shard = HiddenShard(columns, gather_columns)
         self.capabilities = RunnerCapabilities(
-            hidden_cache=offers_hidden_cache(cfg) and rank is None, layer_safepoints=True
+            hidden_cache=offers_hidden_cache(self.model_config), layer_safepoints=True
         )
         self.draft: DraftModel | None = None
         if draft_model is not None:
@@ -462,7 +467,9 @@ class ModelRunner:
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.start_pos + len(seq.token_ids)))
             last_rows.append(len(token_ids) - 1)
-        meta = build_metadata(seqs, self.block_size, num_blocks, self.device, self._decode_kernel)
+        meta = build_metadata(
+            seqs, self.block_size, num_blocks, self.device, self._decode_kernel, self._hidden_shard
+        )
         max_pos = max(positions)
         if max_pos >= self.model_config.max_model_len:
             raise ValueError(
@@ -519,11 +526,17 @@ class _Chunk:
 
     __slots__ = ("block_table", "hidden", "start_pos", "token_ids")
 
-    def __init__(self, token_ids: tuple[int, ...], start_pos: int, block_table: tuple[int, ...]):
+    def __init__(
+        self,
+        token_ids: tuple[int, ...],
+        start_pos: int,
+        block_table: tuple[int, ...],
+        hidden: bool = False,
+    ):
         self.token_ids = token_ids
         self.start_pos = start_pos
         self.block_table = block_table
-        self.hidden = False
+        self.hidden = hidden
 
 
 def offers_hidden_cache(config: ModelConfig) -> bool:

@@ -12,7 +12,12 @@ import torch
 
 from quanta.core.output import SchedulerOutput
 from quanta.runner.models.config import ModelConfig
-from quanta.runner.tensor_parallel.collectives import agree, end_exchanges, exchange_rows
+from quanta.runner.tensor_parallel.collectives import (
+    agree,
+    end_exchanges,
+    exchange_rows,
+    gather_columns,
+)
 from quanta.runner.tensor_parallel.group import WorkerGroup, WorkerStep, per_rank_threads
 from quanta.runner.tensor_parallel.shard import (
     Rank,
@@ -43,7 +48,7 @@ def worker_step(so: SchedulerOutput) -> WorkerStep:
     """What the workers need of a step (no sampling state, no signal: they cannot pickle and
     only rank 0 uses them)."""
     return WorkerStep(
-        seqs=tuple((s.token_ids, s.start_pos, s.block_table) for s in so.seqs),
+        seqs=tuple((s.token_ids, s.start_pos, s.block_table, s.hidden) for s in so.seqs),
         swap_out=so.swap_out,
         swap_in=so.swap_in,
         checkpoint=so.checkpoint,
@@ -59,6 +64,7 @@ __all__ = [
     "check_tensor_parallel",
     "end_exchanges",
     "exchange_rows",
+    "gather_columns",
     "per_rank_threads",
     "shard_model",
     "worker_step",

@@ -55,3 +55,12 @@ def agree(raised: bool) -> bool:
     flag = torch.tensor([1 if raised else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def gather_columns(part: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``[rows, width]`` columns side by side, in rank order (the hidden
+    cache's stored states: each rank keeps its own columns)."""
+    part = part.contiguous()
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, part)
+    return torch.cat(parts, dim=1)

@@ -54,7 +54,8 @@ class WorkerStep:
     """What a worker needs of one ``SchedulerOutput``: the tokens and block tables to run,
     the block copies, and whether the step may stop at a safepoint."""
 
-    seqs: tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]  # tokens, start, table
+    seqs: tuple[tuple[tuple[int, ...], int, tuple[int, ...], bool], ...]  # tokens, start,
+    # block table, hidden cache
     swap_out: tuple[tuple[int, int], ...]
     swap_in: tuple[tuple[int, int], ...]
     checkpoint: tuple[tuple[int, int], ...]
@@ -246,7 +247,7 @@ class WorkerGroup:
 
 
 def _exit_status(code: int) -> str:
-    """"exit code 1" or "signal 9 (SIGKILL)"."""
+    """ "exit code 1" or "signal 9 (SIGKILL)"."""
     if code < 0:
         return f"signal {-code} ({signal.Signals(-code).name})"
     return f"exit code {code}"

@@ -95,7 +95,7 @@ def run_step(runner: Any, step: WorkerStep) -> bool:
     LM head exchanges, checkpoint copies. Returns whether it stopped at a safepoint."""
     from quanta.runner.model_runner import _Chunk
 
-    seqs = [_Chunk(tokens, start, table) for tokens, start, table in step.seqs]
+    seqs = [_Chunk(*seq) for seq in step.seqs]
     aborted = False
     with torch.inference_mode():
         batch = runner._prepare(seqs, runner.num_device_blocks) if seqs else None
