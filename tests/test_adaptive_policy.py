@@ -213,11 +213,12 @@ def test_kv_mode_never_asks_for_a_hidden_cache_and_runs_on_any_runner():
 
 
 def _switch_case(device_blocks: int) -> tuple[BlockManager, Request, Request, StagedPolicy]:
-    """Two 16-token KV residents about to grow to 5 blocks each (3 as hidden); "b" has waited
-    10 s since its last token, "a" 2 s; (|W| + |R|) * rho = 0.1 s per block."""
+    """Two 16-token KV residents about to grow to 5 blocks each (3 as hidden), each with one
+    token left to generate (so a hidden cache is paid for one step); "b" has waited 10 s
+    since its last token, "a" 2 s; (|W| + |R|) * rho = 0.1 s per block."""
     bm = BlockManager(4, device_blocks, 0)
-    b = resident(bm, request("b", 16, t=-20.0), last_token=-10.0)
-    a = resident(bm, request("a", 16, t=-10.0), last_token=-2.0)
+    b = resident(bm, request("b", 16, t=-20.0, out=2), last_token=-10.0)
+    a = resident(bm, request("a", 16, t=-10.0, out=2), last_token=-2.0)
     return bm, a, b, apt(rho=0.05, **NO_SLO)
 
 

@@ -9,7 +9,11 @@ prefill) form the decode queue R. Running candidate i is worth
 
 with p_i its pending time, m_i its cache in KV blocks (context plus this step's tokens) and
 beta_i = 1 when the cache holds hidden states instead: half the blocks, but rho * m_i seconds
-more per step while K and V are recomputed, a delay every live request shares. The step takes
+more per step while K and V are recomputed, a delay every live request shares. Where hidden
+is a choice (a request that starts, or a KV resident offered the switch) the penalty is
+charged for every step the choice binds it to, ``steps_ahead``: a hidden cache is kept until
+the request finishes or is evicted, so charging one step would price a cost paid on each of
+its remaining decode steps as if it were paid once. The step takes
 the candidates that maximise the sum of g within memory M (prefill: the free device blocks;
 decode: the whole pool), by ``greedy_knapsack``; the ordering stage's ranking only breaks ties.
 A request past its SLO (TTFT before its first token, else time-between-tokens on its pending
@@ -30,7 +34,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.output import RunnerCapabilities
 from quanta.core.plan import StepPlan
-from quanta.core.request import CacheKind, Request
+from quanta.core.request import CacheKind, Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.common import residents
@@ -87,6 +91,7 @@ class AdaptivePacker(Packer):
         self.fallback, self.decay, self.rho = fallback, decay, rho
         self.requires = RunnerCapabilities(hidden_cache=cache != "kv")
         self._pinned: set[str] = set()  # switched to hidden: they restart hidden
+        self._finished = self._finished_tokens = 0  # requests that ended by length or stop
 
     def pack(
         self,
@@ -113,6 +118,9 @@ class AdaptivePacker(Packer):
 
     def on_finish(self, request: Request) -> None:
         self._pinned.discard(request.request_id)
+        if request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            self._finished += 1
+            self._finished_tokens += request.num_output_tokens
 
     # -- the two kinds of step ---------------------------------------------------------
     def _prefill(self, queue: list[Request], step: _Step, placement: Placement) -> None:
@@ -172,7 +180,8 @@ class AdaptivePacker(Packer):
             shared = len(hit.of(Tier.DEVICE)) if hit is not None else 0
             m = pool.blocks_for(total) - shared
             half = pool.blocks_for(req.num_computed_tokens + n, CacheKind.HIDDEN)
-            items.append(Item(self.value(req, now), m, half, kv, hidden, n))
+            steps = self.steps_ahead(req) if kv and hidden else 1.0
+            items.append(Item(self.value(req, now), m, half, kv, hidden, n, steps))
             reqs.append(req)
         return reqs, items
 
@@ -185,6 +194,17 @@ class AdaptivePacker(Packer):
         if held is CacheKind.HIDDEN or req.request_id in self._pinned or self.cache == "hidden":
             return False, True
         return True, self.cache == "hybrid"
+
+    def steps_ahead(self, req: Request) -> float:
+        """The decode steps a hidden cache chosen now is expected to be paid for: the mean
+        output of the requests finished so far, or, before any has, the tokens ``req`` may
+        still generate (an upper bound).
+
+        NOTE: a hidden cache is kept until the request finishes or is evicted, so choosing
+        it over KV costs rho * m per step for all of those steps, not for this one only."""
+        if self._finished:
+            return self._finished_tokens / self._finished
+        return float(max(1, req.params.max_tokens - req.num_output_tokens))
 
     def value(self, req: Request, now: float) -> float:
         """p_i after the SLO fallback: past the TTFT SLO before its first token, or past the

@@ -25,20 +25,24 @@ class Item:
     kv: bool = True  # the KV option is open to it
     hidden: bool = True  # the hidden option is open to it
     tokens: int = 1  # this step's tokens of it
+    # Steps the hidden option commits it to: its recompute is charged once per step. 1 when
+    # the choice is this step's alone; more when choosing hidden fixes its cache kind for
+    # the steps ahead (``AdaptivePacker`` never switches a hidden cache back in place).
+    hidden_steps: float = 1.0
 
 
 def options(item: Item, factor: float, memory: int) -> list[tuple[CacheKind, int, float]]:
     """The item's useful options as (kind, blocks, value), lightest first.
 
-    Hidden is worth ``value - factor * kv_blocks``; options heavier than ``memory`` are gone,
-    and so is hidden when it is worth nothing while KV is open. Beside KV, hidden stays only
-    when its value per block is at least what the upgrade to KV adds per block (the options'
-    upper hull): with exactly half the blocks, hidden worth at least half of KV, Apt-Serve's
-    public rule. The greedy then takes hidden before the upgrade and is the LP relaxation's
-    greedy, which the factor-2 bound rests on.
+    Hidden is worth ``value - factor * kv_blocks * hidden_steps``; options heavier than
+    ``memory`` are gone, and so is hidden when it is worth nothing while KV is open. Beside
+    KV, hidden stays only when its value per block is at least what the upgrade to KV adds
+    per block (the options' upper hull): with exactly half the blocks, hidden worth at least
+    half of KV, Apt-Serve's public rule. The greedy then takes hidden before the upgrade and
+    is the LP relaxation's greedy, which the factor-2 bound rests on.
     """
     value = max(item.value, NEAR_ZERO)
-    hidden_value = item.value - factor * item.kv_blocks
+    hidden_value = item.value - factor * item.kv_blocks * item.hidden_steps
     w_h, w_k = item.hidden_blocks, item.kv_blocks
     kv = item.kv and w_k <= memory
     hidden = item.hidden and w_h <= memory and (hidden_value > 0 or not item.kv)
