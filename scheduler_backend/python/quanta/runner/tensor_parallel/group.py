@@ -89,6 +89,10 @@ class WorkerGroup:
         back to a local listener; the pipe it gets carries its arguments and its steps.
         """
         self._init = f"tcp://127.0.0.1:{_free_port()}"
+        if sys.platform.startswith("linux"):
+            # NOTE: every rank is on this machine; gloo would otherwise pair them over the
+            # address the hostname resolves to, which a sandbox or container may not route
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         env = dict(os.environ)
