@@ -272,3 +272,65 @@ def test_hidden_cache_requests_under_two_ranks_match_one(tiny_checkpoint, preset
             runner.close()
 
     assert run(2) == run(1)
+
+
+def test_conserve_checkpoints_under_two_ranks_leave_outputs_unchanged(llama_tiny):
+    """ConServe's incremental checkpoints copy each rank's share of the blocks to its host
+    tier; offline work that yields to online arrivals by checkpoint comes out as without."""
+    from fakes import decode_chars
+    from quanta.core.blocks import BlockManager
+    from quanta.core.clock import VirtualClock
+    from quanta.core.config import SchedulerConfig
+    from quanta.core.loop import EngineLoop
+    from quanta.core.request import Request, RequestMetadata, SamplingParams
+    from quanta.policies import make_policy
+
+    def requests() -> tuple[list[Request], list[Request]]:
+        def one(rid: str, prompt_len: int, max_tokens: int, cls: str) -> Request:
+            return Request(
+                request_id=rid,
+                prompt_token_ids=[(3 * len(rid) + 7 * j) % 50 + 4 for j in range(prompt_len)],
+                params=SamplingParams(max_tokens=max_tokens, temperature=0.8),
+                arrival_time=0.0,
+                seed=sum(map(ord, rid)),
+                metadata=RequestMetadata(priority_class=cls),  # type: ignore[arg-type]
+            )
+
+        offline = [one(f"off{i}", 20, 12, "offline") for i in range(4)]
+        return offline, [one(f"on{i}", 10, 6, "online") for i in range(2)]
+
+    def run(policy: str, device: int, tp: int, **options: object) -> tuple[dict, EngineLoop]:
+        runner = ModelRunner(
+            llama_tiny,
+            num_device_blocks=device,
+            num_host_blocks=64,
+            block_size=4,
+            dtype="float32",
+            tensor_parallel_size=tp,
+        )
+        loop = EngineLoop(
+            runner=runner,
+            policy=make_policy(policy, SchedulerConfig(max_num_batched_tokens=64), **options),
+            blocks=BlockManager(4, device, 64),
+            clock=VirtualClock(),
+            max_model_len=256,
+            decode=decode_chars,
+        )
+        try:
+            early, late = requests()
+            streams = {r.request_id: loop.submit(r) for r in early}
+            for _ in range(4):
+                loop.step()
+            streams |= {r.request_id: loop.submit(r) for r in late}
+            loop.run_until_idle()
+        finally:
+            runner.close()
+        loop.blocks.check_integrity()
+        assert loop.blocks.all_free()
+        return {rid: s.result(timeout=0).token_ids for rid, s in streams.items()}, loop  # type: ignore[union-attr]
+
+    expected, _ = run("fcfs", 512, 1)
+    got, loop = run("conserve", 20, 2, safepoints=False, checkpoint_threshold=1.0, prefetch=False)
+    stats = loop.stats()
+    assert stats.num_preemptions_checkpoint > 0 and stats.num_checkpoint_blocks_copied > 0
+    assert got == expected
