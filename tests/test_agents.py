@@ -121,6 +121,15 @@ def test_abusers_start_interactions_far_more_often_and_outputs_are_heavy_tailed(
     assert calls == pytest.approx(8.0, rel=0.35)  # the rate is calls per second
 
 
+def test_make_workload_passes_the_abuse_factor_and_only_to_agents():
+    trace = make_workload("agents", 3000, 8.0, seed=1, num_users=20, abusers=1, abuse_factor=100)
+    starts = Counter(r.tenant for r in trace if r.interaction_stage == 0)
+    benign = statistics.mean(starts.get(f"u{i}", 0) for i in range(20))
+    assert starts["abuser0"] > 50 * benign
+    with pytest.raises(WorkloadError, match="agents"):
+        make_workload("sharegpt", 5, 1.0, abuse_factor=2.0)
+
+
 def test_calls_of_an_app_share_its_system_prompt_and_nothing_else():
     trace = agents(200, 4.0, num_users=6, seed=2)
     assert all(r.prefix_group == r.app and r.prefix_tokens == r.system_tokens for r in trace)
@@ -292,6 +301,24 @@ def test_delayed_users_follow_the_threshold():
     assert quiet["num_interactions"] == 2  # a call without an interaction is its own
 
 
+def test_fair_share_water_fills_what_the_users_asked():
+    """x's long call holds the only seat while y's short call waits: over the load period
+    (until y's call was sent) x got everything, and y, who asked for less than half, was
+    owed all it asked (its max-min fair share) and got none of it."""
+    trace = [
+        WorkloadRequest(0.0, 40, 400, "x0", tenant="x"),
+        WorkloadRequest(0.5, 40, 8, "y0", tenant="y"),
+    ]
+    res = simulate(trace, SimSetup("fcfs", COST, SchedulerConfig(max_num_seqs=1)))
+    by = fairness(res.requests)["by_tenant"]
+    x, y = by["x"], by["y"]
+    total = x["service_in_load"] + y["service_in_load"]
+    assert y["service_in_load"] == 0 and 0 < x["service_in_load"] < 1  # x half done by 0.5 s
+    assert y["fair_share"] == pytest.approx(min(1.0, total / 2))  # y asks 1 unit (its mean)
+    assert x["fair_share"] + y["fair_share"] == pytest.approx(total)
+    assert y["share_received"] == 0 and x["share_received"] > 1
+
+
 # -- the CLIs ----------------------------------------------------------------------------------
 def test_cli_writes_an_agents_workload_and_simulates_it_with_fairness(tmp_path: Path):
     out = tmp_path / "out.jsonl"
@@ -320,8 +347,11 @@ def test_cli_generates_agents_in_simulate_and_refuses_misplaced_options(tmp_path
     assert res.exit_code == 0, res.output
     data = json.loads(report.read_text())
     assert data["workload"]["num_users"] == 4 and data["workload"]["abusers"] == 1
+    assert data["workload"]["abuse_factor"] is None  # the generator's default, 15
     assert data["fairness"]["num_interactions"] >= 1
     bad = CliRunner().invoke(app, ["simulate", "--num-users", "3", "--num-requests", "5"], env=WIDE)
+    assert bad.exit_code == 2 and "agents" in bad.output
+    bad = CliRunner().invoke(app, ["simulate", "--abuse-factor", "3", "--num-requests", "5"])
     assert bad.exit_code == 2 and "agents" in bad.output
     bad = CliRunner().invoke(
         app, ["bench", "workload", str(tmp_path / "x.jsonl"), "--abusers", "1"]

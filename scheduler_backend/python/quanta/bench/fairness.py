@@ -15,7 +15,9 @@ What a live run cannot see, and what stands in for it:
   throttle, on every protocol); *abandoned* calls are those the client never sent because an
   earlier call of their interaction failed.
 - A prompt counts as computed once a token streamed back; the lengths are the server's
-  reported prompt length, else the row's.
+  reported prompt length, else the row's. Output tokens are spread over the chunks that
+  carried them, in order (a chunk's time stands for each of its tokens'), which is what the
+  service received by a time (against the fair share) reads.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def _request(row: WorkloadRequest, result: ClientResult) -> Request:
     if result.chunk_s:
         # NOTE: TTFT stands in for queueing (module doc).
         request.first_scheduled_time = request.first_token_time = result.chunk_s[0]
+        n, chunks = result.num_output_tokens, result.chunk_s
+        request.token_times = [chunks[k * len(chunks) // n] for k in range(n)]
     if not result.abandoned:
         request.finish_time = result.end_s
     return request

@@ -20,6 +20,17 @@ call of an interaction), which the per-request latency metrics cannot see. Defin
 - ``jain_index``: Jain's index over users' normalized service, FairServe's Eq. 3 with E = 1:
   each call's computed tokens weighted input x1, system prompt x2, output x1, divided by the
   mean weighted tokens the trace's calls of the same app and stage ask for.
+- Service against the fair share (per tenant in ``by_tenant``): over the *load period*, from
+  the start until the last interaction was started (the last call sent on its own schedule;
+  later calls follow answers, so they trail the backlog; after it the backlog only drains,
+  and every policy ends up serving everything it admitted), ``service_in_load`` is the
+  normalized service a user's calls computed by then and ``fair_share`` its max-min fair
+  share of what all users got in that period: the total is water-filled over the users'
+  demands (the normalized service their calls sent in the period asked for, refused ones
+  included), so a user asking
+  less than an equal split is owed all it asked and the rest is split evenly among the
+  others. ``share_received`` is the ratio. A benign user below 1 was served less than fair
+  queueing owes it, whether by waiting behind others or by being refused.
 """
 
 from __future__ import annotations
@@ -47,6 +58,9 @@ class _User:
     service: float = 0.0
     wasted_tokens: int = 0
     queueing: list[float] = field(default_factory=list)
+    demand: float = 0.0  # normalized service asked by calls sent in the load period
+    in_load: float = 0.0  # normalized service computed in the load period
+    fair_share: float = math.nan
 
     def row(self, threshold: float) -> dict[str, Any]:
         return {
@@ -59,6 +73,9 @@ class _User:
             "wasted_tokens": self.wasted_tokens,
             "mean_queueing_s": mean(self.queueing),
             "delayed": any(q > threshold for q in self.queueing),
+            "service_in_load": self.in_load,
+            "fair_share": self.fair_share,
+            "share_received": self.in_load / self.fair_share if self.fair_share else math.nan,
         }
 
 
@@ -75,6 +92,7 @@ def fairness(
     answered = _answered_interactions(requests)
     expected = _expected_tokens(requests)
     users: dict[str, _User] = defaultdict(_User)
+    load_end = max((r.arrival_time for r in requests if _opens(r, never_sent)), default=0.0)
     for r in requests:
         meta, user, key = r.metadata, users[r.metadata.tenant], _interaction(r)
         user.requests += 1
@@ -89,10 +107,15 @@ def fairness(
         if r.first_scheduled_time is not None:
             user.queueing.append(r.first_scheduled_time - r.arrival_time)
         prefilled = r.first_token_time is not None
-        user.service += _weighted(r, prefilled) / expected[(meta.app, meta.interaction_stage)]
+        w = expected[(meta.app, meta.interaction_stage)]
+        user.service += _weighted(r, prefilled) / w
+        if r.arrival_time <= load_end:
+            user.demand += _weighted(r, output=r.params.max_tokens) / w
+            user.in_load += _weighted_by(r, load_end) / w
         if key not in answered:
             user.wasted_tokens += r.num_prompt_tokens * prefilled + r.num_output_tokens
     senders = [u for u in users.values() if u.sent]
+    _set_fair_shares(senders)
     hit = {_interaction(r) for r in requests if r.request_id in throttled}
     done = [r for r in requests if r.finish_time is not None and r.error is None]
     num_interactions = len({_interaction(r) for r in requests})
@@ -141,6 +164,29 @@ def _weighted(r: Request, prefilled: bool = True, output: int | None = None) -> 
     prompt = INPUT_WEIGHT * (r.num_prompt_tokens - system) + SYSTEM_WEIGHT * system
     done = r.num_output_tokens if output is None else output
     return prompt * prefilled + OUTPUT_WEIGHT * done
+
+
+def _opens(r: Request, never_sent: Collection[str]) -> bool:
+    """``r`` was sent on its own schedule: it starts an interaction or has none (a later call
+    is sent when the previous one answers, so it trails the backlog, not the load)."""
+    return r.request_id not in never_sent and not r.metadata.interaction_stage
+
+
+def _weighted_by(r: Request, until: float) -> float:
+    """FairServe's weighted tokens of ``r`` computed by ``until``: its prompt once its first
+    token came, and each output token by its time."""
+    prefilled = r.first_token_time is not None and r.first_token_time <= until
+    return _weighted(r, prefilled, sum(t <= until for t in r.token_times))
+
+
+def _set_fair_shares(users: Sequence[_User]) -> None:
+    """Max-min fair shares of the service the users got in the load period: water-filling,
+    the smallest demands met in full first, the rest split evenly among the others."""
+    left = sum(u.in_load for u in users)
+    pending = sorted(users, key=lambda u: u.demand)
+    for k, u in enumerate(pending):
+        u.fair_share = min(u.demand, left / (len(pending) - k))
+        left -= u.fair_share
 
 
 def _expected_tokens(requests: Sequence[Request]) -> dict[tuple[str, int | None], float]:

@@ -72,6 +72,7 @@ def make_workload(
     too_long: TooLong = "error",
     num_users: int | None = None,
     abusers: int | None = None,
+    abuse_factor: float | None = None,
 ) -> list[WorkloadRequest]:
     """The simulator's entry point: a dataset name, ``agents``, ``chat``, or a workload file.
 
@@ -82,11 +83,15 @@ def make_workload(
     ``time_scale``, ``token_scale`` and ``too_long`` act as in ``load_workload`` (a row longer
     than ``max_len`` is an error unless ``too_long`` is ``skip`` or ``clip``).
     ``agents`` is ``quanta.workloads.agents.agents`` with ``num_users`` (default 20) benign
-    users and ``abusers`` (default 0), which no other workload takes. ``chat`` is
+    users and ``abusers`` (default 0) who start interactions ``abuse_factor`` (default 15)
+    times as often, which no other workload takes. ``chat`` is
     ``quanta.workloads.chat.chat`` with its defaults (``rate``: turns per second).
     """
-    if name_or_path != AGENTS and (num_users is not None or abusers is not None):
-        raise WorkloadError(f"num_users and abusers shape the {AGENTS!r} workload only")
+    shaping = (num_users, abusers, abuse_factor)
+    if name_or_path != AGENTS and any(x is not None for x in shaping):
+        raise WorkloadError(
+            f"num_users, abusers and abuse_factor shape the {AGENTS!r} workload only"
+        )
     if name_or_path in (*DATASETS, AGENTS, CHAT):
         if time_scale != 1.0 or token_scale != 1.0:
             raise WorkloadError(
@@ -100,6 +105,7 @@ def make_workload(
                 rate,
                 num_users=users,
                 abusers=abusers or 0,
+                abuse_factor=15.0 if abuse_factor is None else abuse_factor,
                 seed=seed,
                 cv=cv,
                 max_len=max_len,
