@@ -12,7 +12,13 @@ from typing import Annotated
 
 import typer
 
-from quanta.cli_options import AttentionKernelOpt, LinearKernelOpt, PrefixCachingOpt, batch_sizes
+from quanta.cli_options import (
+    AttentionKernelOpt,
+    LinearKernelOpt,
+    PrefixCachingOpt,
+    batch_sizes,
+    tensor_parallel_option,
+)
 
 app = typer.Typer(
     help="Quanta: preemptive, fair, SLO-aware LLM serving for Triton.",
@@ -122,13 +128,7 @@ def bench_engine(
         str, typer.Option(help="cpu, cuda or cuda:N: where both engines run")
     ] = "cpu",
     tensor_parallel_size: Annotated[
-        int,
-        typer.Option(
-            "--tensor-parallel-size",
-            "--tp-size",
-            min=1,
-            help="ranks of Quanta's engine; --threads is split between them",
-        ),
+        int, tensor_parallel_option("ranks of Quanta's engine; --threads is split between them")
     ] = 1,
 ) -> None:
     """Prefill and decode tokens/s of the engine, with HF transformers as the peer.

@@ -82,18 +82,20 @@ SpeculativeConfigOpt = Annotated[
     ),
 ]
 
-# vLLM's tensor-parallel flag (``EngineConfig.tensor_parallel_size``); ``--tp-size`` and
-# trtllm-build's ``--tp_size`` spell the same.
+
+def tensor_parallel_option(help: str, *more: str, **kwargs: Any) -> Any:
+    """vLLM's tensor-parallel flag (``EngineConfig.tensor_parallel_size``) and its short
+    spelling; ``more``: further names (trtllm-build's ``--tp_size``)."""
+    return typer.Option("--tensor-parallel-size", "--tp-size", *more, min=1, help=help, **kwargs)
+
+
 TensorParallelOpt = Annotated[
     int | None,
-    typer.Option(
-        "--tensor-parallel-size",
-        "--tp-size",
+    tensor_parallel_option(
+        "split the model and its KV cache over this many ranks (worker processes, "
+        "torch.distributed gloo on CPU); cache sizes are per rank (default: 1)",
         "--tp_size",
         "-tp",
-        min=1,
-        help="split the model and its KV cache over this many ranks (worker processes, "
-        "torch.distributed gloo on CPU); cache sizes are per rank (default: 1)",
         show_default=False,
     ),
 ]

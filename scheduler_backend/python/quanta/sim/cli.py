@@ -14,7 +14,14 @@ from typing import Annotated, Any
 
 import typer
 
-from quanta.cli_options import PolicyOpt, RouterOpt, SloPresetOpt, TbtSloOpt, parse_options
+from quanta.cli_options import (
+    PolicyOpt,
+    RouterOpt,
+    SloPresetOpt,
+    TbtSloOpt,
+    parse_options,
+    tensor_parallel_option,
+)
 from quanta.workloads.options import TimeScaleOpt, TokenScaleOpt, TooLongOpt
 
 
@@ -121,13 +128,10 @@ def simulate_cmd(
     ] = OnOff.off,
     tensor_parallel_size: Annotated[
         int,
-        typer.Option(
-            "--tensor-parallel-size",
-            "--tp-size",
-            min=1,
-            help="split the profile's model over this many GPUs: 1/N of the weights, FLOPs "
+        tensor_parallel_option(
+            "split the profile's model over this many GPUs: 1/N of the weights, FLOPs "
             "and KV each, 2 all-reduces per layer over --allreduce-bandwidth, and each added "
-            "GPU's free memory as KV space (a single-GPU profile)",
+            "GPU's free memory as KV space (a single-GPU profile)"
         ),
     ] = 1,
     allreduce_bandwidth: Annotated[
