@@ -334,3 +334,12 @@ def test_conserve_checkpoints_under_two_ranks_leave_outputs_unchanged(llama_tiny
     stats = loop.stats()
     assert stats.num_preemptions_checkpoint > 0 and stats.num_checkpoint_blocks_copied > 0
     assert got == expected
+
+
+def test_a_quantized_engine_is_refused_before_any_cut(llama_tiny, tmp_path):
+    from quanta.build.engine_build import BuildOptions, build_engine_dir
+
+    engine = tmp_path / "int8"
+    build_engine_dir(llama_tiny, engine, BuildOptions(quantization="int8", kv_cache_memory=1 << 20))
+    with pytest.raises(ValueError, match="quantized"):
+        _runner(engine, tp=2)

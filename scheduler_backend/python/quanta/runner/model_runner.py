@@ -177,17 +177,17 @@ class ModelRunner:
         try:
             load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
             if rank is not None:
+                if any(getattr(m, "quantized", None) is not None for m in self.model.modules()):
+                    raise ValueError(
+                        "tensor parallelism runs bf16/fp32 engines; this one holds quantized "
+                        "weights: build it without --quantization"
+                    )
                 self.kv_config = shard_model(self.model, self.model_config, rank, self._exchange)
             self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
             fuse_model(self.model, self.linear_kernel)
             # Quantized products' kernels (int8pack, int4pack, dequant), "none" for floats.
             self.quantized_kernel = ",".join(quantized_kernels(self.model)) or "none"
             if rank is not None:
-                if self.quantized_kernel != "none":
-                    raise ValueError(
-                        "tensor parallelism runs bf16/fp32 engines; this one holds quantized "
-                        "weights: build it without --quantization"
-                    )
                 wrap_row_parallel(self.model, self.model_config)
             if self.tp is not None:
                 self.tp.connect()
