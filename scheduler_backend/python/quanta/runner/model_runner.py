@@ -52,8 +52,8 @@ from quanta.runner.tensor_parallel import (
     end_exchanges,
     exchange_rows,
     gather_columns,
-    per_rank_threads,
     shard_model,
+    start_workers,
     worker_step,
     wrap_row_parallel,
 )
@@ -154,10 +154,10 @@ class ModelRunner:
         if rank is None and tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, tensor_parallel_size, self.device, draft_model)
             rank = Rank(0, tensor_parallel_size)
-            threads = per_rank_threads(tensor_parallel_size)
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            args = dict(
+            # the workers load their shards while this one loads its own
+            self.tp = start_workers(
+                tensor_parallel_size,
                 model_dir=model_dir,
                 num_device_blocks=num_device_blocks,
                 num_host_blocks=num_host_blocks,
@@ -168,8 +168,6 @@ class ModelRunner:
                 attention_kernel=attention_kernel,
                 safepoint_interval=safepoint_interval,
             )
-            self.tp = WorkerGroup(tensor_parallel_size, args, threads)
-            self.tp.spawn()  # the workers load their shards while this one loads its own
         self.tensor_rank = rank
         # What this rank's KV cache and attention kernels hold: its heads (all without TP).
         self.kv_config = self.model_config

@@ -8,6 +8,8 @@ names the same block on every rank, each holding its heads' share of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from quanta.core.output import SchedulerOutput
@@ -44,6 +46,17 @@ def check_tensor_parallel(
         )
 
 
+def start_workers(world: int, **runner_args: Any) -> WorkerGroup:
+    """Ranks 1..world-1 of a runner built with ``runner_args``, started: the cores are
+    split between the ranks (this process takes its share too), and each worker begins
+    loading its shard. ``WorkerGroup.connect`` waits for them."""
+    threads = per_rank_threads(world)
+    torch.set_num_threads(threads)
+    group = WorkerGroup(world, runner_args, threads)
+    group.spawn()
+    return group
+
+
 def worker_step(so: SchedulerOutput) -> WorkerStep:
     """What the workers need of a step (no sampling state, no signal: they cannot pickle and
     only rank 0 uses them)."""
@@ -67,6 +80,7 @@ __all__ = [
     "gather_columns",
     "per_rank_threads",
     "shard_model",
+    "start_workers",
     "worker_step",
     "wrap_row_parallel",
 ]
