@@ -168,7 +168,6 @@ class ModelRunner:
                 attention_kernel=attention_kernel,
                 safepoint_interval=safepoint_interval,
             )
-        self.tensor_rank = rank
         # What this rank's KV cache and attention kernels hold: its heads (all without TP).
         self.kv_config = self.model_config
         self.model = build_model_skeleton(self.model_config)

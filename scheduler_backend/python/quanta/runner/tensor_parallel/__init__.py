@@ -78,7 +78,6 @@ __all__ = [
     "end_exchanges",
     "exchange_rows",
     "gather_columns",
-    "per_rank_threads",
     "shard_model",
     "start_workers",
     "worker_step",
