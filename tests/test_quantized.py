@@ -65,20 +65,52 @@ def test_int4_codes_round_trip_through_the_nibble_layout():
     ("mode", "group", "symmetric"), [("int8", 0, True), ("int4", 32, False), ("int4", 128, True)]
 )
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_torch_kernels_compute_the_dequantized_product(mode, group, symmetric, rows):
-    """int8pack / int4pack in bf16 (both sides of DEQUANT_ROWS) against fp32 on the
-    dequantized weight: torch's int4pack convention is (q - 8) * scale + zero."""
+@pytest.mark.parametrize("panel", [True, False])
+def test_quantized_kernels_compute_the_dequantized_product(
+    mode, group, symmetric, rows, panel, monkeypatch
+):
+    """The panel kernels (native-int8, native-int4) and torch's (int8pack / int4pack, as on
+    CPUs without AVX512_BF16) in bf16, both sides of DEQUANT_ROWS and of the panel kernels'
+    widening, against fp32 on the dequantized weight: torch's int4pack convention is
+    (q - 8) * scale + zero."""
+    if panel and not panel_linear.supports(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no AVX512_BF16 here")
+    if not panel:
+        monkeypatch.setattr(quantized.panel_linear, "supports", lambda *_: False)
     w = quantize(_weight(96, 256), mode, group, symmetric)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(96)
     layer = QuantizedLinear(w, bias, "none", torch.bfloat16)
-    int8 = (
-        "native-int8" if panel_linear.supports(torch.bfloat16, torch.device("cpu")) else "int8pack"
-    )
-    assert layer.kernel == (int8 if mode == "int8" else "int4pack")
+    kernels = {"int8": ("native-int8", "int8pack"), "int4": ("native-int4", "int4pack")}
+    assert layer.kernel == kernels[mode][0 if panel else 1]
     ref = x.bfloat16().float() @ w.dequantize().T + bias
     got = layer(x.bfloat16()).float()
     assert torch.allclose(got, ref, rtol=2e-2, atol=0.15 * ref.abs().mean().item())
+
+
+@pytest.mark.skipif(
+    not panel_linear.supports(torch.bfloat16, torch.device("cpu")), reason="no AVX512_BF16"
+)
+@pytest.mark.parametrize(("n", "k", "group"), [(96, 256, 32), (130, 64, 64), (576, 1536, 128)])
+def test_int4_panel_kernel_rounds_the_exact_product_once_at_any_batch(n, k, group):
+    """The int4 panel kernel against the exact product of x and code * scale + min (fp16
+    scales and mins, as it keeps them): within the one bf16 rounding of the result; and a row
+    gets the same bits alone as among 1-40 rows (the direct and the widened paths)."""
+    lib = panel_linear.load()
+    gen = torch.Generator().manual_seed(n)
+    w = quantize(torch.randn(n, k, generator=gen), "int4", group, symmetric=False)
+    scales, mins = w.scales.half().float(), quantized._mins(w).half().float()
+    packed, sm = lib.pack_int4(w.codes()), lib.int4_scales(w.scales, quantized._mins(w))
+    bias = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    exact = w.codes().double().view(n, k // group, group) * scales[..., None].double()
+    exact = (exact + mins[..., None].double()).view(n, k)
+    want = x.double() @ exact.T + bias.double()
+    got = lib.product_int4(x, packed, sm, bias, n, group)
+    bound = want.abs() * 2**-8 + 1e-5 * want.abs().max()
+    assert ((got.double() - want).abs() <= bound).all()
+    for rows in (1, 3, 4, 5, 17):
+        assert torch.equal(lib.product_int4(x[:rows], packed, sm, bias, n, group), got[:rows])
 
 
 @pytest.mark.parametrize("panel", [True, False])

@@ -57,6 +57,11 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
+def c_address(fn: ctypes._CFuncPtr) -> int:
+    """Where a loaded C function lies, for C code that calls it through a pointer."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _DTYPE_CODES
 
@@ -70,6 +75,11 @@ class NativeDecode:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
         self._fn = fn
+
+    @property
+    def address(self) -> int:
+        """The kernel's C entry point (``decode_chain`` calls it directly)."""
+        return c_address(self._fn)
 
     def __call__(
         self,

@@ -72,6 +72,30 @@ void quanta_panel_pack_i8(int8_t *packed, const int8_t *w, int64_t n, int64_t k)
     pack(packed, w, n, k, sizeof *w);
 }
 
+
+/* Packed size in bytes of an [n, k] int4 weight (k even): half a byte per code. */
+int64_t quanta_panel_i4_packed_size(int64_t n, int64_t k) {
+    return ((n + PANEL - 1) / PANEL) * (k / 2) * PANEL;
+}
+
+/* int4 codes (one per byte, 0..15, [n, k], k even) -> the panel layout of the bf16 weight
+ * with four codes per 16-bit word: of a pair row's PANEL x 2 codes (one pair of input
+ * columns), code 32 v + j sits in bits 4 v .. 4 v + 3 of word j, so one 64-byte load
+ * widens into the pair row's four 32-code registers with a shift and a mask each (widen4). */
+void quanta_panel_pack_i4(uint8_t *packed, const uint8_t *codes, int64_t n, int64_t k) {
+    const int64_t pairs = k / 2, panels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kp = 0; kp < pairs; kp++) {
+            uint16_t words[PANEL / 2] = {0};
+            for (int64_t w = 0; w < 2 * PANEL; w++) {
+                const int64_t row = p * PANEL + w / 2, col = kp * 2 + w % 2;
+                const uint16_t code = row < n ? codes[row * k + col] & 0x0F : 0;
+                words[w % 32] |= (uint16_t)(code << (4 * (w / 32)));
+            }
+            memcpy(packed + (p * pairs + kp) * PANEL, words, sizeof words);
+        }
+}
+
 #if QUANTA_PANEL
 
 /* Pair kp of row r of x as a 32-bit word (zero-padded past an odd k). */
@@ -205,6 +229,183 @@ void quanta_panel_i8(uint16_t *y, const uint16_t *x, const int8_t *packed, const
     }
 }
 
+/* int4 codes, grouped: the weight of column c in group g is code * scale[c, g] + min[c, g]
+ * (torch's (code - 8) * scale + zero, with min = zero - 8 * scale; llama.cpp's Q4_1 d * q + m
+ * and Q4_0 d * (q - 8) exactly). Scales and mins are fp16 (which holds GGUF's d and m
+ * exactly), laid out [panel][group][scale, min][PANEL].
+ *
+ * A code widens to the bf16 word 0x4300 | code, which is 128 + code: one mask-and-or per 32
+ * codes, no table lookup. So the pair dot product sums x_k (128 + code_ck), exactly products
+ * in fp32, and the group's weights come out of it as
+ *   y_c = sum_g scale[c, g] * part_cg + (min[c, g] - 128 scale[c, g]) * sum_{k in g} x_k,
+ * two fused multiply-adds per 16 columns and group. The 128 costs 7 of fp32's 24 bits of the
+ * partial sum, far below the bf16 rounding of the result.
+ *
+ * A row's arithmetic does not depend on how many rows share the call: from ROWS + 1 rows up
+ * a panel's codes are widened once to their bf16 words in a per-thread scratch and the same
+ * loop reads them, so a request gets the same bits at batch 1 and in a prefill. */
+
+/* The four 32-code registers of a pair row from its 64 packed bytes (quanta_panel_pack_i4). */
+static inline void widen4(const uint8_t *bytes, __m512bh out[4]) {
+    const __m512i b = _mm512_loadu_si512((const void *)bytes);
+    const __m512i low = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(0x4300);
+    /* 0xEA: (a & b) | c */
+    out[0] = (__m512bh)_mm512_ternarylogic_epi32(b, low, base, 0xEA);
+    out[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), low, base, 0xEA);
+    out[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 8), low, base, 0xEA);
+    out[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 12), base);
+}
+
+/* R rows of x against one int4 panel (`wide`: the panel holds bf16 codes, [K/2][PANEL][2]). */
+static inline __attribute__((always_inline)) void panel_rows_i4(
+    uint16_t *y, const uint16_t *x, const void *panel, int wide, const uint16_t *sm,
+    const float *xsum, const uint16_t *bias, int R, int64_t n, int64_t k, int64_t n0,
+    int64_t group) {
+    const int64_t groups = k / group, gp = group / 2;
+    const int64_t pair_bytes = wide ? PANEL * 4 : PANEL;
+    __m512 acc[ROWS][PANEL / 16];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < PANEL / 16; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        /* Two partial sums, even and odd pairs: twice the independent chains of dot
+         * products, which at one row are bound by their latency, not by the loads. */
+        __m512 part[2][ROWS][PANEL / 16];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < R; r++)
+                for (int v = 0; v < PANEL / 16; v++) part[h][r][v] = _mm512_setzero_ps();
+        for (int64_t kp = g * gp; kp < (g + 1) * gp; kp++) {
+            const uint8_t *wp = (const uint8_t *)panel + kp * pair_bytes;
+            for (int line = 0; line < pair_bytes / 64; line++)
+                _mm_prefetch((const char *)wp + PREFETCH + 64 * line, _MM_HINT_T0);
+            __m512bh wv[PANEL / 16];
+            if (wide) {
+                for (int v = 0; v < PANEL / 16; v++)
+                    wv[v] = (__m512bh)_mm512_loadu_si512((const void *)(wp + v * 64));
+            } else {
+                widen4(wp, wv);
+            }
+            const int h = (int)(kp & 1);
+            for (int r = 0; r < R; r++) {
+                int32_t word;
+                memcpy(&word, x + r * k + 2 * kp, sizeof word);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(word);
+                for (int v = 0; v < PANEL / 16; v++)
+                    part[h][r][v] = _mm512_dpbf16_ps(part[h][r][v], wv[v], xv);
+            }
+        }
+        const uint16_t *gsm = sm + g * 2 * PANEL;
+        for (int v = 0; v < PANEL / 16; v++) {
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gsm + v * 16)));
+            const __m512 m =
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gsm + PANEL + v * 16)));
+            const __m512 shifted = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, m);
+            for (int r = 0; r < R; r++) {
+                const __m512 sum = _mm512_add_ps(part[0][r][v], part[1][r][v]);
+                acc[r][v] = _mm512_fmadd_ps(sum, s, acc[r][v]);
+                acc[r][v] = _mm512_fmadd_ps(shifted, _mm512_set1_ps(xsum[r * groups + g]), acc[r][v]);
+            }
+        }
+    }
+    for (int v = 0; v < PANEL / 16; v++) {
+        int64_t col = n0 + v * 16;
+        if (col >= n) break;
+        int64_t left = n - col;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + col))
+                        : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b));
+            _mm256_mask_storeu_epi16(y + r * n + col, mask, (__m256i)out);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_all_i4(
+    uint16_t *y, const uint16_t *x, const void *panel, int wide, const uint16_t *sm,
+    const float *xsum, const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t n0,
+    int64_t group) {
+    const int64_t groups = k / group;
+    int64_t r = 0;
+#define I4_ROWS(R)                                                                            \
+    panel_rows_i4(y + r * n, x + r * k, panel, wide, sm, xsum + r * groups, bias, R, n, k, n0, \
+                  group)
+    for (; r + ROWS <= rows; r += ROWS) I4_ROWS(ROWS);
+    switch (rows - r) {
+    case 3: I4_ROWS(3); break;
+    case 2: I4_ROWS(2); break;
+    case 1: I4_ROWS(1); break;
+    default: break;
+    }
+#undef I4_ROWS
+}
+
+static void panel_all_i4_nibbles(uint16_t *y, const uint16_t *x, const void *panel,
+                                 const uint16_t *sm, const float *xsum, const uint16_t *bias,
+                                 int64_t rows, int64_t n, int64_t k, int64_t n0, int64_t group) {
+    panel_all_i4(y, x, panel, 0, sm, xsum, bias, rows, n, k, n0, group);
+}
+
+static void panel_all_i4_wide(uint16_t *y, const uint16_t *x, const void *panel,
+                              const uint16_t *sm, const float *xsum, const uint16_t *bias,
+                              int64_t rows, int64_t n, int64_t k, int64_t n0, int64_t group) {
+    panel_all_i4(y, x, panel, 1, sm, xsum, bias, rows, n, k, n0, group);
+}
+
+/* y [rows, n] = x [rows, k] W^T (+ bias [n]) for int4 codes packed by quanta_panel_pack_i4,
+ * fp16 scales and mins [panels][k / group][2][PANEL]; x and y bf16, k a multiple of the
+ * (even) group. Returns 0, or -1 when the rows' group sums cannot be allocated. */
+int quanta_panel_i4(uint16_t *y, const uint16_t *x, const uint8_t *packed, const uint16_t *sm,
+                    const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t group,
+                    int threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, pairs = k / 2, groups = k / group;
+    const int64_t stride = pairs * PANEL, sm_stride = groups * 2 * PANEL;
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * groups));
+    if (!xsum) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) {
+                uint32_t bits = (uint32_t)x[r * k + i] << 16;
+                float f;
+                memcpy(&f, &bits, sizeof f);
+                s += f;
+            }
+            xsum[r * groups + g] = s;
+        }
+    if (rows <= ROWS) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t p = 0; p < panels; p++)
+            panel_all_i4_nibbles(y, x, packed + p * stride, sm + p * sm_stride, xsum, bias, rows,
+                                 n, k, p * PANEL, group);
+        free(xsum);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        uint16_t *wide = aligned_alloc(64, (size_t)(pairs * PANEL * 4));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const uint8_t *codes = packed + p * stride;
+            if (wide) {
+                for (int64_t kp = 0; kp < pairs; kp++) {
+                    __m512bh wv[PANEL / 16];
+                    widen4(codes + kp * PANEL, wv);
+                    for (int v = 0; v < PANEL / 16; v++)
+                        _mm512_storeu_si512((void *)(wide + kp * PANEL * 2 + v * 32), (__m512i)wv[v]);
+                }
+                panel_all_i4_wide(y, x, wide, sm + p * sm_stride, xsum, bias, rows, n, k,
+                                  p * PANEL, group);
+            } else {  // no memory for the scratch: the direct path, same bits, slower
+                panel_all_i4_nibbles(y, x, codes, sm + p * sm_stride, xsum, bias, rows, n, k,
+                                     p * PANEL, group);
+            }
+        }
+        free(wide);
+    }
+    free(xsum);
+    return 0;
+}
+
 #else
 
 void quanta_panel_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
@@ -216,6 +417,14 @@ void quanta_panel_i8(uint16_t *y, const uint16_t *x, const int8_t *packed, const
                      const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int threads) {
     (void)y, (void)x, (void)packed, (void)scales, (void)bias, (void)rows, (void)n, (void)k;
     (void)threads;
+}
+
+int quanta_panel_i4(uint16_t *y, const uint16_t *x, const uint8_t *packed, const uint16_t *sm,
+                    const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t group,
+                    int threads) {
+    (void)y, (void)x, (void)packed, (void)sm, (void)bias, (void)rows, (void)n, (void)k;
+    (void)group, (void)threads;
+    return -1;
 }
 
 #endif

@@ -29,6 +29,7 @@ from quanta.runner import native_decode
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("panel_linear.c")
+PANEL = 64  # output columns per panel (panel_linear.c)
 # -fopenmp: output panels are split over torch's own OpenMP runtime (torch ships libgomp).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -50,6 +51,20 @@ class PanelLibrary:
         self._product_i8 = library.quanta_panel_i8
         self._product_i8.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
         self._product_i8.restype = None
+        self._size_i4 = library.quanta_panel_i4_packed_size
+        self._size_i4.argtypes, self._size_i4.restype = [i64, i64], i64
+        self._pack_i4 = library.quanta_panel_pack_i4
+        self._pack_i4.argtypes, self._pack_i4.restype = [p, p, i64, i64], None
+        self._product_i4 = library.quanta_panel_i4
+        self._product_i4.argtypes = [p, p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+        self._product_i4.restype = ctypes.c_int
+
+    @property
+    def addresses(self) -> tuple[int, int, int]:
+        """The bf16, int8 and int4 products' C entry points (``decode_chain`` calls them
+        directly)."""
+        fns = (self._product, self._product_i8, self._product_i4)
+        return tuple(native_decode.c_address(fn) for fn in fns)  # type: ignore[return-value]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` ``[N, K]`` bf16 in the kernel's panel layout (a flat bf16 tensor)."""
@@ -58,6 +73,53 @@ class PanelLibrary:
     def pack_int8(self, codes: torch.Tensor) -> torch.Tensor:
         """int8 ``codes`` ``[N, K]`` in the same panel layout (a flat int8 tensor)."""
         return self._packed(self._pack_i8, codes, torch.int8)
+
+    def pack_int4(self, codes: torch.Tensor) -> torch.Tensor:
+        """int4 ``codes`` ``[N, K]`` (one per element, 0..15; K even) two a byte in the panel
+        layout (a flat uint8 tensor, ``panel_linear.c``'s ``quanta_panel_pack_i4``)."""
+        codes = codes.detach().to(torch.uint8).contiguous()
+        n, k = codes.shape
+        if k % 2:
+            raise ValueError(f"int4 panels pair input columns: K={k} is odd")
+        packed = torch.empty(self._size_i4(n, k), dtype=torch.uint8)
+        self._pack_i4(packed.data_ptr(), codes.data_ptr(), n, k)
+        return packed
+
+    @staticmethod
+    def int4_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        """Per-group ``scales`` and ``mins`` ``[N, groups]`` as the kernel reads them: fp16
+        ``[panels, groups, 2, PANEL]`` (columns past N padded with zeros)."""
+        n, groups = scales.shape
+        panels = -(-n // PANEL)
+        both = torch.zeros(panels * PANEL, groups, 2, dtype=torch.float16)
+        both[:n, :, 0], both[:n, :, 1] = scales.to(torch.float16), mins.to(torch.float16)
+        return both.view(panels, PANEL, groups, 2).permute(0, 2, 3, 1).contiguous().view(-1)
+
+    def product_int4(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        group: int,
+    ) -> torch.Tensor:
+        """``x [rows, K] W^T (+ bias)`` with ``W = code * scale + min`` per group of ``group``
+        input columns: bf16 in and out, ``packed`` and ``scales`` from ``pack_int4`` and
+        ``int4_scales``."""
+        x = x.contiguous()
+        rows, k = x.shape
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        if rows:
+            bias_ptr = None if bias is None else bias.data_ptr()
+            threads = torch.get_num_threads()
+            status = self._product_i4(
+                y.data_ptr(), x.data_ptr(), packed.data_ptr(), scales.data_ptr(), bias_ptr,
+                rows, n, k, group, threads,
+            )  # fmt: skip
+            if status != 0:
+                raise MemoryError("the int4 panel kernel could not allocate its group sums")
+        return y
 
     def _packed(
         self, fn: Callable[..., None], weight: torch.Tensor, dtype: torch.dtype

@@ -25,8 +25,15 @@ Kernels, chosen at load (``kernel`` names the one that runs):
   (decode); above it the weight is dequantized to bf16 for the call and the bf16 GEMM runs
   (prefill), since torch's int8 kernel is slower than dequantize-then-GEMM there (measured:
   3.5 ms against 1.2 + 1.9 ms for a 3072x576 product at 32 rows, one thread);
-- int4 grouped, bf16: ``_weight_int4pack_mm_for_cpu`` at every row count (the packed layout
-  cannot be dequantized cheaply, and keeping an unpacked copy would double the memory);
+- int4 grouped, bf16, on a CPU with AVX512_BF16: ``native-int4``, the panel kernel reading
+  two codes a byte (each widened to a bf16 word in registers, the group's scale and min
+  applied to the fp32 partial sums: ``panel_linear.c``); at one row it streams the codes at
+  memory speed, 1.6-1.7x torch's int4 kernel (docs/quantization.md). Scales and mins are
+  kept in fp16, which holds GGUF's exactly; a weight whose scales fp16 would round by more
+  than 2^-10 keeps torch's kernel;
+- int4 grouped, bf16, elsewhere: ``_weight_int4pack_mm_for_cpu`` at every row count (the
+  packed layout cannot be dequantized cheaply, and keeping an unpacked copy would double the
+  memory);
 - on CUDA, bf16: ``_weight_int4pack_mm`` (torch's tinygemm kernel, the same int4
   convention, its own tile layout from ``_convert_weight_to_int4pack``) for int4, and
   ``_weight_int8pack_mm`` for int8 per channel, where torch has a CUDA kernel for it; fp16
@@ -181,7 +188,8 @@ def concat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
 
 class QuantizedLinear(Projection):
     """``act(x W^T + b)`` with ``W`` kept quantized; ``kernel`` names what runs (see the
-    module docstring): ``int8pack``, ``int4pack`` or ``dequant``."""
+    module docstring): ``native-int8``, ``native-int4``, ``int8pack``, ``int4pack`` or
+    ``dequant``."""
 
     def __init__(
         self,
@@ -196,9 +204,12 @@ class QuantizedLinear(Projection):
         self.mode, self.group_size = weight.mode, weight.group_size
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.kernel = _pick_kernel(weight, dtype)
-        library = panel_linear.load() if self.kernel == "native-int8" else None
+        library = panel_linear.load() if self.kernel.startswith("native") else None
         self._library = library
-        if library is not None:
+        if library is not None and self.kernel == "native-int4":
+            self.register_buffer("qweight", library.pack_int4(weight.codes()))
+            self.register_buffer("scales", library.int4_scales(weight.scales, _mins(weight)))
+        elif library is not None:
             self.register_buffer("qweight", library.pack_int8(weight.qweight))
             self.register_buffer("scales", weight.scales.view(-1).float().contiguous())
         elif self.kernel == "int8pack":
@@ -230,6 +241,10 @@ class QuantizedLinear(Projection):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self._library is not None and self.kernel == "native-int4":
+            return self._library.product_int4(
+                x, self.qweight, self.scales, self.bias, self.out_features, self.group_size
+            )
         if self._library is not None:
             return self._library.product_int8(
                 x, self.qweight, self.scales, self.bias, self.out_features
@@ -288,9 +303,26 @@ def _pick_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> str:
         if weight.group_size != weight.in_features:
             return "dequant"
         return "native-int8" if panel_linear.supports(dtype, weight.qweight.device) else "int8pack"
+    if panel_linear.supports(dtype, weight.qweight.device) and _fp16_holds(weight):
+        return "native-int4"
     if weight.group_size in INT4_GROUP_SIZES and weight.out_features % 16 == 0:
         return "int4pack"
     return "dequant"
+
+
+def _mins(weight: QuantizedWeight) -> torch.Tensor:
+    """Each group's weight at code 0: ``zero - 8 * scale`` (GGUF Q4_1's ``m``)."""
+    zeros = weight.zeros if weight.zeros is not None else torch.zeros_like(weight.scales)
+    return zeros.float() - 8 * weight.scales.float()
+
+
+def _fp16_holds(weight: QuantizedWeight) -> bool:
+    """Whether the int4 panel kernel's fp16 scales and mins keep ``weight``'s to 2^-10 of
+    each (GGUF's, stored in fp16, exactly); torch's int4 kernel keeps them in bf16 (2^-8)."""
+    for t in (weight.scales.float(), _mins(weight)):
+        if ((t.half().float() - t).abs() > t.abs() * 2**-10).any():
+            return False
+    return weight.group_size % 2 == 0 and weight.in_features % weight.group_size == 0
 
 
 def _pick_cuda_kernel(weight: QuantizedWeight) -> str:
