@@ -6,13 +6,15 @@ gets. This measures that floor and the step against it:
 
 - ``bandwidth``: one thread streaming a buffer as large as the weights (a sum over it), so the
   cache cannot hold it; the best of ``repeat`` passes.
-- ``step``: the model's forward pass for one token, then the LM head, as the runner runs them.
+- ``step``: the model's forward pass for one token, then the LM head, as the runner runs them
+  (through the decode chain where it runs: ``quanta.runner.decode_chain``), and ``layered``:
+  the same step dispatched layer by layer from Python.
 - ``products``: every layer's projections and the LM head run back to back on one row, with
   nothing between them: the weight-streaming part of the step.
-- a per-part breakdown, taken with forward hooks on the projections, norms, attention and
-  MLP modules (the hooks add their own few microseconds per call, so the parts sum to a
-  little more than ``step``); attention and the MLP's activation are their module's time less
-  the products inside it.
+- a per-part breakdown of the layer-by-layer step, taken with forward hooks on the
+  projections, norms, attention and MLP modules (the hooks add their own few microseconds per
+  call, so the parts sum to a little more than ``layered``); attention and the MLP's
+  activation are their module's time less the products inside it.
 - ``ops``: how many torch operators one step dispatches (each costs microseconds of dispatch
   at batch 1 whatever its size).
 
@@ -36,6 +38,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from quanta.core.config import LinearKernel
+from quanta.runner.decode_chain import layer_by_layer
 from quanta.runner.linear import Projection
 from quanta.runner.model_runner import ModelRunner
 
@@ -58,11 +61,13 @@ class DecodeProfile:
 
     dtype: str
     linear_kernel: str
+    layer_path: str
     context: int
     weight_bytes: int
     bandwidth_gbs: float
     bound_ms: float
     step_ms: float
+    layered_step_ms: float
     products_ms: float
     ops_per_step: int
     parts_us: dict[str, float]
@@ -126,20 +131,24 @@ def profile_decode(
             model.compute_logits(hidden).float().max(dim=-1)
 
         step_s = _best(run, repeat)
-        products_s = _best(_products(model, runner.dtype), repeat)
-        parts = _parts(model, run, repeat)
         with _CountOps() as counter:
             run()
+        with layer_by_layer(model):
+            layered_s = _best(run, repeat)
+            parts = _parts(model, run, repeat)
+        products_s = _best(_products(model, runner.dtype), repeat)
     nbytes = weight_bytes(model)
     bandwidth = stream_bandwidth(nbytes)
     return DecodeProfile(
         dtype=str(runner.dtype).removeprefix("torch."),
         linear_kernel=runner.linear_kernel,
+        layer_path=runner.layer_path,
         context=context,
         weight_bytes=nbytes,
         bandwidth_gbs=bandwidth,
         bound_ms=nbytes / bandwidth / 1e6,
         step_ms=step_s * 1e3,
+        layered_step_ms=layered_s * 1e3,
         products_ms=products_s * 1e3,
         ops_per_step=counter.count,
         parts_us={k: v * 1e6 / runner.model_config.num_layers for k, v in parts.items()},
@@ -238,7 +247,10 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def print_profile(p: DecodeProfile) -> None:
     """The profile as the plain lines docs/benchmarks.md quotes."""
-    print(f"dtype {p.dtype}, linear kernel {p.linear_kernel}, context {p.context}, one thread")
+    print(
+        f"dtype {p.dtype}, linear kernel {p.linear_kernel}, layers {p.layer_path}, "
+        f"context {p.context}, one thread"
+    )
     print(
         f"weights read per token {p.weight_bytes / 1e6:.1f} MB, one-thread stream "
         f"{p.bandwidth_gbs:.1f} GB/s -> bound {p.bound_ms:.2f} ms/token "
@@ -249,6 +261,9 @@ def print_profile(p: DecodeProfile) -> None:
         f"{100 * p.share_of_bound:.0f}% of the bound; products alone {p.products_ms:.2f} ms; "
         f"{p.ops_per_step} torch ops per step"
     )
-    print("per layer (us):")
+    print(
+        f"layer by layer: decode step {p.layered_step_ms:.2f} ms "
+        f"({1e3 / p.layered_step_ms:.1f} tok/s), broken down per layer (us):"
+    )
     for part, us in sorted(p.parts_us.items(), key=lambda kv: -kv[1]):
         print(f"  {part:16s} {us:8.1f}")

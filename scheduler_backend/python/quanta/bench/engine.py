@@ -52,6 +52,7 @@ class BenchRow:
     quantized_kernel: str = "none"
     weight_bytes: int = 0  # weights resident in memory (packed or quantized), once each
     device: str = "cpu"  # where both engines ran: "cpu", or the GPU's name
+    layer_path: str = "layer-by-layer"  # "chain": decode steps' layers in one native call
 
 
 STEP_TOKENS = 4096  # tokens per step on a plain checkpoint: a batch's prompts in few steps
@@ -272,6 +273,7 @@ def run_engine_bench(
                 info["quantized_kernel"],
                 resident,
                 _device_name(engine.runner.device),
+                info["layer_path"],
             )
         )
     _print(rows, model_dir, prompt_len, gen_len, tensor_parallel_size)
@@ -315,7 +317,8 @@ def _print(
     table = Table(
         title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
         f"{threads}, {first.dtype}, linears {first.linear_kernel}, "
-        f"decode attention {first.attention_kernel}, quantized {first.quantized_kernel}, "
+        f"decode attention {first.attention_kernel}, layers {first.layer_path}, "
+        f"quantized {first.quantized_kernel}, "
         f"weights {first.weight_bytes / 1e6:.1f} MB, "
         f"{'CPU ' + first.cpu_isa if first.device == 'cpu' else first.device} (tokens/s)"
     )

@@ -60,6 +60,7 @@ class Engine:
             "linear_kernel": self.runner.linear_kernel,
             "quantized_kernel": self.runner.quantized_kernel,
             "attention_kernel": self.runner.attention_kernel,
+            "layer_path": self.runner.layer_path,
             "cpu_isa": cpu_isa(),
             "max_num_seqs": str(c.scheduler.max_num_seqs),
             "max_num_batched_tokens": str(c.scheduler.max_num_batched_tokens),

@@ -96,6 +96,15 @@ class NativeLayerOps(TorchLayerOps):
             self._silu_mul.argtypes = [p, p, i64, i64, ctypes.c_int]
             self._silu_mul.restype = None
 
+    @property
+    def addresses(self) -> tuple[int, int, int] | None:
+        """The norm, rotary and SiLU * up C entry points (``decode_chain`` calls them
+        directly); None where SiLU * up is torch's (no libmvec)."""
+        if self._silu_mul is None:
+            return None
+        address = native_decode.c_address
+        return address(self._norm), address(self._rope), address(self._silu_mul)
+
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:

@@ -30,6 +30,7 @@ from quanta.core.output import (
 )
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.core.safepoint import AbortSignal, StepAborted
+from quanta.runner import decode_chain
 from quanta.runner.attention import AttentionMetadata, HiddenShard, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
@@ -193,9 +194,10 @@ class ModelRunner:
             self.close()
             raise
         self.model.eval()
+        ops = layer_ops(self.device)
         use_layer_ops = getattr(self.model, "use_layer_ops", None)
         if use_layer_ops is not None:  # models whose layers run through quanta.runner.layer_ops
-            use_layer_ops(layer_ops(self.device))
+            use_layer_ops(ops)
         cfg = self.kv_config
         self._decode_kernel, self.attention_kernel = decode_kernel(
             resolve_attention_kernel(attention_kernel, self.device, self.dtype),
@@ -205,6 +207,14 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        # "chain": decode steps run their layers in one native call (quanta.runner.decode_chain)
+        self.layer_path = "layer-by-layer"
+        use_decode_chain = getattr(self.model, "use_decode_chain", None)
+        if use_decode_chain is not None and decode_chain.enabled():
+            chain = decode_chain.build(self.model, ops, self.attention_kernel)
+            use_decode_chain(chain)
+            if chain is not None:
+                self.layer_path = "chain"
         self.device_kv_cache = self._allocate_kv(num_device_blocks, self.device)
         self.host_kv_cache = self._allocate_kv(
             num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"

@@ -68,6 +68,7 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
             "dtype": q.dtype,
             "quanta_linear_kernel": q.linear_kernel,
             "quanta_attention_kernel": q.attention_kernel,
+            "quanta_layer_path": q.layer_path,
             "cpu_isa": q.cpu_isa,
             "peers": {},
         }

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
+from quanta.runner.decode_chain import DecodeChain
 from quanta.runner.layer_ops import TorchLayerOps
 from quanta.runner.linear import Projection, ProjectionFactory
 from quanta.runner.models.config import ModelConfig
@@ -197,6 +198,8 @@ class LlamaModel(nn.Module):
         # buffers would stay on meta; the table is tiny and moved per step.
         self.inv_freq = rope_inv_freq(config)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Decode steps' layers in one C call where every kernel allows (``use_decode_chain``).
+        self.chain: DecodeChain | None = None
 
     def forward(
         self,
@@ -210,6 +213,9 @@ class LlamaModel(nn.Module):
         rope = self._rope(positions, x.dtype)
         # Hidden-cache sequences' past tokens get their rotations once per step, not per layer.
         past_rope = self._rope(meta.hidden.past_positions, x.dtype) if meta.hidden else None
+        if self.chain is not None and self.chain.takes(x, meta):
+            x, residual = self.chain.run(x, rope, kv_cache, meta, safepoints)
+            return self.norm(x, residual)
         residual: torch.Tensor | None = None
         for i, layer in walk_layers(self.layers, safepoints):
             x, residual = layer(x, residual, rope, kv_cache[i], meta, past_rope)
@@ -263,6 +269,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LlamaRMSNorm | LlamaAttention | LlamaMLP):
                 module.ops = ops
+
+    def use_decode_chain(self, chain: DecodeChain | None) -> None:
+        """Run decode steps' layers through ``chain`` (``quanta.runner.decode_chain``), or
+        layer by layer with None."""
+        self.model.chain = chain
 
     def is_ignorable_weight(self, name: str) -> bool:
         """A tied head, and the rotary tables some old checkpoints saved (we recompute them)."""

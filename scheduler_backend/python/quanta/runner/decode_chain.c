@@ -1,0 +1,167 @@
+/* A decode step's LLaMA decoder layers in one call: norm, q/k/v product, rotary embedding,
+ * K/V store, paged attention, output product, norm, gate/up product, SiLU * up, down product,
+ * layer after layer, with no Python between them.
+ *
+ * At batch 1 the weights stream in about 29 ms per SmolLM2-135M step, and the same step
+ * dispatched from Python spent another 10-12 ms between those products: some 27 torch
+ * operators and ctypes calls per layer, each a few microseconds, 30 layers deep. The
+ * arithmetic here is not new: every operation is the kernel the Python path calls
+ * (panel_linear.c, layer_ops.c, paged_decode.c), reached through the function pointers the
+ * caller passes, so the chain's values are bit for bit the Python path's. What it removes is
+ * the dispatch and the temporary tensors between them.
+ *
+ * Element type: bf16 activations (the panel kernel's), products bf16, int8 codes with fp32
+ * scales (native-int8) or grouped int4 codes with fp16 scales and mins (native-int4).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*panel_bf16_fn)(uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *,
+                              int64_t, int64_t, int64_t, int);
+typedef void (*panel_i8_fn)(uint16_t *, const uint16_t *, const int8_t *, const float *,
+                            const uint16_t *, int64_t, int64_t, int64_t, int);
+typedef int (*panel_i4_fn)(uint16_t *, const uint16_t *, const uint8_t *, const uint16_t *,
+                           const uint16_t *, int64_t, int64_t, int64_t, int64_t, int);
+typedef void (*norm_fn)(void *, void *, const void *, const void *, int64_t, int64_t, float, int);
+typedef void (*rope_fn)(void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t,
+                        int);
+typedef int (*attend_fn)(void *, const void *, const void *, const void *, const int64_t *,
+                         const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                         int);
+typedef void (*silu_fn)(void *, const void *, int64_t, int64_t, int);
+
+/* The kernels, in the order of QUANTA_CHAIN_FNS in decode_chain.py. */
+struct fns {
+    panel_bf16_fn panel;
+    panel_i8_fn panel_i8;
+    panel_i4_fn panel_i4;
+    norm_fn norm;
+    rope_fn rope;
+    attend_fn attend;
+    silu_fn silu_mul;
+};
+
+enum { PRODUCT_BF16 = 0, PRODUCT_INT8 = 1, PRODUCT_INT4 = 2 };
+
+/* One projection: its packed weight, its scales (int8: fp32 per column; int4: the fp16
+ * scales and mins of quanta_panel_i4) or NULL (bf16), its bias or NULL, which kernel reads
+ * it, and (int4) its group size. */
+struct product {
+    const void *packed;
+    const void *scales;
+    const uint16_t *bias;
+    int64_t kind;
+    int64_t group;
+};
+
+/* One layer, as the Python side lays it out (int64 slots, QUANTA_CHAIN_LAYER_SLOTS each). */
+struct layer {
+    const uint16_t *input_norm;
+    const uint16_t *post_norm;
+    struct product qkv, o, gate_up, down;
+};
+
+enum { BF16 = 1 };
+
+/* Returns 0, or -1 when the int4 kernel could not allocate its group sums. */
+static int product(const struct fns *f, const struct product *p, uint16_t *y, const uint16_t *x,
+                   int64_t rows, int64_t n, int64_t k, int threads) {
+    switch (p->kind) {
+    case PRODUCT_INT8:
+        f->panel_i8(y, x, p->packed, p->scales, p->bias, rows, n, k, threads);
+        return 0;
+    case PRODUCT_INT4:
+        return f->panel_i4(y, x, p->packed, p->scales, p->bias, rows, n, k, p->group, threads);
+    default:
+        f->panel(y, x, p->packed, p->bias, rows, n, k, threads);
+        return 0;
+    }
+}
+
+/*
+ * Layers [first, last) of a decode step of `rows` single-token rows (row r at cache slot
+ * slot_mapping[r], attending over slots[bounds[r]:bounds[r + 1]]).
+ *
+ * x [rows, hidden]: the previous layer's MLP output, overwritten with the last layer's;
+ * residual [rows, hidden]: the residual stream, or with `start` set (the model's first layer)
+ * nothing yet: x is then the stream, copied into residual. shape: hidden, heads, kv_heads,
+ * head_dim, inner. kv: layer 0's key cache [slots, kv_heads, head_dim]; a layer's value cache
+ * lies value_offset elements after its key cache, the next layer's key cache layer_stride
+ * elements on. cos, sin [rows, head_dim].
+ *
+ * Returns 0, -1 when scratch space cannot be allocated, -2 when attention could not; the step
+ * has then written K/V past the rows' computed tokens only, which a rerun writes again.
+ */
+int quanta_decode_chain(const int64_t *fn_table, const int64_t *layer_table, int64_t first,
+                        int64_t last, const int64_t *shape, float eps, float scale,
+                        uint16_t *x, uint16_t *residual, int start, const uint16_t *cos,
+                        const uint16_t *sin, uint16_t *kv, int64_t layer_stride,
+                        int64_t value_offset, const int64_t *slot_mapping, const int64_t *slots,
+                        const int64_t *bounds, int64_t rows, int threads) {
+    const struct fns *f = (const struct fns *)fn_table;
+    const struct layer *layers = (const struct layer *)layer_table;
+    const int64_t hidden = shape[0], heads = shape[1], kv_heads = shape[2], dim = shape[3];
+    const int64_t inner = shape[4];
+    const int64_t q_width = heads * dim, kv_width = kv_heads * dim;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const int64_t widest = qkv_width > 2 * inner ? qkv_width : 2 * inner;
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(rows * hidden));
+    uint16_t *wide = malloc(sizeof(uint16_t) * (size_t)(rows * widest));
+    uint16_t *q = malloc(sizeof(uint16_t) * (size_t)(rows * q_width));
+    uint16_t *attn = malloc(sizeof(uint16_t) * (size_t)(rows * (q_width > inner ? q_width : inner)));
+    uint16_t *o = malloc(sizeof(uint16_t) * (size_t)(rows * hidden));
+    int status = 0;
+    if (!h || !wide || !q || !attn || !o) {
+        status = -1;
+        goto done;
+    }
+    for (int64_t l = first; l < last; l++) {
+        const struct layer *layer = &layers[l];
+        uint16_t *keys = kv + l * layer_stride, *values = keys + value_offset;
+        if (start && l == first) {
+            memcpy(residual, x, sizeof(uint16_t) * (size_t)(rows * hidden));
+            f->norm(h, residual, NULL, layer->input_norm, rows, hidden, eps, BF16);
+        } else {
+            f->norm(h, residual, x, layer->input_norm, rows, hidden, eps, BF16);
+        }
+        if (product(f, &layer->qkv, wide, h, rows, qkv_width, hidden, threads)) {
+            status = -1;
+            goto done;
+        }
+        f->rope(wide, cos, sin, rows, heads + kv_heads, dim, qkv_width, BF16);
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *row = wide + r * qkv_width;
+            memcpy(keys + slot_mapping[r] * kv_width, row + q_width, sizeof(uint16_t) * kv_width);
+            memcpy(values + slot_mapping[r] * kv_width, row + q_width + kv_width,
+                   sizeof(uint16_t) * kv_width);
+            memcpy(q + r * q_width, row, sizeof(uint16_t) * q_width);
+        }
+        if (f->attend(attn, q, keys, values, slots, bounds, rows, heads, kv_heads, dim, kv_width,
+                      scale, BF16) != 0) {
+            status = -2;
+            goto done;
+        }
+        if (product(f, &layer->o, o, attn, rows, hidden, q_width, threads)) {
+            status = -1;
+            goto done;
+        }
+        f->norm(h, residual, o, layer->post_norm, rows, hidden, eps, BF16);
+        if (product(f, &layer->gate_up, wide, h, rows, 2 * inner, hidden, threads)) {
+            status = -1;
+            goto done;
+        }
+        f->silu_mul(attn, wide, rows, inner, BF16);
+        if (product(f, &layer->down, x, attn, rows, hidden, inner, threads)) {
+            status = -1;
+            goto done;
+        }
+    }
+done:
+    free(h);
+    free(wide);
+    free(q);
+    free(attn);
+    free(o);
+    return status;
+}

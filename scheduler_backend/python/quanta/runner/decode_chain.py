@@ -1,0 +1,280 @@
+"""A decode step's LLaMA decoder layers in one C call (``decode_chain.c``).
+
+Once the panel kernel streamed a batch-1 step's weights near memory speed, what was left of
+the step was Python: each of SmolLM2-135M's 30 layers dispatched some 27 torch operators and
+ctypes calls (norms, product, rotary, two K/V stores, attention, product, norm, two products,
+SiLU * up), a few microseconds each (profile in ``docs/benchmarks.md``). The chain runs the
+same kernels in the same order from C, so its values are bit for bit those of the layer-by-
+layer path, and only the dispatch between them goes.
+
+It takes a step when the layer-by-layer path would run nothing else: every row a decode row
+of a KV sequence (no prefill chunk, no hidden cache), bf16, and every projection a panel
+product (bf16, int8 codes through ``native-int8`` or int4 codes through ``native-int4``).
+Anything else (fp32, oneDNN or torch products, torch's int4 kernel, tensor-parallel ranks,
+CUDA) keeps the layer-by-layer path, which stays the
+reference. Layer safepoints are kept: the chain runs the layers between two checks in one call.
+``QUANTA_DECODE_CHAIN=0`` turns it off (the engine's log and ``quanta_engine_info`` name the
+path that runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quanta.runner import native_decode, panel_linear
+from quanta.runner.attention import AttentionMetadata
+from quanta.runner.layer_ops import NativeLayerOps, TorchLayerOps
+from quanta.runner.linear import PanelLinear
+from quanta.runner.models.safepoints import Safepoints
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_chain.c")
+FLAGS = ("-O2", "-shared", "-fPIC")
+# int64 slots per layer in the table ``decode_chain.c`` reads (``struct layer``): two norm
+# weights, then (packed weight, scales, bias, kind, group) for q/k/v, o, gate/up and down.
+LAYER_SLOTS = 22
+# ``struct product``'s kind: which panel kernel reads the weight
+_KINDS = {"native": 0, "native-int8": 1, "native-int4": 2}
+ENABLE_ENV = "QUANTA_DECODE_CHAIN"
+
+
+def enabled() -> bool:
+    """Whether ``QUANTA_DECODE_CHAIN`` leaves the chain on (it is unless set to 0/false/off)."""
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class DecodeChain:
+    """The layers of one model, laid out for ``quanta_decode_chain``."""
+
+    def __init__(
+        self,
+        fn: ctypes._CFuncPtr,
+        kernels: Sequence[int],
+        layers: Sequence[int],
+        shape: Sequence[int],
+        eps: float,
+        scale: float,
+        keep: Sequence[torch.Tensor],
+    ) -> None:
+        self._fn = fn
+        self._kernels = (ctypes.c_int64 * len(kernels))(*kernels)
+        self._layers = (ctypes.c_int64 * len(layers))(*layers)
+        self._shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.num_layers = len(layers) // LAYER_SLOTS
+        self.hidden_size = shape[0]
+        self._eps, self._scale = eps, scale
+        self._keep = tuple(keep)  # the tensors whose addresses the table holds
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the chain runs (see the module docstring)."""
+        decode = meta.decode
+        return (
+            decode is not None
+            and not meta.prefills
+            and meta.hidden is None
+            and meta.kv_rows is None
+            and len(decode.lens) == x.shape[0]
+            and x.dtype == torch.bfloat16
+            and x.is_contiguous()
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        safepoints: Safepoints | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(last layer's MLP output, residual stream)`` of the embedded rows ``x``, which
+        are overwritten; the layers between two safepoints run in one call."""
+        residual = torch.empty_like(x)
+        last = self.num_layers
+        if safepoints is None:
+            self._call(x, residual, 0, last, rope, kv_cache, meta)
+            return x, residual
+        # The checks ``walk_layers`` makes: before the first layer, then after every
+        # ``interval`` layers but the last.
+        every = safepoints.interval
+        safepoints.check(0)
+        for first in range(0, last, every):
+            done = min(first + every, last)
+            self._call(x, residual, first, done, rope, kv_cache, meta)
+            if done < last:
+                safepoints.check(done)
+        return x, residual
+
+    def _call(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        first: int,
+        last: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        decode = meta.decode
+        assert decode is not None
+        cos, sin = rope
+        layer_stride, value_offset = kv_cache.stride(0), kv_cache.stride(1)
+        status = self._fn(
+            self._kernels,
+            self._layers,
+            first,
+            last,
+            self._shape,
+            self._eps,
+            self._scale,
+            x.data_ptr(),
+            residual.data_ptr(),
+            int(first == 0),
+            cos.contiguous().data_ptr(),
+            sin.contiguous().data_ptr(),
+            kv_cache.data_ptr(),
+            layer_stride,
+            value_offset,
+            meta.slot_mapping.data_ptr(),
+            decode.slots.data_ptr(),
+            decode.bounds.data_ptr(),
+            x.shape[0],
+            torch.get_num_threads(),
+        )
+        if status == -1:
+            raise MemoryError("the decode chain could not allocate its scratch space or sums")
+        if status != 0:
+            raise MemoryError("native decode attention could not allocate its scratch space")
+
+
+@contextlib.contextmanager
+def layer_by_layer(model: nn.Module) -> Iterator[None]:
+    """Run ``model``'s decode steps layer by layer inside the block (profiling the parts, or
+    timing the path the chain replaced); models without a chain are left as they are."""
+    use = getattr(model, "use_decode_chain", None)
+    if use is None:
+        yield
+        return
+    chain = model.model.chain  # type: ignore[union-attr]
+    use(None)
+    try:
+        yield
+    finally:
+        use(chain)
+
+
+def build(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) -> DecodeChain | None:
+    """The chain of a loaded, fused LLaMA ``model``, or None (with the reason at debug
+    level) where some part runs a kernel the chain does not call."""
+    reason = _unsupported(model, ops, attention_kernel)
+    if reason:
+        log.debug("decode chain not used: %s", reason)
+        return None
+    library = _library()
+    if library is None:
+        return None
+    panel = panel_linear.load()
+    attend = native_decode.load()
+    assert panel is not None and isinstance(ops, NativeLayerOps)
+    addresses = ops.addresses
+    if attend is None or addresses is None:
+        return None
+    norm, rope, silu_mul = addresses
+    kernels = (*panel.addresses, norm, rope, attend.address, silu_mul)
+    table: list[int] = []
+    keep: list[torch.Tensor] = []
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        keep += norms
+        table += [t.data_ptr() for t in norms]
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            spec = _product(proj)
+            assert spec is not None
+            tensors, kind, group = spec
+            keep += [t for t in tensors if t is not None]
+            table += [0 if t is None else t.data_ptr() for t in tensors]
+            table += [kind, group]
+    first = model.model.layers[0]  # type: ignore[union-attr,index]
+    config = model.config  # type: ignore[union-attr]
+    attn = first.self_attn
+    shape = (
+        config.hidden_size,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        first.mlp.down_proj.in_features,
+    )
+    eps = first.input_layernorm.eps
+    return DecodeChain(library, kernels, table, shape, eps, attn.head_dim**-0.5, keep)
+
+
+def _unsupported(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) -> str | None:
+    """Why ``model`` cannot run through the chain, or None when it can."""
+    if attention_kernel != "native":
+        return f"decode attention is {attention_kernel}"
+    if not isinstance(ops, NativeLayerOps) or ops.addresses is None:
+        return "the layer ops are torch's"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not all(hasattr(layer, "mlp") for layer in layers):
+        return "not a LLaMA decoder"
+    config = model.config  # type: ignore[union-attr]
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if layer.input_layernorm.weight.dtype != torch.bfloat16:
+            return f"layer {i} is {layer.input_layernorm.weight.dtype}, not bf16"
+        if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+            return f"layer {i}'s norms differ in eps"
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        ):
+            return f"layer {i}'s heads are a shard of the model's"
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if _product(proj) is None:
+                return f"layer {i} runs {type(proj).__name__} products"
+    return None
+
+
+_Tensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _product(proj: nn.Module) -> tuple[_Tensors, int, int] | None:
+    """((packed weight, scales or None, bias or None), kind, group size) of a panel product,
+    or None for any other."""
+    if getattr(proj, "activation", None) != "none":
+        return None
+    if isinstance(proj, PanelLinear):
+        return (proj.packed_weight, None, proj.bias), _KINDS["native"], 0
+    kernel = getattr(proj, "kernel", None)
+    if kernel in ("native-int8", "native-int4"):
+        group = proj.group_size if kernel == "native-int4" else 0
+        return (proj.qweight, proj.scales, proj.bias), _KINDS[kernel], group  # type: ignore[return-value]
+    return None
+
+
+def _library() -> ctypes._CFuncPtr | None:
+    cc = native_decode.compiler()
+    if cc is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(native_decode.build(SOURCE, FLAGS, cc)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("building the decode chain failed: %s", getattr(exc, "stderr", "") or exc)
+        return None
+    fn = library.quanta_decode_chain
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, i64, i64, p, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int, p, p,
+                   p, i64, i64, p, p, p, i64, ctypes.c_int]  # fmt: skip
+    fn.restype = ctypes.c_int
+    return fn
