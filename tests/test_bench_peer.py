@@ -321,3 +321,43 @@ def test_chat_prompts_are_real_questions_answered_until_eos(model_dir, tmp_path)
     assert all(r.prompt_tokens < 64 for r in first)  # the real length, not the synthetic one
     requests = to_client_requests(first)
     assert all(isinstance(r.prompt, str) for r in requests)
+
+
+def test_quantized_engine_figures_come_from_the_quantized_engine(model_dir, tmp_path, monkeypatch):
+    """``--quantization``: Quanta's engine-only row is timed on the quantized engine (the
+    servers and vLLM keep the float checkpoint), and the row names its kernel."""
+    from quanta.bench import engine
+    from quanta.bench.peer import checkpoint
+
+    timed: list[Path] = []
+
+    def fake_bench(path, *args, **kwargs):
+        timed.append(path)
+        return []
+
+    monkeypatch.setattr(engine, "run_engine_bench", fake_bench)
+    quantized = tmp_path / "int4-engine"
+    setup = PeerSetup(
+        model_dir=model_dir, vllm_python=None, out_dir=tmp_path, quanta_engine_dir=quantized
+    )
+    checkpoint.engine_ratio(setup, lambda _: None)
+    assert timed == [quantized]
+
+
+def test_quantization_is_engine_only_on_a_catalogue_model(tmp_path):
+    from quanta.cli import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    with_servers = runner.invoke(
+        app,
+        ["bench", "peer", "--no-vllm", "--systems", "quanta-fcfs", "--quantization", "int4",
+         "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert with_servers.exit_code != 0 and "engine-only figures" in with_servers.output
+    unknown = runner.invoke(
+        app,
+        ["bench", "peer", "--no-vllm", "--systems", "", "--quantization", "int3",
+         "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert unknown.exit_code != 0 and "none, int8 or int4" in unknown.output

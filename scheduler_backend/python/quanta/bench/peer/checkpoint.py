@@ -55,7 +55,8 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
         peers[label] = {r["batch"]: r for r in result.pop("rows")}
         meta[f"{label} meta"] = result
     quanta_rows = run_engine_bench(
-        setup.model_dir, list(setup.engine_batches), setup.engine_prompt_len,
+        setup.quanta_engine_dir or setup.model_dir, list(setup.engine_batches),
+        setup.engine_prompt_len,
         setup.engine_gen_len, compare_hf=False, threads=setup.threads, repeat=setup.engine_repeat,
         dtype=setup.dtype,
     )  # fmt: skip
@@ -69,6 +70,7 @@ def engine_ratio(setup: PeerSetup, echo: Callable[[str], None]) -> dict[str, Any
             "quanta_linear_kernel": q.linear_kernel,
             "quanta_attention_kernel": q.attention_kernel,
             "quanta_layer_path": q.layer_path,
+            "quanta_quantized_kernel": q.quantized_kernel,
             "cpu_isa": q.cpu_isa,
             "peers": {},
         }

@@ -75,10 +75,19 @@ def bench_peer(
     llama_cpp_gguf: Annotated[
         list[Path] | None,
         typer.Option(
-            help="GGUF file llama.cpp runs (repeat the option; 'f16' writes an F16 file of the "
-            "model's weights; default with --llama-cpp-venv: the catalogue model's file and f16)"
+            help="GGUF file llama.cpp runs (repeat the option; 'f16' or 'q8_0' writes that file "
+            "of the model's weights; default with --llama-cpp-venv: the catalogue model's file "
+            "and f16, and q8_0 with --quantization int8)"
         ),
     ] = None,
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="none, int8 or int4: Quanta's engine-only figures on the catalogue model "
+            "built with that --quantization (int4 keeps the file's Q4_1), beside llama.cpp's; "
+            "engine only (--no-vllm --systems '')"
+        ),
+    ] = "none",
     vllm_priority: Annotated[
         str,
         typer.Option(
@@ -130,6 +139,9 @@ def bench_peer(
             f"no {python}; run bench/peer/setup_vllm.sh", param_hint="--vllm-venv"
         )
     model, gguf = _resolve_model(model, dtype)
+    quanta_engine = _quantized_engine(quantization, gguf, dtype, no_vllm, systems)
+    if quantization == "int8" and not llama_cpp_gguf and gguf is not None:
+        llama_cpp_gguf = [gguf, Path("f16"), Path("q8_0")]
     llama_python, llama_files = _llama_cpp(llama_cpp_venv, llama_cpp_gguf, gguf, model, out)
     if not (model / "config.json").is_file():
         raise typer.BadParameter(
@@ -163,6 +175,7 @@ def bench_peer(
         block_size=block_size,
         llama_cpp_python=llama_python,
         llama_cpp_gguf=llama_files,
+        quanta_engine_dir=quanta_engine,
     )
     report = run_peer(setup, typer.echo)
     typer.echo(render_markdown(report))
@@ -185,6 +198,27 @@ def _resolve_model(model: Path, dtype: str) -> tuple[Path, Path | None]:
     return engine_from_gguf(gguf, dtype), gguf
 
 
+def _quantized_engine(
+    quantization: str, gguf: Path | None, dtype: str, no_vllm: bool, systems: str
+) -> Path | None:
+    """The catalogue model's engine built with ``quantization``, or None for ``none``."""
+    from quanta.build.cli import engine_from_gguf
+
+    if quantization == "none":
+        return None
+    if quantization not in ("int8", "int4"):
+        raise typer.BadParameter("none, int8 or int4", param_hint="--quantization")
+    if not no_vllm or systems.strip():
+        raise typer.BadParameter(
+            "engine-only figures: add --no-vllm --systems ''", param_hint="--quantization"
+        )
+    if gguf is None:
+        raise typer.BadParameter(
+            "a catalogue model name (quanta fetch-model --list)", param_hint="--model"
+        )
+    return engine_from_gguf(gguf, dtype, quantization)
+
+
 def _llama_cpp(
     venv: Path | None, files: list[Path] | None, gguf: Path | None, model: Path, out: Path
 ) -> tuple[Path | None, tuple[Path, ...]]:
@@ -199,14 +233,15 @@ def _llama_cpp(
     wanted = list(files or ([gguf, Path("f16")] if gguf is not None else [Path("f16")]))
     resolved: list[Path] = []
     for path in wanted:
-        if str(path) == "f16":
+        if str(path) in ("f16", "q8_0"):
             import gguf as gguf_lib
 
             from quanta.build.gguf_export import write_gguf
 
-            path = out / "model.F16.gguf"
+            qtype = gguf_lib.GGMLQuantizationType[str(path).upper()]
+            path = out / f"model.{qtype.name}.gguf"
             out.mkdir(parents=True, exist_ok=True)
-            write_gguf(model, path, qtype=gguf_lib.GGMLQuantizationType.F16)
+            write_gguf(model, path, qtype=qtype)
         elif not path.is_file():
             raise typer.BadParameter(f"no file {path}", param_hint="--llama-cpp-gguf")
         resolved.append(path)

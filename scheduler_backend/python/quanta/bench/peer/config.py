@@ -66,3 +66,6 @@ class PeerSetup:
     prefix_caching: bool = True
     llama_cpp_python: Path | None = None  # llama-cpp-python's venv interpreter
     llama_cpp_gguf: tuple[Path, ...] = ()  # GGUF files llama.cpp runs (batch 1, engine only)
+    # Quanta's engine-only figures from this engine instead of model_dir: the same model built
+    # with --quantization, set by ``--quantization`` (the servers and vLLM keep model_dir)
+    quanta_engine_dir: Path | None = None
