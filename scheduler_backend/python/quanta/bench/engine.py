@@ -53,6 +53,7 @@ class BenchRow:
     weight_bytes: int = 0  # weights resident in memory (packed or quantized), once each
     device: str = "cpu"  # where both engines ran: "cpu", or the GPU's name
     layer_path: str = "layer-by-layer"  # "chain": decode steps' layers in one native call
+    linear_tiles: str = "none"  # "amx": the panel kernel's wider products on AMX tiles
 
 
 STEP_TOKENS = 4096  # tokens per step on a plain checkpoint: a batch's prompts in few steps
@@ -274,6 +275,7 @@ def run_engine_bench(
                 resident,
                 _device_name(engine.runner.device),
                 info["layer_path"],
+                info["linear_tiles"],
             )
         )
     _print(rows, model_dir, prompt_len, gen_len, tensor_parallel_size)
@@ -316,7 +318,8 @@ def _print(
     threads = f"{torch.get_num_threads()} threads" + (f" x {ranks} ranks" if ranks > 1 else "")
     table = Table(
         title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
-        f"{threads}, {first.dtype}, linears {first.linear_kernel}, "
+        f"{threads}, {first.dtype}, linears {first.linear_kernel}"
+        f"{' (+amx tiles)' if first.linear_tiles == 'amx' else ''}, "
         f"decode attention {first.attention_kernel}, layers {first.layer_path}, "
         f"quantized {first.quantized_kernel}, "
         f"weights {first.weight_bytes / 1e6:.1f} MB, "

@@ -58,6 +58,7 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "linear_kernel": self.runner.linear_kernel,
+            "linear_tiles": self.runner.linear_tiles,
             "quantized_kernel": self.runner.quantized_kernel,
             "attention_kernel": self.runner.attention_kernel,
             "layer_path": self.runner.layer_path,

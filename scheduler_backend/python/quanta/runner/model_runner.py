@@ -30,7 +30,7 @@ from quanta.core.output import (
 )
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.core.safepoint import AbortSignal, StepAborted
-from quanta.runner import decode_chain
+from quanta.runner import decode_chain, panel_linear
 from quanta.runner.attention import AttentionMetadata, HiddenShard, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
@@ -182,6 +182,8 @@ class ModelRunner:
                     )
                 self.kv_config = shard_model(self.model, self.model_config, rank, self._exchange)
             self.linear_kernel = resolve_kernel(linear_kernel, self.dtype, self.device)
+            # "amx": the panel kernel's products of a few rows and more run on AMX tiles
+            self.linear_tiles = panel_linear.tiles() if self.linear_kernel == "native" else "none"
             fuse_model(self.model, self.linear_kernel)
             # Quantized products' kernels (int8pack, int4pack, dequant), "none" for floats.
             self.quantized_kernel = ",".join(quantized_kernels(self.model)) or "none"

@@ -36,7 +36,34 @@
 #define QUANTA_PANEL 0
 #endif
 
+#if QUANTA_PANEL && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QUANTA_AMX 1
+#else
+#define QUANTA_AMX 0
+#endif
+/* Rows from which a product runs on AMX tiles (where the CPU has them and Linux lets this
+ * process use them): a 16 x 16 x 32 tile product outruns sixteen pair dot products once a
+ * tile's rows are mostly real (measured in docs/benchmarks.md). */
+#define AMX_ROWS 8
+
 int quanta_panel_available(void) { return QUANTA_PANEL; }
+
+static int amx_ready = 0;
+
+/* Asks Linux for the AMX tile state (it is off for a process until asked); returns 1 when
+ * products of AMX_ROWS rows and more will run on tiles from now on, 0 when they stay on
+ * AVX512_BF16 (no AMX, or the kernel or hypervisor refused it). */
+int quanta_panel_amx_init(void) {
+#if QUANTA_AMX
+    /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+    amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#endif
+    return amx_ready;
+}
+
+int quanta_panel_amx_rows(void) { return AMX_ROWS; }
 
 /* Packed size in bf16 elements of an [n, k] weight. */
 int64_t quanta_panel_packed_size(int64_t n, int64_t k) {
@@ -176,9 +203,88 @@ static inline __attribute__((always_inline)) void panel_all(
     }
 }
 
+#if QUANTA_AMX
+/* Tiles 0-3: y's 16 x 64 block in fp32; 4: 16 rows x 32 of x; 5, 6: 16 pairs x 16 columns
+ * of the panel, which is already the pair-interleaved operand TDPBF16PS reads (its row
+ * stride is the panel's pair row, PANEL x 2 bf16). */
+static void configure_tiles(int m) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t < 5 ? (uint8_t)m : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Every row of x against one bf16 panel on AMX tiles, 16 rows at a time (k a multiple of
+ * 32); the epilogue (scale, bias, one rounding to bf16) is panel_rows'. */
+static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
+                      const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
+                      int64_t k, int64_t n0) {
+    float out[16 * PANEL] __attribute__((aligned(64)));
+    const int64_t chunks = k / 32, pair_row = PANEL * 2;
+    int configured = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int m = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        if (m != configured) {
+            configure_tiles(m);
+            configured = m;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t *xr = x + r0 * k;
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint16_t *b = panel + c * 16 * pair_row;
+            _tile_loadd(4, xr + c * 32, k * 2);
+            _tile_loadd(5, b, pair_row * 2);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, b + 32, pair_row * 2);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, b + 64, pair_row * 2);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, b + 96, pair_row * 2);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, out, PANEL * 4);
+        _tile_stored(1, out + 16, PANEL * 4);
+        _tile_stored(2, out + 32, PANEL * 4);
+        _tile_stored(3, out + 48, PANEL * 4);
+        for (int v = 0; v < PANEL / 16; v++) {
+            const int64_t col = n0 + v * 16;
+            if (col >= n) break;
+            const int64_t left = n - col;
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            const __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + col))
+                                  : _mm512_setzero_ps();
+            const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales + col) : _mm512_set1_ps(1.0f);
+            for (int r = 0; r < m; r++) {
+                const __m512 acc = _mm512_load_ps(out + r * PANEL + v * 16);
+                const __m512 sum = scales ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
+                _mm256_mask_storeu_epi16(y + (r0 + r) * n + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 static void panel_all_bf16(uint16_t *y, const uint16_t *x, const uint16_t *panel,
                            const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
                            int64_t k, int64_t n0) {
+#if QUANTA_AMX
+    if (amx_ready && rows >= AMX_ROWS && k % 32 == 0) {
+        panel_amx(y, x, panel, scales, bias, rows, n, k, n0);
+        return;
+    }
+#endif
     panel_all(y, x, panel, 0, scales, bias, rows, n, k, n0);
 }
 

@@ -11,6 +11,12 @@ thread (docs/benchmarks.md): 1.5x oneDNN at 1 row, 1.25x at 8, 1.1x at 32, level
 It runs where the CPU has AVX512_BF16 and a C compiler is found (built at load and cached,
 like the decode-attention kernel); ``auto`` picks it for bf16 there and keeps oneDNN
 elsewhere. fp32 stays on oneDNN: its products already stream near the bound.
+
+Where the CPU also has AMX (and Linux grants the process its tile state), products of a few
+rows and more (prefill, wide decode batches) run on AMX tiles, reading the same packed panel:
+its pair-interleaved rows are already the operand TDPBF16PS takes, so there is still one copy
+of the weight. A row's value then depends on whether its step had that many rows (the tile
+product sums in another order), as oneDNN's does.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ class PanelLibrary:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
+        # AMX tiles, asked of Linux once per process: products of ``amx_rows`` rows and more
+        # run on them (prefill, wide decode batches); None where they cannot.
+        self.amx_rows: int | None = None
+        if library.quanta_panel_amx_init():
+            self.amx_rows = int(library.quanta_panel_amx_rows())
         self._size = library.quanta_panel_packed_size
         self._size.argtypes, self._size.restype = [i64, i64], i64
         self._pack = library.quanta_panel_pack
@@ -183,7 +194,19 @@ def load() -> PanelLibrary | None:
     if not library.quanta_panel_available():
         log.info("panel linear kernel: this CPU has no AVX512_BF16; bf16 products use oneDNN")
         return None
-    return PanelLibrary(library)
+    panel = PanelLibrary(library)
+    if panel.amx_rows is not None:
+        log.info("panel linear kernel: AVX512_BF16, AMX tiles from %d rows", panel.amx_rows)
+    else:
+        log.info("panel linear kernel: AVX512_BF16 (no AMX tiles here)")
+    return panel
+
+
+def tiles() -> str:
+    """What the panel kernel runs on beside AVX512_BF16, for logs and ``quanta_engine_info``:
+    ``amx`` (from a few rows up) or ``none``."""
+    panel = load()
+    return "amx" if panel is not None and panel.amx_rows is not None else "none"
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
