@@ -94,8 +94,10 @@ def test_quantized_kernels_compute_the_dequantized_product(
 @pytest.mark.parametrize(("n", "k", "group"), [(96, 256, 32), (130, 64, 64), (576, 1536, 128)])
 def test_int4_panel_kernel_rounds_the_exact_product_once_at_any_batch(n, k, group):
     """The int4 panel kernel against the exact product of x and code * scale + min (fp16
-    scales and mins, as it keeps them): within the one bf16 rounding of the result; and a row
-    gets the same bits alone as among 1-40 rows (the direct and the widened paths)."""
+    scales and mins, as it keeps them): within the one bf16 rounding of the result, and a row
+    gets the same bits alone as among up to 7 rows (the direct and the widened paths). From
+    16 rows, where the CPU has AMX, the panel is dequantized to bf16 for the tiles:
+    then within one rounding of the product with the bf16-rounded weights."""
     lib = panel_linear.load()
     gen = torch.Generator().manual_seed(n)
     w = quantize(torch.randn(n, k, generator=gen), "int4", group, symmetric=False)
@@ -105,12 +107,21 @@ def test_int4_panel_kernel_rounds_the_exact_product_once_at_any_batch(n, k, grou
     x = torch.randn(40, k, generator=gen).bfloat16()
     exact = w.codes().double().view(n, k // group, group) * scales[..., None].double()
     exact = (exact + mins[..., None].double()).view(n, k)
-    want = x.double() @ exact.T + bias.double()
-    got = lib.product_int4(x, packed, sm, bias, n, group)
-    bound = want.abs() * 2**-8 + 1e-5 * want.abs().max()
-    assert ((got.double() - want).abs() <= bound).all()
-    for rows in (1, 3, 4, 5, 17):
-        assert torch.equal(lib.product_int4(x[:rows], packed, sm, bias, n, group), got[:rows])
+
+    def within_one_rounding(got: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+        want = x[:rows].double() @ weight.T + bias.double()
+        bound = want.abs() * 2**-8 + 1e-5 * want.abs().max()
+        return bool(((got.double() - want).abs() <= bound).all())
+
+    few = lib.product_int4(x[:7], packed, sm, bias, n, group)
+    assert within_one_rounding(few, exact, 7)
+    for rows in (1, 3, 4, 5):
+        assert torch.equal(lib.product_int4(x[:rows], packed, sm, bias, n, group), few[:rows])
+    many = lib.product_int4(x, packed, sm, bias, n, group)
+    tiles = lib.amx_rows is not None and k % 32 == 0  # 40 rows: past the int4 tile rows
+    assert within_one_rounding(many, exact.float().bfloat16().double() if tiles else exact, 40)
+    if not tiles:
+        assert torch.equal(many[:7], few)
 
 
 @pytest.mark.parametrize("panel", [True, False])

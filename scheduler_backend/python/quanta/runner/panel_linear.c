@@ -44,9 +44,13 @@
 #define QUANTA_AMX 0
 #endif
 /* Rows from which a product runs on AMX tiles (where the CPU has them and Linux lets this
- * process use them): a 16 x 16 x 32 tile product outruns sixteen pair dot products once a
- * tile's rows are mostly real (measured in docs/benchmarks.md). */
-#define AMX_ROWS 8
+ * process use them): past the 4 rows one pass of pair dot products serves, a 16-row tile
+ * product is faster even with most of its rows padding (3072 x 576, one thread: 230 us at
+ * 8 rows against 275 us for 4 rows of pair dot products). int4 panels are dequantized to
+ * bf16 for the tiles, which pays from 16 rows (520 us against 670 us at 32 rows and 1.5 ms
+ * for the pair dot products; at 8 rows the direct path's 435 us wins). */
+#define AMX_ROWS 5
+#define AMX_INT4_ROWS 16
 
 int quanta_panel_available(void) { return QUANTA_PANEL; }
 
@@ -457,6 +461,37 @@ static void panel_all_i4_wide(uint16_t *y, const uint16_t *x, const void *panel,
     panel_all_i4(y, x, panel, 1, sm, xsum, bias, rows, n, k, n0, group);
 }
 
+#if QUANTA_AMX
+/* A panel's weights, code * scale + min rounded to bf16, into `wide` (the bf16 panel layout):
+ * prefill on AMX tiles reads the dequantized panel, as a bf16 product would. */
+static void dequantize_panel_i4(uint16_t *wide, const uint8_t *codes, const uint16_t *sm,
+                                int64_t pairs, int64_t group) {
+    /* lane 2c + j of a widened register is column c's code j: each column's scale twice */
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        const uint16_t *gsm = sm + (2 * kp / group) * 2 * PANEL;
+        __m512bh wv[PANEL / 16];
+        widen4(codes + kp * PANEL, wv);
+        for (int v = 0; v < PANEL / 16; v++) {
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gsm + v * 16)));
+            const __m512 m =
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gsm + PANEL + v * 16)));
+            const __m512 shifted = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, m);
+            const __m512i words = (__m512i)wv[v];
+            const __m512 w_lo = _mm512_fmadd_ps(
+                _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(words)),
+                _mm512_permutexvar_ps(lo, s), _mm512_permutexvar_ps(lo, shifted));
+            const __m512 w_hi = _mm512_fmadd_ps(
+                _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(words, 1)),
+                _mm512_permutexvar_ps(hi, s), _mm512_permutexvar_ps(hi, shifted));
+            _mm512_storeu_si512((void *)(wide + kp * PANEL * 2 + v * 32),
+                                (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+        }
+    }
+}
+#endif
+
 /* y [rows, n] = x [rows, k] W^T (+ bias [n]) for int4 codes packed by quanta_panel_pack_i4,
  * fp16 scales and mins [panels][k / group][2][PANEL]; x and y bf16, k a multiple of the
  * (even) group. Returns 0, or -1 when the rows' group sums cannot be allocated. */
@@ -486,12 +521,27 @@ int quanta_panel_i4(uint16_t *y, const uint16_t *x, const uint8_t *packed, const
         free(xsum);
         return 0;
     }
+#if QUANTA_AMX
+    /* From AMX_INT4_ROWS rows on AMX tiles: each panel dequantized to bf16 once, then the bf16 tile
+     * product (the rows then see the weights rounded to bf16, as a bf16 product does). */
+    const int tiles = amx_ready && rows >= AMX_INT4_ROWS && k % 32 == 0;
+#else
+    const int tiles = 0;
+    (void)tiles;
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         uint16_t *wide = aligned_alloc(64, (size_t)(pairs * PANEL * 4));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const uint8_t *codes = packed + p * stride;
+#if QUANTA_AMX
+            if (wide && tiles) {
+                dequantize_panel_i4(wide, codes, sm + p * sm_stride, pairs, group);
+                panel_amx(y, x, wide, NULL, bias, rows, n, k, p * PANEL);
+                continue;
+            }
+#endif
             if (wide) {
                 for (int64_t kp = 0; kp < pairs; kp++) {
                     __m512bh wv[PANEL / 16];
