@@ -153,6 +153,21 @@ def test_panel_kernel_rounds_the_exact_product_once(rows, n, k, bias):
 
 
 @needs_panel
+def test_panel_kernel_gives_a_row_the_same_bits_at_every_batch_from_5_rows():
+    """From 5 rows the product runs one way for every row count: AMX tiles where the CPU
+    has them (one block of 16 rows, or pairs of blocks sharing each panel strip), pair dot
+    products elsewhere; either way a row's bits do not depend on the rows beside it."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(300, 576, generator=gen).bfloat16()
+    x = torch.randn(70, 576, generator=gen).bfloat16()
+    layer = PanelLinear(w, torch.randn(300, generator=gen).bfloat16(), "none", panel_linear.load())
+    whole = layer(x)
+    for rows in (5, 16, 17, 31, 32, 33, 48, 49):
+        assert torch.equal(layer(x[:rows]), whole[:rows])
+        assert torch.equal(layer(x[-rows:]), whole[-rows:])
+
+
+@needs_panel
 def test_panel_kernel_matches_onednn_and_keeps_one_copy(checkpoint):
     """The engine's bf16 products through the panel kernel agree with oneDNN's as two bf16
     kernels can (a few bf16 steps of the logits' scale), and only the packed weight stays."""

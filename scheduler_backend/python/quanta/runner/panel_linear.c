@@ -223,6 +223,10 @@ static void configure_tiles(int m) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = t < 5 ? (uint8_t)m : 16;
     }
+    /* The compiler does not see ldtilecfg read the struct, and may drop the stores above as
+     * dead: seen with gcc 12 in a variant of this function (colsb and rows never written,
+     * and ldtilecfg faulted). */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
