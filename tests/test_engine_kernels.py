@@ -350,3 +350,30 @@ def test_native_layer_ops_round_as_torch_does(dtype, rows):
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_native_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "heads", "head_dim"), [(1, 12, 64), (17, 3, 40), (96, 5, 128)])
+def test_native_rope_rounds_as_torch_does(dtype, rows, heads, head_dim):
+    """The rotary embedding in place on a fused product's q and k heads (a row stride wider
+    than the heads it rotates): bit-identical to torch's operators in bf16, within the last
+    bits in fp32; widths that are no multiple of a vector (half of 40) and non-finite values
+    included."""
+    native, torch_ops = layer_ops(CPU), TorchLayerOps()
+    gen = torch.Generator().manual_seed(rows + heads)
+    fused = (torch.randn(rows, (heads + 2) * head_dim, generator=gen) * 8).to(dtype)
+    fused[0, 3], fused[0, head_dim + 1] = float("nan"), float("inf")
+    angles = torch.randn(rows, head_dim, generator=gen) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    a, b = fused.clone(), fused.clone()
+    native.rope_(a[:, : heads * head_dim].view(rows, heads, head_dim), cos, sin)
+    torch_ops.rope_(b[:, : heads * head_dim].view(rows, heads, head_dim), cos, sin)
+    assert torch.equal(a.isnan(), b.isnan())
+    a, b = a.nan_to_num(), b.nan_to_num()
+    if dtype == torch.bfloat16:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(a[:, heads * head_dim :], fused[:, heads * head_dim :].nan_to_num())
+

@@ -77,28 +77,6 @@ void quanta_add_rms_norm(void *out, void *residual, const void *x, const void *w
     }
 }
 
-/* Rotary embedding in place on the first `heads` heads of each row (q's, then k's):
- * x * cos + rotate_half(x) * sin, with cos and sin [rows, head_dim] in the element type. */
-void quanta_rope(void *x, const void *cos_t, const void *sin_t, int64_t rows, int64_t heads,
-                 int64_t head_dim, int64_t row_stride, int dtype) {
-    int64_t half = head_dim / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t t = r * head_dim;
-        for (int64_t h = 0; h < heads; h++) {
-            int64_t base = r * row_stride + h * head_dim;
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = load(x, base + i, dtype), x2 = load(x, base + i + half, dtype);
-                float lo = round_to(x1 * load(cos_t, t + i, dtype), dtype) +
-                           round_to(-x2 * load(sin_t, t + i, dtype), dtype);
-                float hi = round_to(x2 * load(cos_t, t + i + half, dtype), dtype) +
-                           round_to(x1 * load(sin_t, t + i + half, dtype), dtype);
-                store(x, base + i, lo, dtype);
-                store(x, base + i + half, hi, dtype);
-            }
-        }
-    }
-}
-
 int quanta_silu_mul_available(void) { return QUANTA_VECTOR_EXP; }
 
 #if QUANTA_VECTOR_EXP
@@ -149,5 +127,62 @@ void quanta_silu_mul(void *out, const void *gate_up, int64_t rows, int64_t inner
     }
 #else
     (void)out, (void)gate_up, (void)rows, (void)inner, (void)dtype;
+#endif
+}
+
+/* Rotary embedding in place on the first `heads` heads of each row (q's, then k's):
+ * x * cos + rotate_half(x) * sin, with cos and sin [rows, head_dim] in the element type. */
+static __attribute__((unused)) void rope_scalar(void *x, const void *cos_t, const void *sin_t, int64_t rows,
+                        int64_t heads, int64_t head_dim, int64_t row_stride, int dtype) {
+    int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t base = r * row_stride + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = load(x, base + i, dtype), x2 = load(x, base + i + half, dtype);
+                float lo = round_to(x1 * load(cos_t, t + i, dtype), dtype) +
+                           round_to(-x2 * load(sin_t, t + i, dtype), dtype);
+                float hi = round_to(x2 * load(cos_t, t + i + half, dtype), dtype) +
+                           round_to(x1 * load(sin_t, t + i + half, dtype), dtype);
+                store(x, base + i, lo, dtype);
+                store(x, base + i + half, hi, dtype);
+            }
+        }
+    }
+}
+
+/* Rotary embedding in place on the first `heads` heads of each row (q's, then k's):
+ * x * cos + rotate_half(x) * sin, with cos and sin [rows, head_dim] in the element type.
+ * 16 lanes at a time where the CPU has AVX-512 (the same roundings, in the same order, as
+ * the scalar loop: each product rounded, then their sum on the store); a prefill of 768
+ * rows took 2.8 ms through the scalar loop against torch's 1.2 ms. */
+void quanta_rope(void *x, const void *cos_t, const void *sin_t, int64_t rows, int64_t heads,
+                 int64_t head_dim, int64_t row_stride, int dtype) {
+#if QUANTA_VECTOR_EXP
+    const int64_t half = head_dim / 2;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r * head_dim;
+        for (int64_t i = 0; i < half; i += 16) {
+            const int64_t n = half - i < 16 ? half - i : 16;
+            const __mmask16 m = (__mmask16)((1u << n) - 1);
+            const __m512 c_lo = vload(cos_t, t + i, m, dtype), s_lo = vload(sin_t, t + i, m, dtype);
+            const __m512 c_hi = vload(cos_t, t + i + half, m, dtype);
+            const __m512 s_hi = vload(sin_t, t + i + half, m, dtype);
+            for (int64_t h = 0; h < heads; h++) {
+                const int64_t base = r * row_stride + h * head_dim;
+                const __m512 x1 = vload(x, base + i, m, dtype), x2 = vload(x, base + i + half, m, dtype);
+                const __m512 lo = _mm512_add_ps(vround(_mm512_mul_ps(x1, c_lo), dtype),
+                                                vround(_mm512_mul_ps(_mm512_xor_ps(x2, sign), s_lo), dtype));
+                const __m512 hi = _mm512_add_ps(vround(_mm512_mul_ps(x2, c_hi), dtype),
+                                                vround(_mm512_mul_ps(x1, s_hi), dtype));
+                vstore(x, base + i, m, lo, dtype);
+                vstore(x, base + i + half, m, hi, dtype);
+            }
+        }
+    }
+#else
+    rope_scalar(x, cos_t, sin_t, rows, heads, head_dim, row_stride, dtype);
 #endif
 }
