@@ -6,12 +6,12 @@ call keep the layer-by-layer path."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from quanta import LLM
+from quanta.bench.decode_profile import _Seq  # a PagedSeq: tokens at a position over blocks
 from quanta.build.checkpoint import make_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.core.request import SamplingParams
@@ -27,14 +27,6 @@ pytestmark = [
     ),
 ]
 BLOCKS = 24
-
-
-@dataclass(frozen=True, slots=True)
-class _Seq:
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    hidden: bool = False
 
 
 @pytest.fixture(autouse=True)

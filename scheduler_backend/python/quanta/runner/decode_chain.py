@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
-import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -263,14 +263,10 @@ def _product(proj: nn.Module) -> tuple[_Tensors, int, int] | None:
     return None
 
 
+@functools.cache
 def _library() -> ctypes._CFuncPtr | None:
-    cc = native_decode.compiler()
-    if cc is None:
-        return None
-    try:
-        library = ctypes.CDLL(str(native_decode.build(SOURCE, FLAGS, cc)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("building the decode chain failed: %s", getattr(exc, "stderr", "") or exc)
+    library = native_decode.load_library(SOURCE, FLAGS, "the decode chain")
+    if library is None:
         return None
     fn = library.quanta_decode_chain
     p, i64 = ctypes.c_void_p, ctypes.c_int64

@@ -139,6 +139,21 @@ def load() -> NativeDecode | None:
         return None
 
 
+def load_library(
+    source_path: Path, flags: tuple[str, ...], what: str, libs: tuple[str, ...] = ()
+) -> ctypes.CDLL | None:
+    """``source_path`` built (or found built) and loaded; None, with a warning naming
+    ``what``, where no compiler is found or the build fails (the caller falls back)."""
+    cc = compiler()
+    if cc is None:
+        return None
+    try:
+        return ctypes.CDLL(str(build(source_path, flags, cc, libs)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("building %s failed: %s", what, getattr(exc, "stderr", "") or exc)
+        return None
+
+
 def _build(cc: str) -> Path:
     return build(SOURCE, FLAGS, cc)
 

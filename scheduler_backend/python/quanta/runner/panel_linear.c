@@ -129,6 +129,18 @@ void quanta_panel_pack_i4(uint8_t *packed, const uint8_t *codes, int64_t n, int6
 
 #if QUANTA_PANEL
 
+/* The 16 columns from `col` that exist (n may end inside them). */
+static inline __mmask16 columns(int64_t col, int64_t n) {
+    const int64_t left = n - col;
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* The bias of those columns in fp32 (zeros without a bias). */
+static inline __m512 bias16(const uint16_t *bias, int64_t col, __mmask16 m) {
+    return bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, bias + col))
+                : _mm512_setzero_ps();
+}
+
 /* Pair kp of row r of x as a 32-bit word (zero-padded past an odd k). */
 static inline int32_t pair(const uint16_t *x, int64_t k, int64_t kp) {
     uint32_t lo = x[2 * kp], hi = 2 * kp + 1 < k ? x[2 * kp + 1] : 0;
@@ -179,10 +191,8 @@ static inline __attribute__((always_inline)) void panel_rows(
     for (int v = 0; v < PANEL / 16; v++) {
         int64_t col = n0 + v * 16;
         if (col >= n) break;
-        int64_t left = n - col;
-        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, bias + col))
-                        : _mm512_setzero_ps();
+        __mmask16 m = columns(col, n);
+        __m512 b = bias16(bias, col, m);
         __m512 s = scales ? _mm512_maskz_loadu_ps(m, scales + col) : _mm512_set1_ps(1.0f);
         for (int r = 0; r < R; r++) {
             __m512 sum = scales ? _mm512_fmadd_ps(acc[r][v], s, b) : _mm512_add_ps(acc[r][v], b);
@@ -268,10 +278,8 @@ static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
         for (int v = 0; v < PANEL / 16; v++) {
             const int64_t col = n0 + v * 16;
             if (col >= n) break;
-            const int64_t left = n - col;
-            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-            const __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + col))
-                                  : _mm512_setzero_ps();
+            const __mmask16 mask = columns(col, n);
+            const __m512 b = bias16(bias, col, mask);
             const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales + col) : _mm512_set1_ps(1.0f);
             for (int r = 0; r < m; r++) {
                 const __m512 acc = _mm512_load_ps(out + r * PANEL + v * 16);
@@ -423,10 +431,8 @@ static inline __attribute__((always_inline)) void panel_rows_i4(
     for (int v = 0; v < PANEL / 16; v++) {
         int64_t col = n0 + v * 16;
         if (col >= n) break;
-        int64_t left = n - col;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + col))
-                        : _mm512_setzero_ps();
+        __mmask16 mask = columns(col, n);
+        __m512 b = bias16(bias, col, mask);
         for (int r = 0; r < R; r++) {
             __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b));
             _mm256_mask_storeu_epi16(y + r * n + col, mask, (__m256i)out);

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -182,14 +181,8 @@ def load() -> PanelLibrary | None:
     """The kernel, built here first if this machine has none yet; None where this CPU has no
     AVX512_BF16 or no compiler is found (then oneDNN serves bf16, never broken). Cached: one
     build and one handle per process, as the library is the same for every projection."""
-    cc = native_decode.compiler()
-    if cc is None:
-        return None
-    try:
-        library = ctypes.CDLL(str(native_decode.build(SOURCE, FLAGS, cc)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("building the panel linear kernel failed: %s", detail)
+    library = native_decode.load_library(SOURCE, FLAGS, "the panel linear kernel")
+    if library is None:
         return None
     if not library.quanta_panel_available():
         log.info("panel linear kernel: this CPU has no AVX512_BF16; bf16 products use oneDNN")
