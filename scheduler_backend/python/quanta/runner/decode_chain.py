@@ -11,10 +11,9 @@ It takes a step when the layer-by-layer path would run nothing else: every row a
 of a KV sequence (no prefill chunk, no hidden cache), bf16, and every projection a panel
 product (bf16, int8 codes through ``native-int8`` or int4 codes through ``native-int4``).
 Anything else (fp32, oneDNN or torch products, torch's int4 kernel, tensor-parallel ranks,
-CUDA) keeps the layer-by-layer path, which stays the
-reference. Layer safepoints are kept: the chain runs the layers between two checks in one call.
-``QUANTA_DECODE_CHAIN=0`` turns it off (the engine's log and ``quanta_engine_info`` name the
-path that runs).
+CUDA) keeps the layer-by-layer path, which stays the reference. Layer safepoints are kept:
+the chain runs the layers between two checks in one call. ``QUANTA_DECODE_CHAIN=0`` turns it
+off (the engine's log and ``quanta_engine_info`` name the path that runs).
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ class DecodeChain:
         self._layers = (ctypes.c_int64 * len(layers))(*layers)
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
         self.num_layers = len(layers) // LAYER_SLOTS
-        self.hidden_size = shape[0]
         self._eps, self._scale = eps, scale
         self._keep = tuple(keep)  # the tensors whose addresses the table holds
 
@@ -125,8 +123,9 @@ class DecodeChain:
         meta: AttentionMetadata,
     ) -> None:
         decode = meta.decode
-        assert decode is not None
-        cos, sin = rope
+        assert decode is not None and kv_cache.is_contiguous()
+        # held here: C reads them through their addresses for the whole call
+        cos, sin = rope[0].contiguous(), rope[1].contiguous()
         layer_stride, value_offset = kv_cache.stride(0), kv_cache.stride(1)
         status = self._fn(
             self._kernels,
@@ -139,8 +138,8 @@ class DecodeChain:
             x.data_ptr(),
             residual.data_ptr(),
             int(first == 0),
-            cos.contiguous().data_ptr(),
-            sin.contiguous().data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
             kv_cache.data_ptr(),
             layer_stride,
             value_offset,
