@@ -376,4 +376,3 @@ def test_native_rope_rounds_as_torch_does(dtype, rows, heads, head_dim):
     else:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(a[:, heads * head_dim :], fused[:, heads * head_dim :].nan_to_num())
-
