@@ -117,19 +117,8 @@ class PanelLibrary:
         """``x [rows, K] W^T (+ bias)`` with ``W = code * scale + min`` per group of ``group``
         input columns: bf16 in and out, ``packed`` and ``scales`` from ``pack_int4`` and
         ``int4_scales``."""
-        x = x.contiguous()
-        rows, k = x.shape
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
-        if rows:
-            bias_ptr = None if bias is None else bias.data_ptr()
-            threads = torch.get_num_threads()
-            status = self._product_i4(
-                y.data_ptr(), x.data_ptr(), packed.data_ptr(), scales.data_ptr(), bias_ptr,
-                rows, n, k, group, threads,
-            )  # fmt: skip
-            if status != 0:
-                raise MemoryError("the int4 panel kernel could not allocate its group sums")
-        return y
+        weights = (packed.data_ptr(), scales.data_ptr())
+        return self._run(self._product_i4, x, n, weights, bias, group=(group,))
 
     def _packed(
         self, fn: Callable[..., None], weight: torch.Tensor, dtype: torch.dtype
@@ -159,20 +148,24 @@ class PanelLibrary:
 
     @staticmethod
     def _run(
-        fn: Callable[..., None],
+        fn: Callable[..., int | None],
         x: torch.Tensor,
         n: int,
         weights: tuple[int, ...],
         bias: torch.Tensor | None,
+        group: tuple[int, ...] = (),
     ) -> torch.Tensor:
-        """``y [rows, n]`` from ``fn(y, x, *weights, bias, rows, n, k, threads)``, ``weights``
-        being the data pointers the product reads."""
+        """``y [rows, n]`` from ``fn(y, x, *weights, bias, rows, n, k, *group, threads)``,
+        ``weights`` being the data pointers the product reads (int4 also takes its group
+        size, and returns nonzero when it could not allocate its group sums)."""
         x = x.contiguous()
         rows, k = x.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         if rows:
             bias_ptr = None if bias is None else bias.data_ptr()
-            fn(y.data_ptr(), x.data_ptr(), *weights, bias_ptr, rows, n, k, torch.get_num_threads())
+            threads = torch.get_num_threads()
+            if fn(y.data_ptr(), x.data_ptr(), *weights, bias_ptr, rows, n, k, *group, threads):
+                raise MemoryError("the int4 panel kernel could not allocate its group sums")
         return y
 
 
