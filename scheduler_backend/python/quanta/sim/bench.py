@@ -15,9 +15,10 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from quanta.core.apply import DecisionApplier
 from quanta.core.blocks import BlockManager
@@ -29,7 +30,7 @@ from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel, load_profile
 from quanta.policies import make_policy
 from quanta.sim.driver import StepSample
-from quanta.sim.engine_replay import bench_trace, pressure_cache, replay
+from quanta.sim.engine_replay import EngineRun, bench_trace, pressure_cache, serve
 from quanta.sim.metrics import request_metrics
 from quanta.sim.repro import batched_capacity
 from quanta.workloads import WorkloadRequest, arrival_times, make_workload, scale_to_rate
@@ -37,6 +38,15 @@ from quanta.workloads.prompts import PromptIds
 from quanta.workloads.transforms import TooLong
 
 APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
+
+
+class AgentUsers(NamedTuple):
+    """Who sends the ``agents`` workload: benign users, abusers, and how many times as often
+    an abuser starts interactions (None: ``make_workload``'s defaults)."""
+
+    num_users: int | None = None
+    abusers: int | None = None
+    abuse_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,11 +112,15 @@ class EngineBench:
         workload: str | None = None,
         token_scale: float = 1.0,
         too_long: TooLong = "error",
+        users: AgentUsers | None = None,
     ) -> list[WorkloadRequest]:
         """Without ``workload``: ShareGPT-like lengths scaled by ``scale``; with a trace file:
-        its first rows, context tokens times ``token_scale``. Arrival times come later."""
+        its first rows, context tokens times ``token_scale``; ``agents`` with ``users``
+        (benign users, abusers, abuse factor; seeded by ``seed``). Arrival times come
+        later."""
         if workload is None:
             return bench_trace(num_requests, self.cost.max_model_len, seed, scale)
+        shape = {} if users is None else {"seed": seed, **users._asdict()}
         return make_workload(
             workload,
             num_requests,
@@ -114,6 +128,7 @@ class EngineBench:
             max_len=self.cost.max_model_len,
             token_scale=token_scale,
             too_long=too_long,
+            **shape,
         )
 
     def cache(self, trace: Sequence[WorkloadRequest], max_num_seqs: int) -> CacheConfig:
@@ -130,7 +145,24 @@ class EngineBench:
         record: list[StepSample] | None = None,
     ) -> tuple[list[Request], LoopStats]:
         """Serve ``trace`` (with its arrival times) through the real loop and engine."""
-        return replay(
+        run = self.serve(policy, trace, sched, cache, seed, record=record)
+        return run.requests, run.stats
+
+    def serve(
+        self,
+        policy: str,
+        trace: Sequence[WorkloadRequest],
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        seed: int,
+        *,
+        record: list[StepSample] | None = None,
+        options: Mapping[str, Any] | None = None,
+        until: float | None = None,
+    ) -> EngineRun:
+        """``run`` with the policy's ``options``, cut off at ``until`` seconds of the trace
+        (``engine_replay.serve``), and what became of refused and abandoned calls."""
+        return serve(
             self.model,
             policy,
             trace,
@@ -142,6 +174,8 @@ class EngineBench:
             record=record,
             step_repeats=self.step_repeats,
             prefix_caching=self.prefix_caching,
+            options=options,
+            until=until,
         )
 
 

@@ -467,7 +467,13 @@ def bench_schedule_step_cmd(
 
 def validate_cmd(
     model: Annotated[Path | None, typer.Option(help="checkpoint dir (default: opt-tiny)")] = None,
-    policies: Annotated[str, typer.Option()] = "fcfs,sj-mlfq",
+    policies: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated; each a policy or POLICY:KEY=VALUE[:KEY=VALUE] (apt:cache=kv), "
+            "its options given to the engine and the simulator alike"
+        ),
+    ] = "fcfs,sj-mlfq",
     loads: Annotated[str, typer.Option(help="multiples of the estimated capacity")] = (
         "0.5,0.7,0.9"
     ),
@@ -498,12 +504,76 @@ def validate_cmd(
         float,
         typer.Option(min=0.01, help="ShareGPT-like lengths times this (smaller for slower models)"),
     ] = 0.25,
+    num_users: Annotated[
+        int | None, typer.Option(min=1, help="--workload agents: benign users (default 20)")
+    ] = None,
+    abusers: Annotated[
+        int | None, typer.Option(min=0, help="--workload agents: abusive users (default 0)")
+    ] = None,
+    abuse_factor: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0,
+            help="--workload agents: how many times as often an abuser starts interactions "
+            "as a benign user (default 15)",
+        ),
+    ] = None,
+    delay_threshold: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="--workload agents: seconds queued that make a user delayed (default: "
+            "FairServe's 2 s scaled to the engine's capacity)",
+        ),
+    ] = None,
+    offline_backlog: Annotated[
+        bool,
+        typer.Option(
+            help="serve the trace as ConServe's online load (ON/OFF phases) beside an "
+            "offline backlog, cut off at the end of the last OFF phase; compares the online "
+            "SLO, P99 TTFT and TPOT and the offline throughput"
+        ),
+    ] = False,
+    ttft_slo: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="TTFT SLO (s) every (online) request carries (default, for apt, conserve "
+            "and --offline-backlog: the paper's, in the engine's decode steps)",
+        ),
+    ] = None,
+    tbt_slo: Annotated[
+        float | None, typer.Option(min=0.0, help="P99 TBT (and TPOT) SLO (s), with --ttft-slo")
+    ] = None,
 ) -> None:
-    """The same trace through the real engine and the simulator; the simulator's error."""
-    from quanta.sim.bench import EngineBench
-    from quanta.sim.validate import hit_rates, table, validate
-    from quanta.sim.validate import plot as plot_rows
+    """The same trace through the real engine and the simulator; the simulator's error.
 
+    Besides latency: FairServe's figures with ``--workload agents`` (``--abusers``), ConServe's
+    with ``--offline-backlog``, Apt-Serve's SLO attainment with an SLO (given, or scaled to
+    the engine for ``apt`` and ``conserve``)."""
+    from quanta.policies import parse_policy
+    from quanta.sim.bench import AgentUsers, EngineBench
+    from quanta.sim.validate import hit_rates, parse_entry, table, validate
+    from quanta.sim.validate import plot as plot_rows
+    from quanta.sim.validate_scenarios import FIGURE_GROUPS
+    from quanta.slo import resolve_slo
+
+    entries = [p for p in policies.split(",") if p]
+    try:
+        for entry in entries:
+            parse_policy(*parse_entry(entry))  # NOTE: names and options fail here, before a run
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--policies") from None
+    shaped = (num_users, abusers, abuse_factor)
+    if workload != "agents" and (delay_threshold is not None or any(x is not None for x in shaped)):
+        raise typer.BadParameter(
+            "--num-users, --abusers, --abuse-factor and --delay-threshold shape and judge "
+            "--workload agents only"
+        )
+    try:
+        slo = resolve_slo(ttft=ttft_slo, tbt=tbt_slo)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--ttft-slo/--tbt-slo") from None
     bench = EngineBench.create(
         model,
         profile,
@@ -515,7 +585,7 @@ def validate_cmd(
     )
     rows = validate(
         bench,
-        [p for p in policies.split(",") if p],
+        entries,
         [float(x) for x in loads.split(",")],
         num_requests=num_requests,
         seed=seed,
@@ -524,9 +594,16 @@ def validate_cmd(
         length_scale=length_scale,
         workload=workload,
         token_scale=token_scale,
+        users=None if all(x is None for x in shaped) else AgentUsers(*shaped),
+        offline_backlog=offline_backlog,
+        slo=slo,
+        delay_threshold_s=delay_threshold,
         echo=typer.echo,
     )
     typer.echo(table(rows, ("mean_ttft", "mean_tpot", "mean_e2e", "p95_normalized_latency")))
+    for group in FIGURE_GROUPS:
+        if group[0] in rows[0]["measured"]:
+            typer.echo(table(rows, group))
     if enable_prefix_caching:
         typer.echo(hit_rates(rows))
     if output is not None:

@@ -94,12 +94,21 @@ def online_load(
     length. Rows longer than the model are clipped; every row carries the SLOs."""
     rows = load_workload(trace, limit=num_requests, too_long="clip", max_len=max_len)
     rows = scale_to_rate(rows, rate) if len(rows) > 1 else rows
+    out, on_s = on_off(rows, rate, cycles)
+    return with_slo(out, CONSERVE_SLO), on_s
+
+
+def on_off(
+    rows: list[WorkloadRequest], rate: float, cycles: int
+) -> tuple[list[WorkloadRequest], float]:
+    """``rows`` (arriving at a mean ``rate``) cut into ``cycles`` ON phases of equal length,
+    each followed by an OFF phase as long with no arrivals, and that length."""
     on_s = max(len(rows) / rate / cycles, 1e-3)
     out = [
         replace(r, arrival_time=r.arrival_time + math.floor(r.arrival_time / on_s) * on_s)
         for r in rows
     ]
-    return with_slo(out, CONSERVE_SLO), on_s
+    return out, on_s
 
 
 def offline_backlog(duration_s: float, cost: CostModel, seed: int) -> list[WorkloadRequest]:

@@ -9,9 +9,10 @@ a shared machine stay out of the numbers. Loads torch (inside ``replay``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from quanta.core.clock import VirtualClock
 from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -80,6 +81,58 @@ def replay(
     predict iteration times; ``step_repeats`` times each step by its fastest of that many
     runs (``time_runner``); ``prefix_caching`` is the engine's.
     """
+    run = serve(
+        model,
+        policy,
+        trace,
+        sched,
+        cache,
+        seed,
+        cost=cost,
+        timer=timer,
+        dtype=dtype,
+        device=device,
+        record=record,
+        step_repeats=step_repeats,
+        prefix_caching=prefix_caching,
+    )
+    return run.requests, run.stats
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One replay's requests and counters, and what became of the calls that never ran as
+    sent: the same outcomes a ``SimResult`` records, so one set of figures reads either."""
+
+    requests: list[Request]
+    stats: LoopStats
+    throttled: frozenset[str] = frozenset()  # refused by the policy's admission
+    abandoned: tuple[str, ...] = ()  # never sent: an earlier call of their interaction failed
+    cut_off: tuple[str, ...] = ()  # in flight or unsent when ``until`` came
+
+
+def serve(
+    model: Path,
+    policy: str,
+    trace: Sequence[WorkloadRequest],
+    sched: SchedulerConfig,
+    cache: CacheConfig,
+    seed: int,
+    *,
+    cost: CostModel,
+    timer: Callable[[], float],
+    dtype: str | None = None,
+    device: str = "cpu",
+    record: list[StepSample] | None = None,
+    step_repeats: int = 1,
+    prefix_caching: bool = True,
+    options: Mapping[str, Any] | None = None,
+    until: float | None = None,
+) -> EngineRun:
+    """``replay``, with the policy's ``options`` (the cost profile added where the policy
+    takes one) and, with ``until``, stopped at the first step boundary at or after that many
+    seconds of the trace, as ``simulate(..., until=)`` stops: what is in flight then is
+    aborted and what was not sent never is."""
     from quanta.frontends.engine import build_engine
 
     clock = VirtualClock()
@@ -90,7 +143,7 @@ def replay(
         device=device,
         cache=cache,
         scheduler=sched,
-        policy_options=policy_options(policy, {}, cost),
+        policy_options=policy_options(policy, dict(options or {}), cost),
         enable_prefix_caching=prefix_caching,
     )
     engine = build_engine(config, clock=clock)
@@ -106,8 +159,18 @@ def replay(
     for r in requests:
         r.arrival_time += start
     before = engine.loop.stats()
-    drive(engine.loop, clock, requests, replay_of(trace, requests))
-    return requests, since(engine.loop.stats(), before)
+    plan = replay_of(trace, requests)
+    drive(engine.loop, clock, requests, plan, until=None if until is None else start + until)
+    cut_off = tuple(r.request_id for r in requests if not r.status.finished)
+    if cut_off:
+        engine.loop.stop(f"the replay ended at {until} s")
+    return EngineRun(
+        requests,
+        since(engine.loop.stats(), before),
+        frozenset(plan.throttled),
+        tuple(r.request_id for r in plan.abandoned),
+        cut_off,
+    )
 
 
 def since(stats: LoopStats, before: LoopStats) -> LoopStats:

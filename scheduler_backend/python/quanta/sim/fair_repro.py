@@ -26,6 +26,7 @@ from typing import Any
 from quanta.core.config import SchedulerConfig
 from quanta.costmodel import get_profile
 from quanta.sim.driver import SimSetup
+from quanta.sim.fairness import BENIGN_FIGURES, benign_figures
 from quanta.sim.metrics import plot_lines
 from quanta.sim.repro import fmt, run_all
 from quanta.workloads import make_workload
@@ -88,42 +89,9 @@ def fairserve(
 
 
 def _mean(runs: list[dict[str, Any]], key: str, fairness: bool = True) -> float:
-    if key in _BENIGN:
-        return statistics.fmean(_BENIGN[key](r["fairness"]["by_tenant"]) for r in runs)
+    if key in BENIGN_FIGURES:
+        return statistics.fmean(benign_figures(r["fairness"]["by_tenant"])[key] for r in runs)
     return statistics.fmean((r["fairness"] if fairness else r)[key] for r in runs)
-
-
-def _benign(by_tenant: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The benign users who sent anything (the agents workload names abusers ``abuser<k>``)."""
-    return [
-        row
-        for name, row in by_tenant.items()
-        if not name.startswith("abuser") and row["requests"] > row["abandoned"]
-    ]
-
-
-def _benign_delayed(by_tenant: dict[str, dict[str, Any]]) -> float:
-    rows = _benign(by_tenant)
-    return sum(row["delayed"] for row in rows) / len(rows) if rows else float("nan")
-
-
-def _benign_share(by_tenant: dict[str, dict[str, Any]]) -> float:
-    """Benign users' service in the load period over their fair shares, all together."""
-    rows = _benign(by_tenant)
-    owed = sum(row["fair_share"] for row in rows)
-    return sum(row["service_in_load"] for row in rows) / owed if owed else float("nan")
-
-
-def _worst_benign_share(by_tenant: dict[str, dict[str, Any]]) -> float:
-    shares = [row["share_received"] for row in _benign(by_tenant)]
-    return min((x for x in shares if x == x), default=float("nan"))
-
-
-_BENIGN = {
-    "benign_delayed": _benign_delayed,
-    "benign_share": _benign_share,
-    "worst_benign_share": _worst_benign_share,
-}
 
 
 def fairserve_table(row: dict[str, Any]) -> str:

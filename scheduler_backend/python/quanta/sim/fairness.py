@@ -31,6 +31,10 @@ call of an interaction), which the per-request latency metrics cannot see. Defin
   less than an equal split is owed all it asked and the rest is split evenly among the
   others. ``share_received`` is the ratio. A benign user below 1 was served less than fair
   queueing owes it, whether by waiting behind others or by being refused.
+- The benign users' figures (``benign_figures``, from ``by_tenant``; the agents workload
+  names its abusers ``abuser<k>``): ``benign_delayed``, the share of benign users who were
+  delayed; ``benign_share``, their service in the load period over their fair shares, all
+  together; ``worst_benign_share``, the lowest ``share_received`` among them.
 """
 
 from __future__ import annotations
@@ -200,3 +204,23 @@ def _expected_tokens(requests: Sequence[Request]) -> dict[tuple[str, int | None]
 
 def _share(count: int, total: int) -> float:
     return count / total if total else math.nan
+
+
+BENIGN_FIGURES = ("benign_delayed", "benign_share", "worst_benign_share")
+
+
+def benign_figures(by_tenant: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The benign users' figures of the module doc, from ``fairness(...)["by_tenant"]``;
+    nan where no benign user sent anything."""
+    rows = [
+        row
+        for name, row in by_tenant.items()
+        if not name.startswith("abuser") and row["requests"] > row["abandoned"]
+    ]
+    owed = sum(row["fair_share"] for row in rows)
+    shares = [row["share_received"] for row in rows if not math.isnan(row["share_received"])]
+    return {
+        "benign_delayed": _share(sum(row["delayed"] for row in rows), len(rows)),
+        "benign_share": sum(row["service_in_load"] for row in rows) / owed if owed else math.nan,
+        "worst_benign_share": min(shares, default=math.nan),
+    }
