@@ -164,6 +164,59 @@ def test_native_int8_rounds_the_exact_product_once(rows, n, k):
     assert ((got - exact).abs() <= exact.abs().clamp_min(1e-2) * 2.0**-7 + 1e-6 * k).all()
 
 
+def _x16(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """x as the int8 kernel's VNNI path reads it (panel_linear.c, quantize_rows): per block
+    of ``block`` columns, rounded to 2^-15 of the power of two above the block's largest."""
+    out = x.double().clone()
+    for c in range(0, x.shape[1], block):
+        part = out[:, c : c + block]
+        largest = part.abs().amax(dim=1, keepdim=True)
+        e = torch.frexp(largest.float().clamp_min(1e-30))[1].double()
+        step = torch.where(largest > 0, 2.0 ** (e - 15), torch.ones_like(largest))
+        out[:, c : c + block] = torch.round(part / step) * step
+    return out
+
+
+@pytest.mark.skipif(
+    panel_linear.load() is None or panel_linear.load().int8_rows != "vnni",
+    reason="no AVX512_BF16 with AVX512_VNNI",
+)
+def test_native_int8_at_a_few_rows_sums_x_in_16_bits():
+    """Up to 4 rows the int8 product reads x in 16-bit fixed point per 128 columns: exact for
+    elements within 2^7 of their block's largest, the rest rounded to 2^-15 of it. The
+    product is the exact sum of that form times the codes, rounded once; a row's bits do not
+    depend on the rows beside it; a non-finite x propagates as in bf16."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 200, 300  # a partial last block, a panel cut short
+    w = quantize(torch.randn(n, k, generator=gen), "int8", 0, True)
+    bias = torch.randn(n, generator=gen).bfloat16()
+    lib = panel_linear.load()
+    packed, scales = lib.pack_int8(w.qweight), w.scales.view(-1).float().contiguous()
+    x = torch.randn(4, k, generator=gen)
+    x[1, 5], x[1, 200] = 3e4, 1e-7  # one row whose small elements are rounded
+    x[2] = 0.0
+    x = x.bfloat16()
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return lib.product_int8(rows, packed, scales, bias, n)
+
+    got = product(x).double()
+    codes = w.qweight.double().T * w.scales.double().view(1, -1)
+    want = _x16(x) @ codes + bias.double()
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+    assert torch.equal(got[2], bias.double())
+    # row 1's small elements are off by more than the rounding: the 16-bit form is what ran
+    assert not torch.equal(_x16(x)[1], x[1].double())
+    for r in range(4):
+        assert torch.equal(product(x[r : r + 1]), product(x)[r : r + 1])
+    bad = x.clone()
+    bad[0, 3], bad[3, 9] = float("nan"), float("inf")
+    out = product(bad)
+    assert not out[0].isfinite().any() and not out[3].isfinite().any()
+    exact = x.double() @ codes + bias.double()
+    assert ((out[1:3].double() - exact[1:3]).abs() <= exact[1:3].abs() * 2**-7 + 1e-3).all()
+
+
 def test_fp32_and_grouped_int8_dequantize_per_call():
     w = quantize(_weight(), "int4", 32, False)
     layer = QuantizedLinear(w, None, "relu", torch.float32)

@@ -20,6 +20,7 @@
  * Machines without AVX512_BF16 are not served here
  * (quanta_panel_available says so and the caller keeps oneDNN).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +36,17 @@
 #else
 #define QUANTA_PANEL 0
 #endif
+
+/* AVX512_VNNI's 16-bit integer pair dot product (vpdpwssd) serves int8 codes at a few rows:
+ * every CPU with AVX512_BF16 has it, but the build checks rather than assumes. */
+#if QUANTA_PANEL && defined(__AVX512VNNI__)
+#define QUANTA_VNNI 1
+#else
+#define QUANTA_VNNI 0
+#endif
+/* Input columns per block of x's 16-bit form (int8_rows_vnni): a lane's int32 sum over a
+ * block is at most 128 * 127 * 2^15 < 2^29, far from overflow. */
+#define XBLOCK 128
 
 #if QUANTA_PANEL && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -68,6 +80,10 @@ int quanta_panel_amx_init(void) {
 }
 
 int quanta_panel_amx_rows(void) { return AMX_ROWS; }
+
+/* 1 when int8 products of up to ROWS rows run on 16-bit integer dot products (x in 16-bit
+ * fixed point per block, int8_rows_vnni), 0 when they widen the codes to bf16 instead. */
+int quanta_panel_int8_vnni(void) { return QUANTA_VNNI; }
 
 /* Packed size in bf16 elements of an [n, k] weight. */
 int64_t quanta_panel_packed_size(int64_t n, int64_t k) {
@@ -304,6 +320,144 @@ static void panel_all_bf16(uint16_t *y, const uint16_t *x, const uint16_t *panel
     panel_all(y, x, panel, 0, scales, bias, rows, n, k, n0);
 }
 
+#if QUANTA_VNNI
+/* int8 at a few rows without widening the codes to bf16. Widening costs five instructions
+ * per 32 codes (two sign extensions, two conversions to fp32, one to bf16): at one row that
+ * bounds the product at about 10 GB/s of codes, below what memory delivers. Here x is
+ * converted once per call instead, to 16-bit integers per block of XBLOCK input columns,
+ *   q = round(x * 2^s), s such that the block's largest |x| lands in [2^14, 2^15),
+ * and each code only sign-extends to 16 bits for vpdpwssd, which sums the pair's two products
+ * exactly in int32. A bf16 x has 8 significant bits, so every element within 2^7 of its
+ * block's largest converts exactly; a smaller one is rounded to 2^-15 of that largest, 64
+ * times finer than bf16's own rounding of the largest. Each block's int32 sums become fp32
+ * and are scaled by 2^-s into the fp32 sum; the column's scale, the bias and the one rounding
+ * to bf16 are panel_rows'. */
+
+/* The 16-bit form of x's rows: q [rows][2 * pairs] (zero past k), 2^-s per block in
+ * step [rows][blocks]. Returns 0 when a row holds an infinity or NaN, which has no integer
+ * form: the caller keeps the widening path, so they propagate as in bf16. */
+static int quantize_rows(int16_t *q, float *step, const uint16_t *x, int64_t rows, int64_t k,
+                         int64_t width, int64_t blocks) {
+    const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * k;
+        int16_t *qr = q + r * width;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t c0 = b * XBLOCK, c1 = c0 + XBLOCK < width ? c0 + XBLOCK : width;
+            __m512 big = _mm512_setzero_ps();
+            for (int64_t c = c0; c < c1; c += 16) {
+                const __mmask16 m = columns(c, k < c1 ? k : c1);
+                const __m512i bits = _mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, xr + c)), 16);
+                if (_mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(bits, exponent), exponent))
+                    return 0;
+                big = _mm512_max_ps(big, _mm512_abs_ps(_mm512_castsi512_ps(bits)));
+            }
+            const float largest = _mm512_reduce_max_ps(big);
+            int s = 0;
+            if (largest > 0) {
+                int e;
+                frexpf(largest, &e); /* largest in [2^(e-1), 2^e) */
+                s = 15 - e;
+                s = s > 126 ? 126 : s;
+            }
+            step[r * blocks + b] = ldexpf(1.0f, -s);
+            const __m512 up = _mm512_set1_ps(ldexpf(1.0f, s));
+            for (int64_t c = c0; c < c1; c += 16) {
+                const __mmask16 in = columns(c, k < c1 ? k : c1), out = columns(c, c1);
+                const __m512i bits = _mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, xr + c)), 16);
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(bits), up));
+                _mm256_mask_storeu_epi16(qr + c, out, _mm512_cvtsepi32_epi16(v));
+            }
+        }
+    }
+    return 1;
+}
+
+/* R rows of x's 16-bit form against one int8 panel: y[r, n0 .. n0 + PANEL) for r < R. */
+static inline __attribute__((always_inline)) void int8_rows_vnni(
+    uint16_t *y, const int16_t *q, const float *step, int64_t width, int64_t blocks,
+    const int8_t *panel, const float *scales, const uint16_t *bias, int R, int64_t n,
+    int64_t k, int64_t n0) {
+    const int64_t pairs = (k + 1) / 2;
+    __m512 acc[ROWS][PANEL / 16];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < PANEL / 16; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t kp0 = b * (XBLOCK / 2);
+        const int64_t kp1 = kp0 + XBLOCK / 2 < pairs ? kp0 + XBLOCK / 2 : pairs;
+        __m512i part[ROWS][PANEL / 16];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < PANEL / 16; v++) part[r][v] = _mm512_setzero_si512();
+        for (int64_t kp = kp0; kp < kp1; kp++) {
+            const int8_t *wp = panel + kp * PANEL * 2;
+            _mm_prefetch((const char *)wp + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)wp + PREFETCH + 64, _MM_HINT_T0);
+            __m512i xv[ROWS];
+            for (int r = 0; r < R; r++) {
+                int32_t word;
+                memcpy(&word, q + r * width + 2 * kp, sizeof word);
+                xv[r] = _mm512_set1_epi32(word);
+            }
+            for (int v = 0; v < PANEL / 16; v++) {
+                const __m512i wv =
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wp + v * 32)));
+                for (int r = 0; r < R; r++) part[r][v] = _mm512_dpwssd_epi32(part[r][v], wv, xv[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_set1_ps(step[r * blocks + b]);
+            for (int v = 0; v < PANEL / 16; v++)
+                acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][v]), s, acc[r][v]);
+        }
+    }
+    for (int v = 0; v < PANEL / 16; v++) {
+        const int64_t col = n0 + v * 16;
+        if (col >= n) break;
+        const __mmask16 m = columns(col, n);
+        const __m512 b = bias16(bias, col, m);
+        const __m512 s = _mm512_maskz_loadu_ps(m, scales + col);
+        for (int r = 0; r < R; r++) {
+            const __m256bh out = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][v], s, b));
+            _mm256_mask_storeu_epi16(y + r * n + col, m, (__m256i)out);
+        }
+    }
+}
+
+static void int8_all_vnni(uint16_t *y, const int16_t *q, const float *step, int64_t width,
+                          int64_t blocks, const int8_t *panel, const float *scales,
+                          const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t n0) {
+    switch (rows) {
+    case 4: int8_rows_vnni(y, q, step, width, blocks, panel, scales, bias, 4, n, k, n0); break;
+    case 3: int8_rows_vnni(y, q, step, width, blocks, panel, scales, bias, 3, n, k, n0); break;
+    case 2: int8_rows_vnni(y, q, step, width, blocks, panel, scales, bias, 2, n, k, n0); break;
+    default: int8_rows_vnni(y, q, step, width, blocks, panel, scales, bias, 1, n, k, n0); break;
+    }
+}
+
+/* The product of up to ROWS rows through int8_rows_vnni; returns 0 (nothing written) where
+ * x has no 16-bit form (a non-finite element) or its scratch could not be allocated. */
+static int quanta_panel_i8_vnni(uint16_t *y, const uint16_t *x, const int8_t *packed,
+                                const float *scales, const uint16_t *bias, int64_t rows,
+                                int64_t n, int64_t k, int threads) {
+    const int64_t width = ((k + 1) / 2) * 2, blocks = (width + XBLOCK - 1) / XBLOCK;
+    const int64_t panels = (n + PANEL - 1) / PANEL, stride = width * PANEL;
+    int16_t *q = malloc((size_t)(rows * width) * sizeof *q);
+    float *step = malloc((size_t)(rows * blocks) * sizeof *step);
+    const int ok = q && step && quantize_rows(q, step, x, rows, k, width, blocks);
+    if (ok) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t p = 0; p < panels; p++)
+            int8_all_vnni(y, q, step, width, blocks, packed + p * stride, scales, bias, rows, n,
+                          k, p * PANEL);
+    }
+    free(q);
+    free(step);
+    return ok;
+}
+#endif
+
 static void panel_all_i8(uint16_t *y, const uint16_t *x, const int8_t *panel,
                          const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
                          int64_t k, int64_t n0) {
@@ -327,6 +481,10 @@ void quanta_panel_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
 void quanta_panel_i8(uint16_t *y, const uint16_t *x, const int8_t *packed, const float *scales,
                      const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, stride = ((k + 1) / 2) * PANEL * 2;
+#if QUANTA_VNNI
+    if (rows <= ROWS && quanta_panel_i8_vnni(y, x, packed, scales, bias, rows, n, k, threads))
+        return;
+#endif
     if (rows <= ROWS) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t p = 0; p < panels; p++)

@@ -49,6 +49,9 @@ class PanelLibrary:
         self.amx_rows: int | None = None
         if library.quanta_panel_amx_init():
             self.amx_rows = int(library.quanta_panel_amx_rows())
+        # int8 codes at a few rows: ``vnni`` (x in 16-bit fixed point per block of 128
+        # columns, vpdpwssd) or ``widen`` (each code widened to bf16); panel_linear.c.
+        self.int8_rows = "vnni" if library.quanta_panel_int8_vnni() else "widen"
         self._size = library.quanta_panel_packed_size
         self._size.argtypes, self._size.restype = [i64, i64], i64
         self._pack = library.quanta_panel_pack
@@ -181,10 +184,15 @@ def load() -> PanelLibrary | None:
         log.info("panel linear kernel: this CPU has no AVX512_BF16; bf16 products use oneDNN")
         return None
     panel = PanelLibrary(library)
+    int8 = "int8 decode rows on AVX512_VNNI" if panel.int8_rows == "vnni" else "int8 widened"
     if panel.amx_rows is not None:
-        log.info("panel linear kernel: AVX512_BF16, AMX tiles from %d rows", panel.amx_rows)
+        log.info(
+            "panel linear kernel: AVX512_BF16, AMX tiles from %d rows, %s",
+            panel.amx_rows,
+            int8,
+        )
     else:
-        log.info("panel linear kernel: AVX512_BF16 (no AMX tiles here)")
+        log.info("panel linear kernel: AVX512_BF16 (no AMX tiles here), %s", int8)
     return panel
 
 

@@ -16,11 +16,14 @@ torch's own ``_weight_int4pack_mm_for_cpu`` convention (checked numerically in
 Kernels, chosen at load (``kernel`` names the one that runs):
 
 - int8 per-channel, bf16, on a CPU with AVX512_BF16: ``native-int8``, the panel kernel of
-  ``panel_linear.c`` reading int8 codes (widened to bf16 in registers, which holds every
-  code exactly; the column's scale applied to the fp32 sum): half bf16's bytes at one row,
-  1.5x the bf16 panel kernel and 1.6-1.9x torch's int8 kernel there; from 5 rows up each
-  64-column panel is widened once into L2 and the bf16 path reads it (0.9-0.95x bf16's
-  speed, 1.1-1.4x torch's int8 kernel; micro-benchmark in docs/quantization.md);
+  ``panel_linear.c`` reading int8 codes, the column's scale applied to the fp32 sum. Up to 4
+  rows, where the CPU has AVX512_VNNI (every AVX512_BF16 CPU does), x is put in 16-bit fixed
+  point per 128 columns once per call and each code only sign-extends for a 16-bit integer
+  dot product: 2-3.5x the widening path at one row, faster than the bf16 panel kernel on
+  half its bytes (docs/quantization.md). Without VNNI the codes widen to bf16 in registers
+  (bf16 holds every code exactly), compute-bound at about 10 GB/s of codes. From 5 rows up
+  each 64-column panel is widened once into L2 and the bf16 path (AMX tiles where present)
+  reads it;
 - int8 per-channel, bf16, elsewhere: ``_weight_int8pack_mm`` up to ``DEQUANT_ROWS`` rows
   (decode); above it the weight is dequantized to bf16 for the call and the bf16 GEMM runs
   (prefill), since torch's int8 kernel is slower than dequantize-then-GEMM there (measured:
