@@ -361,3 +361,15 @@ def test_quantization_is_engine_only_on_a_catalogue_model(tmp_path):
          "--out", str(tmp_path)],
     )  # fmt: skip
     assert unknown.exit_code != 0 and "none, int8 or int4" in unknown.output
+    bare_table = runner.invoke(
+        app,
+        ["bench", "peer", "--no-vllm", "--systems", "", "--quantize-embedding",
+         "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert bare_table.exit_code != 0 and "needs --quantization" in bare_table.output
+    head = runner.invoke(
+        app,
+        ["bench", "peer", "--no-vllm", "--systems", "", "--quantization", "int8",
+         "--lm-head-quantization", "int2", "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert head.exit_code != 0 and "int8 or int4" in head.output

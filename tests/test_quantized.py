@@ -217,6 +217,41 @@ def test_native_int8_at_a_few_rows_sums_x_in_16_bits():
     assert ((out[1:3].double() - exact[1:3]).abs() <= exact[1:3].abs() * 2**-7 + 1e-3).all()
 
 
+@pytest.mark.parametrize(
+    ("mode", "kernel"),
+    [("int8", "native-int8"), ("int4", "native-int4"), ("int8", "int8pack"), ("int4", "dequant")],
+)
+def test_a_products_rows_are_its_weight_dequantized(mode, kernel, monkeypatch):
+    """What a quantized embedding sharing a tied head looks up: rows read back from each
+    kernel's own layout (panels cut short at 130 rows, an odd width for int8) are the
+    dequantized weight's, rounded once to the serving dtype."""
+    native = kernel.startswith("native")
+    if native and not panel_linear.supports(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no AVX512_BF16 here")
+    if not native:
+        monkeypatch.setattr(quantized.panel_linear, "supports", lambda *_: False)
+    k = 37 if mode == "int8" else 96
+    w = quantize(_weight(130, k, seed=4), mode, 32, symmetric=False)
+    if mode == "int4":  # scales and mins that fp16 holds, as a GGUF's are
+        scales = w.scales.half().float()
+        w = QuantizedWeight(
+            "int4", w.qweight, scales, quantized._mins(w).half().float() + 8 * scales
+        )
+    dtype = torch.float32 if kernel == "dequant" else torch.bfloat16
+    layer = QuantizedLinear(w, None, "none", dtype)
+    assert layer.kernel == kernel
+    ids = torch.tensor([0, 129, 63, 64, 5, 5, 100])
+    rows = layer.rows(ids)
+    assert rows is not None and rows.dtype == dtype
+    scales = w.scales.to(dtype).float() if kernel == "int8pack" else w.scales
+    if mode == "int8":
+        want = w.qweight.float() * scales
+    else:
+        want = (w.codes().float().view(130, -1, 32) * scales[..., None]).view(130, k)
+        want = want + quantized._mins(w).repeat_interleave(32, dim=1)
+    assert torch.allclose(rows.float(), want[ids].to(dtype).float(), rtol=0, atol=1e-6)
+
+
 def test_fp32_and_grouped_int8_dequantize_per_call():
     w = quantize(_weight(), "int4", 32, False)
     layer = QuantizedLinear(w, None, "relu", torch.float32)
@@ -388,6 +423,113 @@ def test_a_tied_head_is_quantized_from_the_embedding_in_a_group_that_divides(tmp
     assert "lm_head.qweight" in stored and "model.embed_tokens.weight" in stored
     reference = write_dequantized(tmp_path / "e", tmp_path / "reference")
     assert _answers(tmp_path / "e", "float32") == _answers(reference, "float32")
+
+
+def _tied(tmp_path: Path) -> Path:
+    """llama-tiny with its head tied to the embedding, as SmolLM2's is."""
+    from safetensors.torch import save_file
+
+    ck = make_checkpoint("llama-tiny", tmp_path / "tied", seed=2)
+    config = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    weights = load_file(str(ck / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    return ck
+
+
+def _model(engine: Path, dtype: str):
+    from quanta.frontends.offline import LLM
+
+    return LLM(str(engine), dtype=dtype).engine.runner.model
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_quantized_embedding_is_the_tied_heads_table_stored_once(tmp_path, mode, dtype):
+    """--quantize-embedding on a tied model: the table is stored once, quantized, under the
+    embedding's name; the head reads it (quantized with it), the lookup reads the head's
+    packed rows, and nothing holds a float copy. The engine answers as its dequantized
+    twin (fp32: the same greedy tokens; bf16: log-probabilities within bf16's rounding)."""
+    from quanta.runner.quantized import QuantizedEmbedding, resident_weight_bytes
+
+    ck = _tied(tmp_path)
+    options = _options(dtype=dtype, quantization=mode, quantize_embedding=True)
+    m = build_engine_dir(ck, tmp_path / "e", options)
+    q = m.quantization
+    assert q is not None and q.embedding and q.lm_head and q.lm_head_mode == mode
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert "model.embed_tokens.qweight" in stored
+    assert "model.embed_tokens.weight" not in stored and "lm_head.qweight" not in stored
+    model = _model(tmp_path / "e", dtype)
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding) and embedding.shared
+    head_only = build_engine_dir(
+        ck, tmp_path / "h", _options(dtype=dtype, quantization=mode, quantize_lm_head=True)
+    )
+    assert not head_only.quantization.embedding
+    float_table = 512 * 64 * (4 if dtype == "float32" else 2)
+    saved = resident_weight_bytes(_model(tmp_path / "h", dtype)) - resident_weight_bytes(model)
+    assert saved == float_table
+    reference = write_dequantized(tmp_path / "e", tmp_path / "reference")
+    ids = torch.tensor([[1, 7, 300], [511, 0, 7]])
+    want = load_file(str(reference / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.allclose(embedding(ids).float(), want[ids].to(embedding.dtype).float(), atol=2e-3)
+    if dtype == "float32":
+        assert _answers(tmp_path / "e", dtype) == _answers(reference, dtype)
+    else:
+        expect = _logprobs(reference, "float32")
+        rounding = float((_logprobs(reference, "bfloat16") - expect).abs().max())
+        error = float((_logprobs(tmp_path / "e", "bfloat16") - expect).abs().max())
+        assert error <= 2 * rounding + 1e-3, (error, rounding)
+
+
+@pytest.mark.engine
+def test_an_untied_models_quantized_embedding_keeps_its_own_table(checkpoint, tmp_path):
+    from quanta.runner.quantized import QuantizedEmbedding
+
+    options = _options(dtype="float32", quantization="int8", quantize_embedding=True)
+    m = build_engine_dir(checkpoint, tmp_path / "e", options)
+    assert m.quantization is not None and m.quantization.embedding
+    assert not m.quantization.lm_head  # an untied head stays as asked
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert "model.embed_tokens.qweight" in stored and "lm_head.weight" in stored
+    embedding = _model(tmp_path / "e", "float32").model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding) and not embedding.shared
+    reference = write_dequantized(tmp_path / "e", tmp_path / "reference")
+    assert _answers(tmp_path / "e", "float32") == _answers(reference, "float32")
+
+
+@pytest.mark.engine
+def test_the_engine_cache_keeps_a_quantized_table_apart(tmp_path):
+    """``engine_for_gguf`` (what ``bench peer`` and ``bench quality`` build): the same file
+    with and without --quantize-embedding, and with another head mode, are three engines."""
+    from quanta.build.engine_cache import engine_for_gguf
+
+    gguf_file = tmp_path / "m.gguf"
+    write_gguf(_tied(tmp_path), gguf_file, qtype=Q.Q8_0)
+    cache = tmp_path / "cache"
+    plain = engine_for_gguf(gguf_file, dtype="float32", quantization="int8", cache=cache)
+    table = engine_for_gguf(
+        gguf_file, dtype="float32", quantization="int8", embedding=True, cache=cache
+    )
+    head = engine_for_gguf(
+        gguf_file, dtype="float32", quantization="int8", embedding=True, head="int4", cache=cache
+    )
+    assert len({plain, table, head}) == 3
+    assert not read_manifest(plain).quantization.embedding
+    q = read_manifest(head).quantization
+    assert q.embedding and q.lm_head_mode == "int4"
+    again = engine_for_gguf(
+        gguf_file, dtype="float32", quantization="int8", embedding=True, cache=cache
+    )
+    assert again == table
+
+
+def test_quantize_embedding_needs_a_quantization(checkpoint, tmp_path):
+    with pytest.raises(BuildError, match="--quantize-embedding"):
+        build_engine_dir(checkpoint, tmp_path / "e", _options(quantize_embedding=True))
 
 
 def test_the_cli_takes_tensorrt_llms_weight_only_flags(checkpoint, tmp_path):

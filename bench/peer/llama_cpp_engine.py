@@ -4,7 +4,9 @@ the llama.cpp virtual environment's Python, not Quanta's (a peer, never a depend
 It measures what ``quanta.bench.engine`` measures for Quanta at batch 1, on the same token ids:
 one warm-up, then the best of ``--repeat`` prefill-only runs (the prompt evaluated from an
 empty cache) and of as many full runs (prompt, then ``gen_len - 1`` greedy steps, each the
-argmax of the last logits fed back); decode tokens/s = (gen_len - 1) / (full - prefill).
+argmax of the last logits fed back); decode tokens/s = (gen_len - 1) / the best full run's
+decode part, timed within that run (the difference of two separate bests was fragile: one
+slow set of prefill runs once gave a decode part of 3 ms, 9,249 tokens/s).
 llama-cpp-python evaluates one sequence, so only batch 1 is measured. One JSON line on stdout.
 
     /tmp/llamacpp-venv/bin/python bench/peer/llama_cpp_engine.py --gguf MODEL.gguf \\
@@ -43,25 +45,27 @@ def main() -> None:
         verbose=False,
     )
 
-    def run(steps: int) -> float:
+    def run(steps: int) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) of one run from an empty cache."""
         llm.reset()
         start = time.perf_counter()
         llm.eval(prompt)
+        prefilled = time.perf_counter()
         for _ in range(steps):
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             llm.eval([token])
-        return time.perf_counter() - start
+        return prefilled - start, time.perf_counter() - prefilled
 
     run(1)  # warm-up
     # NOTE: best of ``repeat``, as quanta.bench.engine: other processes only add time.
-    prefill = min(run(0) for _ in range(args.repeat))
-    total = min(run(args.gen_len - 1) for _ in range(args.repeat))
+    prefill = min(run(0)[0] for _ in range(args.repeat))
+    decode = min(run(args.gen_len - 1)[1] for _ in range(args.repeat))
     row = {
         "batch": 1,
         "prefill_s": prefill,
-        "total_s": total,
+        "total_s": prefill + decode,
         "prefill_tps": len(prompt) / prefill,
-        "decode_tps": (args.gen_len - 1) / max(total - prefill, 1e-9),
+        "decode_tps": (args.gen_len - 1) / max(decode, 1e-9),
     }
     meta = {"llama_cpp_python": llama_cpp.__version__, "threads": args.threads}
     print(json.dumps({"rows": [row], **meta}))

@@ -36,6 +36,17 @@ def bench_quality(
             "where the CPU runs it (docs/quantization.md)"
         ),
     ] = None,
+    quantize_embedding: Annotated[
+        bool,
+        typer.Option(
+            help="the quantized engines' token embedding too (--quantize-embedding: the tied "
+            "head shares the table), as llama.cpp's quantized files hold theirs"
+        ),
+    ] = False,
+    lm_head_quantization: Annotated[
+        str | None,
+        typer.Option(help="the quantized engines' head (and shared table) in int8 or int4"),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="write the report as JSON here")] = None,
 ) -> None:
     """Greedy answers, log-probabilities and perplexity of a real model against HF
@@ -70,8 +81,14 @@ def bench_quality(
     # Quantized engines run bf16 activations wherever the CPU runs bf16 (their packed kernels
     # need it; in fp32 every call dequantizes), whether or not the bf16 check is asked for.
     q_dtype = "bfloat16" if bf16_runs else "float32"
+    if lm_head_quantization not in (None, "int8", "int4"):
+        raise typer.BadParameter("int8 or int4", param_hint="--lm-head-quantization")
+    table = "+embedding" if quantize_embedding else ""
+    table += f"+head-{lm_head_quantization}" if lm_head_quantization else ""
     quantized = {
-        f"quanta-{mode}-{q_dtype}": engine_from_gguf(gguf, q_dtype, mode)
+        f"quanta-{mode}{table}-{q_dtype}": engine_from_gguf(
+            gguf, q_dtype, mode, quantize_embedding, lm_head_quantization
+        )
         for mode in quantization or []
     }
     report = run_quality(

@@ -67,6 +67,12 @@ def build(
     group_size: Annotated[int, typer.Option(help="int4: input columns per scale (32/64/128)")] = 32,
     symmetric: Annotated[bool, typer.Option(help="int4 without zero points")] = False,
     quantize_lm_head: Annotated[bool, typer.Option(help="quantize the LM head too")] = False,
+    quantize_embedding: Annotated[
+        bool,
+        typer.Option(
+            help="quantize the token embedding's table too (a tied head shares it, stored once)"
+        ),
+    ] = False,
     lm_head_quantization: Annotated[
         str | None,
         typer.Option(help="the quantized head's mode, int8 or int4 (default: the layers')"),
@@ -117,6 +123,7 @@ def build(
             symmetric=symmetric,
             quantize_lm_head=quantize_lm_head or lm_head_quantization is not None,
             lm_head_quantization=lm_head_quantization,  # type: ignore[arg-type]
+            quantize_embedding=quantize_embedding,
             tensor_parallel_size=tp_size,
         )
     except ValidationError as exc:
@@ -162,6 +169,7 @@ def build(
         typer.echo(
             f"quantization: {q.mode}, {group}, {'symmetric' if q.symmetric else 'asymmetric'}"
             f"{f', LM head too ({q.lm_head_mode})' if q.lm_head else ''}"
+            f"{', token embedding too' if q.embedding else ''}"
         )
         if q.kept:
             typer.echo(f"kept quantized from the GGUF: {_counts(q.kept)}")
@@ -234,8 +242,15 @@ def fetch_model(
     typer.echo(str(engine_from_gguf(gguf, dtype)))
 
 
-def engine_from_gguf(gguf: Path, dtype: str | None, quantization: str | None = None) -> Path:
-    """The cached engine of ``gguf``, built with progress bars on stderr when missing."""
+def engine_from_gguf(
+    gguf: Path,
+    dtype: str | None,
+    quantization: str | None = None,
+    embedding: bool = False,
+    head: str | None = None,
+) -> Path:
+    """The cached engine of ``gguf``, built with progress bars on stderr when missing
+    (``embedding``: ``--quantize-embedding`` as well; ``head``: ``--lm-head-quantization``)."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -249,7 +264,14 @@ def engine_from_gguf(gguf: Path, dtype: str | None, quantization: str | None = N
             return lambda amount: bars.advance(task, amount)
 
         try:
-            return engine_for_gguf(gguf, dtype=dtype, quantization=quantization, progress=progress)
+            return engine_for_gguf(
+                gguf,
+                dtype=dtype,
+                quantization=quantization,
+                embedding=embedding,
+                head=head,
+                progress=progress,
+            )
         except (BuildError, ValueError) as exc:
             bars.stop()
             typer.echo(f"error: {exc}", err=True)

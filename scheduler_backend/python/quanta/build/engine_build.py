@@ -94,6 +94,9 @@ class BuildOptions(BaseModel):
     # The head's mode when it is quantized; None: the layers' (an int8 head beside int4 layers
     # keeps most of the head's quality, docs/quantization.md).
     lm_head_quantization: Literal["int8", "int4"] | None = None
+    # The token embedding's table quantized as well; a tied head then shares it, stored once
+    # (docs/quantization.md).
+    quantize_embedding: bool = False
     # Ranks the engine is served on by default (trtllm-build's --tp_size); its KV sizing is
     # per rank. The weights stay whole on disk: every rank keeps its share at load.
     tensor_parallel_size: int = Field(1, ge=1)

@@ -6,6 +6,13 @@ embedding and norms stay in the serving dtype, and the LM head is quantized only
 (its logits decide every token, and a tied head shares the embedding's table, which would
 then be stored twice: once as the float lookup table, once quantized). A tied head that is
 quantized is written under ``lm_head`` from the embedding's tensor.
+
+With ``--quantize-embedding`` the token embedding's table is quantized too, as a linear's
+weight is (one row per token: int8 scales per token, int4 groups along the hidden size), and
+stored under the embedding's own name; a lookup dequantizes the rows it reads. A tied head is
+then that same quantized table, stored once (in the head's mode), as a float tied model
+stores its table once: the one way to shrink a tied model's largest tensor without holding
+it twice.
 """
 
 from __future__ import annotations
@@ -50,9 +57,14 @@ class QuantPlan:
     # Linears in smaller int4 groups than asked, the largest of 64 and 32 that divides.
     smaller_groups: tuple[tuple[str, int], ...] = ()
     head_mode: str | None = None  # the LM head's mode when not ``mode`` (an int8 head)
+    # The token embedding's weight name when its table is quantized (``--quantize-embedding``);
+    # ``shared`` when a tied head reads that same table.
+    embedding: str | None = None
+    shared: bool = False
 
     def mode_of(self, name: str) -> str:
-        return self.head_mode if name == "lm_head.weight" and self.head_mode else self.mode
+        head = name == "lm_head.weight" or (self.shared and name == self.embedding)
+        return self.head_mode if head and self.head_mode else self.mode
 
     def manifest(
         self,
@@ -72,6 +84,7 @@ class QuantPlan:
             symmetric=(self.symmetric or self.mode == "int8") and kept_symmetric,
             lm_head=self.lm_head,
             lm_head_mode=self.mode_of("lm_head.weight") if self.lm_head else None,
+            embedding=self.embedding is not None,
             kept=kept or {},
             dequantized=dequantized or {},
             not_quantized=list(self.not_quantized),
@@ -84,7 +97,7 @@ class QuantPlan:
         """What to write for the checkpoint tensor ``name``: quantized parts for a linear's
         weight, the tensor in ``dtype`` otherwise (and a tied head's parts beside the
         embedding)."""
-        if name in self.linears:
+        if name in self.linears or name == self.embedding:
             yield from _parts(name, self._quantize(tensor, name))
             return
         yield name, tensor.to(dtype=dtype).contiguous()
@@ -93,6 +106,8 @@ class QuantPlan:
 
     def _quantize(self, tensor: torch.Tensor, name: str) -> QuantizedWeight:
         group = dict(self.smaller_groups).get(name, self.group_size)
+        if name == self.embedding and self.mode_of(name) == "int4":
+            group = _group_for(tensor.shape[1], self.group_size) or self.group_size
         return quantize(tensor, self.mode_of(name), group, self.symmetric)
 
 
@@ -111,9 +126,11 @@ def plan_quantization(
     tied: bool,
     already: frozenset[str] = frozenset(),
     head_mode: str | None = None,
+    embedding: bool = False,
 ) -> QuantPlan:
     """The linears of ``skeleton`` to quantize (the head only with ``lm_head``), less those
-    ``already`` stored quantized (a GGUF's kept tensors)."""
+    ``already`` stored quantized (a GGUF's kept tensors); with ``embedding`` the token
+    embedding's table too, which a tied head then shares (so the head is quantized with it)."""
     names: set[str] = set()
     skipped: list[str] = []
     smaller: list[tuple[str, int]] = []
@@ -129,7 +146,15 @@ def plan_quantization(
         names.add(name)
         if group != group_size and own_mode == "int4":
             smaller.append((name, group))
-    tied_head = lm_head and tied and "lm_head.weight" not in already
+    table = _token_embedding(skeleton) if embedding else None
+    if table is not None and tied:  # the head is the quantized table, stored once
+        lm_head = True
+    table_mode = (head_mode or mode) if tied else mode
+    width = skeleton.get_parameter(table).shape[1] if table is not None else 0
+    if table is not None and table_mode == "int4" and _group_for(width, group_size) is None:
+        skipped.append(table)
+        table = None
+    tied_head = lm_head and tied and "lm_head.weight" not in already and table is None
     if tied:  # no head tensor of its own: written from the embedding's (``tied_head``)
         names.discard("lm_head.weight")
     return QuantPlan(
@@ -142,7 +167,18 @@ def plan_quantization(
         not_quantized=tuple(sorted(set(skipped) - already)),
         smaller_groups=tuple(sorted((n, g) for n, g in smaller if n not in already)),
         head_mode=head_mode if lm_head else None,
+        embedding=table,
+        shared=table is not None and tied,
     )
+
+
+def _token_embedding(skeleton: nn.Module) -> str | None:
+    """The weight name of the model's token embedding (``embed_tokens``; OPT's position
+    embedding is not one)."""
+    for module_name, module in skeleton.named_modules():
+        if isinstance(module, nn.Embedding) and module_name.endswith("embed_tokens"):
+            return f"{module_name}.weight"
+    return None
 
 
 def _group_for(in_features: int, asked: int) -> int | None:
@@ -161,9 +197,11 @@ def quantized_weight_bytes(skeleton: nn.Module, plan: QuantPlan, dtype: torch.dt
     total = 0
     for name, param in skeleton.named_parameters():
         n = param.numel()
-        if name in plan.linears:
+        if name in plan.linears or name == plan.embedding:
             mode = plan.mode_of(name)
             group = dict(plan.smaller_groups).get(name, plan.group_size)
+            if name == plan.embedding:
+                group = _group_for(param.shape[1], plan.group_size) or plan.group_size
             groups = 1 if mode == "int8" else param.shape[1] // group
             code_bytes = n if mode == "int8" else n // 2
             extra = 1 if mode == "int8" or plan.symmetric else 2
@@ -195,6 +233,11 @@ def quant_plan(
     from quanta.runner.models import build_model_skeleton
 
     mode = options.quantization
+    if options.quantize_embedding and mode not in ("int8", "int4"):
+        raise BuildError(
+            "--quantize-embedding quantizes the table in the layers' mode: it needs "
+            "--quantization int8 or int4"
+        )
     if mode == "keep" and not prequantized:
         raise BuildError(
             f"{checkpoint}: --quantization keep needs a GGUF file with Q8_0, Q4_0 or Q4_1 "
@@ -213,6 +256,7 @@ def quant_plan(
         tied=config.tie_word_embeddings,
         already=prequantized,
         head_mode=options.lm_head_quantization,
+        embedding=options.quantize_embedding,
     )
 
 

@@ -216,9 +216,18 @@ def fuse_model(model: nn.Module, kernel: str) -> int:
     ``nn.Linear`` modules were replaced."""
     make = ProjectionFactory(kernel)
     replaced = model.fuse(make)  # type: ignore[operator]
+    # A quantized embedding reads a tied head's packed table: which product holds which table.
+    products: dict[int, nn.Module] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, make([child]))
+                product = make([child])
+                if getattr(child, "quantized", None) is not None:
+                    products[id(child.quantized)] = product
+                setattr(parent, name, product)
                 replaced += 1
+    if products or any(hasattr(m, "quantized") for m in model.modules()):
+        from quanta.runner.quantized import quantize_embeddings
+
+        quantize_embeddings(model, products)
     return replaced

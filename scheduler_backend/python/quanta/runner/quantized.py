@@ -69,6 +69,8 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 # input width to be a multiple of 8 * 16 columns.
 CUDA_INNER_K_TILES = 8
 QUANT_SUFFIXES = (".qweight", ".scales", ".zeros")
+# Kernels whose layout ``QuantizedLinear.rows`` reads back (not torch's int4pack tiles).
+ROW_KERNELS = ("native-int8", "native-int4", "int8pack", "dequant")
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,104 @@ class QuantizedLinear(Projection):
             f"in_features={self.in_features}, out_features={self.out_features}, {self.mode} "
             f"group {self.group_size}, {self.kernel}"
         )
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``ids`` of the weight (output features), dequantized to the serving dtype
+        (``code * scale (+ min)`` in fp32, rounded once), read from the layout this kernel
+        holds: what a quantized embedding that shares a tied head's table looks up. None
+        for torch's int4pack, whose tile layout has no cheap way back (not in ``ROW_KERNELS``)."""
+        if self.kernel == "native-int8":
+            pairs = (self.in_features + 1) // 2
+            panel = self.qweight.view(-1, pairs, panel_linear.PANEL, 2)
+            p, i = ids // panel_linear.PANEL, ids % panel_linear.PANEL
+            codes = panel[p, :, i, :].reshape(len(ids), -1)[:, : self.in_features]
+            return (codes.float() * self.scales[ids, None]).to(self.dtype)
+        if self.kernel == "native-int4":
+            return self._int4_panel_rows(ids)
+        if self.kernel == "int8pack":
+            return (self.qweight[ids].float() * self.scales[ids, None].float()).to(self.dtype)
+        if self.kernel == "dequant":
+            zeros = None if self.zeros is None else self.zeros[ids]
+            picked = QuantizedWeight(self.mode, self.qweight[ids], self.scales[ids], zeros)
+            return picked.dequantize(self.dtype)
+        return None
+
+    def _int4_panel_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``rows`` from the int4 panel layout (``panel_linear.c``, ``quanta_panel_pack_i4``):
+        of a pair row's 32 words, code ``32 v + j`` of the panel's ``2 * PANEL`` (column
+        ``w // 2``, input ``2 kp + w % 2``) sits in bits ``4 v`` of word ``j``."""
+        width, pairs = panel_linear.PANEL, self.in_features // 2
+        words = self.qweight.view(torch.int16).view(-1, pairs, width // 2)
+        p, i = ids // width, ids % width
+        shift = (4 * ((2 * i) // 32))[:, None]
+        codes = torch.stack(
+            [(words[p, :, (2 * i + c) % 32] >> shift) & 0x0F for c in (0, 1)], dim=-1
+        ).reshape(len(ids), self.in_features)
+        groups = self.in_features // self.group_size
+        sm = self.scales.view(-1, groups, 2, width)
+        scale, low = sm[p, :, 0, i].float(), sm[p, :, 1, i].float()
+        w = (
+            codes.float().view(len(ids), groups, self.group_size) * scale[..., None]
+            + low[..., None]
+        )
+        return w.view(len(ids), self.in_features).to(self.dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding whose table is stored quantized (``--quantize-embedding``): a lookup
+    dequantizes the rows it reads. Where a tied head holds the same table, the rows come
+    from the head's packed weight (``QuantizedLinear.rows``), so the table is in memory once;
+    otherwise the embedding keeps the codes as stored and dequantizes from them."""
+
+    def __init__(
+        self, weight: QuantizedWeight, dtype: torch.dtype, head: QuantizedLinear | None = None
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.mode, self.dtype = weight.mode, dtype
+        shared = head if head is not None and head.kernel in ROW_KERNELS else None
+        # Not a submodule (nn.Module would register it): the head is the model's, and its
+        # buffers are the model's once.
+        self.__dict__["_head"] = shared
+        self.shared = shared is not None
+        if not self.shared:
+            self.register_buffer("qweight", weight.qweight)
+            self.register_buffer("scales", weight.scales)
+            self.register_buffer("zeros", weight.zeros)
+
+    _head: QuantizedLinear | None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self._head is not None:
+            rows = self._head.rows(flat)
+            assert rows is not None
+        else:
+            zeros = None if self.zeros is None else self.zeros[flat]
+            picked = QuantizedWeight(self.mode, self.qweight[flat], self.scales[flat], zeros)
+            rows = picked.dequantize(self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        table = "the head's table" if self.shared else "its own table"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.mode}, {table}"
+
+
+def quantize_embeddings(model: nn.Module, products: dict[int, nn.Module]) -> int:
+    """Replace every ``nn.Embedding`` the loader gave a quantized table with a
+    ``QuantizedEmbedding``, reading a head's rows where ``products`` (``id`` of a
+    ``QuantizedWeight`` -> the product built from it) holds the same table; returns how
+    many were replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            weight = getattr(child, "quantized", None)
+            if isinstance(child, nn.Embedding) and weight is not None:
+                head = products.get(id(weight))
+                head = head if isinstance(head, QuantizedLinear) else None
+                setattr(parent, name, QuantizedEmbedding(weight, child.weight.dtype, head))
+                replaced += 1
+    return replaced
 
 
 def _pack_int4(weight: QuantizedWeight) -> torch.Tensor:

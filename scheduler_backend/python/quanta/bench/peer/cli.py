@@ -88,6 +88,19 @@ def bench_peer(
             "engine only (--no-vllm --systems '')"
         ),
     ] = "none",
+    quantize_embedding: Annotated[
+        bool,
+        typer.Option(
+            help="with --quantization: the token embedding's table too, shared with the tied "
+            "head (as llama.cpp's Q8_0 and Q4 files quantize theirs)"
+        ),
+    ] = False,
+    lm_head_quantization: Annotated[
+        str | None,
+        typer.Option(
+            help="with --quantization: the head's (and a shared table's) own mode, int8 or int4"
+        ),
+    ] = None,
     vllm_priority: Annotated[
         str,
         typer.Option(
@@ -139,7 +152,9 @@ def bench_peer(
             f"no {python}; run bench/peer/setup_vllm.sh", param_hint="--vllm-venv"
         )
     model, gguf = _resolve_model(model, dtype)
-    quanta_engine = _quantized_engine(quantization, gguf, dtype, no_vllm, systems)
+    quanta_engine = _quantized_engine(
+        quantization, gguf, dtype, no_vllm, systems, quantize_embedding, lm_head_quantization
+    )
     if quantization == "int8" and not llama_cpp_gguf and gguf is not None:
         llama_cpp_gguf = [gguf, Path("f16"), Path("q8_0")]
     llama_python, llama_files = _llama_cpp(llama_cpp_venv, llama_cpp_gguf, gguf, model, out)
@@ -199,12 +214,25 @@ def _resolve_model(model: Path, dtype: str) -> tuple[Path, Path | None]:
 
 
 def _quantized_engine(
-    quantization: str, gguf: Path | None, dtype: str, no_vllm: bool, systems: str
+    quantization: str,
+    gguf: Path | None,
+    dtype: str,
+    no_vllm: bool,
+    systems: str,
+    embedding: bool = False,
+    head: str | None = None,
 ) -> Path | None:
-    """The catalogue model's engine built with ``quantization``, or None for ``none``."""
+    """The catalogue model's engine built with ``quantization`` (and its embedding with
+    ``embedding``, its head in ``head``), or None for ``none``."""
     from quanta.build.cli import engine_from_gguf
 
+    if head not in (None, "int8", "int4"):
+        raise typer.BadParameter("int8 or int4", param_hint="--lm-head-quantization")
     if quantization == "none":
+        if embedding or head:
+            raise typer.BadParameter(
+                "needs --quantization int8|int4", param_hint="--quantize-embedding"
+            )
         return None
     if quantization not in ("int8", "int4"):
         raise typer.BadParameter("none, int8 or int4", param_hint="--quantization")
@@ -216,7 +244,7 @@ def _quantized_engine(
         raise typer.BadParameter(
             "a catalogue model name (quanta fetch-model --list)", param_hint="--model"
         )
-    return engine_from_gguf(gguf, dtype, quantization)
+    return engine_from_gguf(gguf, dtype, quantization, embedding, head)
 
 
 def _llama_cpp(

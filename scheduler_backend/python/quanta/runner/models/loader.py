@@ -100,6 +100,19 @@ def load_weights(
             f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})"
         )
     model.tie_weights()  # type: ignore[operator]
+    _share_quantized_table(model)
+
+
+def _share_quantized_table(model: nn.Module) -> None:
+    """A tied head whose embedding's table is stored quantized (``--quantize-embedding``)
+    is that same quantized table."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or hasattr(head, "quantized"):
+        return
+    for module in model.modules():
+        table = getattr(module, "quantized", None)
+        if isinstance(module, nn.Embedding) and table is not None and module.weight is head.weight:
+            head.quantized = table  # type: ignore[assignment]
 
 
 def _with_head(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
@@ -126,10 +139,12 @@ def _set_quantized(
         raise ValueError(f"quantized weight {name!r} lacks its qweight or scales")
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    if not isinstance(owner, nn.Linear) or attr != "weight":
-        raise ValueError(f"{name!r} is quantized, but only linear layers' weights can be")
+    if not isinstance(owner, nn.Linear | nn.Embedding) or attr != "weight":
+        raise ValueError(
+            f"{name!r} is quantized, but only linear layers' and embeddings' weights can be"
+        )
     weight = QuantizedWeight.from_tensors({k: v.to(device) for k, v in parts.items()})
-    expected = (owner.out_features, owner.in_features)
+    expected = tuple(owner.weight.shape)
     if (weight.out_features, weight.in_features) != expected:
         raise ValueError(
             f"quantized {name!r} is {weight.out_features}x{weight.in_features}, the model "
