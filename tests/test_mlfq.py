@@ -536,3 +536,56 @@ def test_patience_bounds_how_long_a_newcomer_waits_for_a_seat(patience):
         assert 1.0 <= wait < 1.1
     else:
         assert short.first_token_time > long.finish_time  # the seat was never taken
+
+
+# -- the load signal: FCFS until a job waits overload_after_s without a seat -----------------
+@pytest.mark.parametrize("after", [0.0, 1.0])
+def test_overload_after_keeps_fcfs_until_a_job_waits_that_long(after):
+    """One seat, a long job holding it. A short job arriving at 0.5 s takes the seat at once
+    under FastServe's rule; with ``overload_after_s`` the order is FCFS until it has waited
+    that long, then MLFQ takes over (the short job's queue is higher) until the queue
+    drains, and the next arrival meets FCFS again."""
+    from quanta.sim import SimSetup, simulate
+    from quanta.workloads import WorkloadRequest
+
+    trace = [
+        WorkloadRequest(0.0, 64, 400, request_id="long"),
+        WorkloadRequest(0.5, 64, 4, request_id="short"),
+        WorkloadRequest(30.0, 64, 300, request_id="late-long"),
+        WorkloadRequest(30.2, 64, 4, request_id="late-short"),
+    ]
+    setup = SimSetup(
+        "sj-mlfq",
+        PRESETS["a100-opt13b"],
+        SchedulerConfig(max_num_seqs=1),
+        policy_options={"overload_after_s": after},
+    )
+    result = simulate(trace, setup)
+    by_id = {r.request_id: r for r in result.requests}
+    wait = by_id["short"].first_token_time - by_id["short"].arrival_time
+    if after == 0.0:
+        assert wait < 0.1
+    else:
+        assert after <= wait < after + 0.1
+        late = by_id["late-short"]
+        assert 1.0 <= late.first_token_time - late.arrival_time < 1.1  # FCFS again, first
+
+
+
+def test_below_the_load_switch_every_request_runs_as_under_fcfs():
+    """Until a job waits ``overload_after_s`` without a seat, sj-mlfq with the switch is
+    first come, first served: on a bursty trace whose waits stay below it, every request's
+    token times are FCFS's (the proactive reserve swaps nothing either)."""
+    from quanta.sim import SimSetup, simulate
+    from quanta.workloads import make_workload
+
+    cost = PRESETS["a100-opt13b"]
+    trace = make_workload("sharegpt", 80, 3.0, seed=2, max_len=cost.max_model_len)
+
+    def times(policy: str, options: dict[str, float]) -> dict[str, tuple[float, ...]]:
+        setup = SimSetup(policy, cost, SchedulerConfig(max_num_seqs=8), policy_options=options)
+        return {r.request_id: tuple(r.token_times) for r in simulate(trace, setup).requests}
+
+    fcfs = times("fcfs", {})
+    assert times("sj-mlfq", {"overload_after_s": 1e6}) == fcfs
+    assert times("sj-mlfq", {}) != fcfs  # FastServe's rule reorders the same trace

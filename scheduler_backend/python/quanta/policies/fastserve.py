@@ -62,6 +62,12 @@ class SkipJoinOptions(PriorityOptions):
         description="a new job takes a running job's seat only after waiting this long "
         "(0: at once, FastServe's rule)",
     )
+    overload_after_s: float = Field(
+        0.0,
+        ge=0,
+        description="first come, first served until a job has waited this long without a "
+        "seat, then skip-join MLFQ until the queue drains (0: always MLFQ, FastServe's rule)",
+    )
 
 
 OrderMaker = Callable[[SchedulerConfig, Any, CostModel], PriorityOrder]
@@ -110,6 +116,7 @@ def _skip_join(kind: type[SkipJoinMLFQ]) -> OrderMaker:
             starve_limit=o.starve_limit,
             starve_check_every=o.starve_check_every,
             patience_s=o.patience_s,
+            overload_after_s=o.overload_after_s,
         )
 
     return make

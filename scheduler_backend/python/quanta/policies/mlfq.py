@@ -51,6 +51,7 @@ class Job:
     service: float = 0.0  # attained in the current queue, seconds
     ticket: int = 0  # FIFO position within its queue
     last_run: float = 0.0  # last scheduled, joined or promoted: the starvation clock
+    arrival: int = 0  # join order: the first-come-first-served rank
 
 
 class PriorityOrder(Ordering):
@@ -118,7 +119,8 @@ class PriorityOrder(Ordering):
         return self.cost.shares(chunks)
 
     def _join(self, request: Request, now: float) -> Job:
-        job = Job(request, self._initial_level(request), 0.0, next(self._tickets), now)
+        ticket = next(self._tickets)
+        job = Job(request, self._initial_level(request), 0.0, ticket, now, ticket)
         self.jobs[request.request_id] = job
         return job
 
@@ -138,8 +140,15 @@ class SkipJoinMLFQ(PriorityOrder):
         starve_limit: float = 3.0,
         starve_check_every: int = 1000,
         patience_s: float = 0.0,
+        overload_after_s: float = 0.0,
     ) -> None:
         super().__init__(config, cost, service)
+        # The load signal: with overload_after_s > 0 the order is first-come-first-served
+        # until a job has waited that long without a seat, then skip-join MLFQ until a step
+        # runs every live job again (see ``_track_load``).
+        self.overload_after_s = overload_after_s
+        self.overloaded = overload_after_s <= 0
+        self.num_overload_periods = 0
         # A job that has not started yet ranks behind the running ones until it has waited
         # this long: below capacity a seat frees before then, so nobody is displaced for a
         # newcomer (FCFS's behaviour), while under overload waits pass it at once.
@@ -171,7 +180,29 @@ class SkipJoinMLFQ(PriorityOrder):
         prefill = self.cost.prefill_time(request.num_uncomputed_tokens, request.num_context_tokens)
         return self._fit_level(prefill)
 
+    def rank(self, view: SchedulerView) -> Ranking:
+        if self.overload_after_s > 0 and not self.overloaded:
+            self._track_load(view)
+        return super().rank(view)
+
+    def _track_load(self, view: SchedulerView) -> None:
+        """Below capacity every job gets a seat soon after it arrives, and least attained
+        service only reshuffles who waits: demoted long jobs yield their seats to a burst's
+        newcomers, and their time per token doubles (docs/fastserve.md). So until a job
+        has waited ``overload_after_s`` without a seat, the order stays first come, first
+        served; from then on (the queue is not draining) it is skip-join MLFQ, until a step
+        seats every live job again (``on_step``)."""
+        for r in view.candidates:
+            job = self.jobs.get(r.request_id)
+            waited = view.now - (job.last_run if job is not None else view.now)
+            if r.request_id not in self._seated and waited >= self.overload_after_s:
+                self.overloaded = True
+                self.num_overload_periods += 1
+                return
+
     def _key(self, job: Job) -> tuple[float, ...]:
+        if not self.overloaded:
+            return (job.arrival,)
         return (self._patient(job), job.level, job.ticket)
 
     def _patient(self, job: Job) -> int:
@@ -184,8 +215,10 @@ class SkipJoinMLFQ(PriorityOrder):
 
     def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
         super().on_step(decision, output, step_time)
-        if self.patience_s > 0:  # NOTE: only patience reads it
+        if self.patience_s > 0 or self.overload_after_s > 0:  # NOTE: only they read it
             self._seated = {rid for rid, _ in decision.run}
+        if self.overload_after_s > 0 and self.overloaded and self._seated >= self.jobs.keys():
+            self.overloaded = False  # every live job ran: the queue drained
 
     def _promote_starved(self, jobs: list[Job], now: float) -> None:
         self._iterations += 1
@@ -213,6 +246,8 @@ class SkipJoinMLFQ(PriorityOrder):
         job.ticket = next(self._tickets)
 
     def _enst(self, jobs: Sequence[Job], now: float) -> Mapping[str, float]:
+        if not self.overloaded:  # first come, first served: turns in arrival order
+            return super()._enst(jobs, now)
         # T_promote: promotion happens at the first starvation check after the limit.
         next_check = (
             self.starve_check_every - self._iterations % self.starve_check_every

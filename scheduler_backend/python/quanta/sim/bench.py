@@ -231,9 +231,13 @@ def bench_policies(
         f"{cache.num_device_blocks} "
         f"device blocks, min iteration {1e3 * cost.min_iteration_time:.2f} ms"
     )
+    from quanta.sim.validate import parse_entry  # (validate imports this module)
+
     results: dict[str, dict[str, float]] = {}
     for name in policies:
-        requests, stats = bench.run(name, trace, sched, cache, seed)
+        policy, options = parse_entry(name)  # a policy or POLICY:KEY=VALUE[:KEY=VALUE]
+        run = bench.serve(policy, trace, sched, cache, seed, options=options)
+        requests, stats = run.requests, run.stats
         results[name] = m = request_metrics(requests)
         echo(
             f"{name:>16}: mean {m['mean_normalized_latency'] * 1e3:8.2f} ms/token, "

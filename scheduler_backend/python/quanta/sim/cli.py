@@ -375,7 +375,13 @@ def profile_cmd(
 
 def bench_policies_cmd(
     model: Annotated[Path | None, typer.Option(help="checkpoint dir (default: opt-tiny)")] = None,
-    policies: Annotated[str, typer.Option()] = "fcfs,sj-mlfq",
+    policies: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated; each a policy or POLICY:KEY=VALUE[:KEY=VALUE] "
+            "(sj-mlfq:overload_after_s=12)"
+        ),
+    ] = "fcfs,sj-mlfq",
     num_requests: Annotated[int, typer.Option(min=1)] = 200,
     load: Annotated[float, typer.Option(help="rate as a multiple of estimated capacity")] = 2.0,
     rate: Annotated[float | None, typer.Option(help="arrivals/s (overrides --load)")] = None,
