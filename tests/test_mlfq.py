@@ -571,7 +571,6 @@ def test_overload_after_keeps_fcfs_until_a_job_waits_that_long(after):
         assert 1.0 <= late.first_token_time - late.arrival_time < 1.1  # FCFS again, first
 
 
-
 def test_below_the_load_switch_every_request_runs_as_under_fcfs():
     """Until a job waits ``overload_after_s`` without a seat, sj-mlfq with the switch is
     first come, first served: on a bursty trace whose waits stay below it, every request's
