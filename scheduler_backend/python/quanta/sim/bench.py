@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 from quanta.core.apply import DecisionApplier
 from quanta.core.blocks import BlockManager
 from quanta.core.config import CacheConfig, SchedulerConfig
-from quanta.core.loop import LoopStats
 from quanta.core.plan import PoolView
 from quanta.core.request import Request, RequestStatus, SamplingParams, blocks_for
 from quanta.core.view import SchedulerView
@@ -135,19 +134,6 @@ class EngineBench:
         """Memory pressure as on the A100: room for about two batches of average jobs."""
         return pressure_cache(trace, max_num_seqs, self.cost.max_model_len)
 
-    def run(
-        self,
-        policy: str,
-        trace: Sequence[WorkloadRequest],
-        sched: SchedulerConfig,
-        cache: CacheConfig,
-        seed: int,
-        record: list[StepSample] | None = None,
-    ) -> tuple[list[Request], LoopStats]:
-        """Serve ``trace`` (with its arrival times) through the real loop and engine."""
-        run = self.serve(policy, trace, sched, cache, seed, record=record)
-        return run.requests, run.stats
-
     def serve(
         self,
         policy: str,
@@ -160,7 +146,8 @@ class EngineBench:
         options: Mapping[str, Any] | None = None,
         until: float | None = None,
     ) -> EngineRun:
-        """``run`` with the policy's ``options``, cut off at ``until`` seconds of the trace
+        """Serve ``trace`` (with its arrival times) through the real loop and engine, with the
+        policy's ``options``, cut off at ``until`` seconds of the trace
         (``engine_replay.serve``), and what became of refused and abandoned calls."""
         return serve(
             self.model,
