@@ -579,7 +579,7 @@ def test_below_the_load_switch_every_request_runs_as_under_fcfs():
     from quanta.workloads import make_workload
 
     cost = PRESETS["a100-opt13b"]
-    trace = make_workload("sharegpt", 80, 3.0, seed=2, max_len=cost.max_model_len)
+    trace = make_workload("sharegpt", 40, 3.0, seed=2, max_len=cost.max_model_len)
 
     def times(policy: str, options: dict[str, float]) -> dict[str, tuple[float, ...]]:
         setup = SimSetup(policy, cost, SchedulerConfig(max_num_seqs=8), policy_options=options)
