@@ -452,7 +452,8 @@ def test_a_quantized_embedding_is_the_tied_heads_table_stored_once(tmp_path, mod
     embedding's name; the head reads it (quantized with it), the lookup reads the head's
     packed rows, and nothing holds a float copy. The engine answers as its dequantized
     twin (fp32: the same greedy tokens; bf16: log-probabilities within bf16's rounding)."""
-    from quanta.runner.quantized import QuantizedEmbedding, resident_weight_bytes
+    from quanta.runner.quantized import resident_weight_bytes
+    from quanta.runner.quantized_table import QuantizedEmbedding
 
     ck = _tied(tmp_path)
     options = _options(dtype=dtype, quantization=mode, quantize_embedding=True)
@@ -487,7 +488,7 @@ def test_a_quantized_embedding_is_the_tied_heads_table_stored_once(tmp_path, mod
 
 @pytest.mark.engine
 def test_an_untied_models_quantized_embedding_keeps_its_own_table(checkpoint, tmp_path):
-    from quanta.runner.quantized import QuantizedEmbedding
+    from quanta.runner.quantized_table import QuantizedEmbedding
 
     options = _options(dtype="float32", quantization="int8", quantize_embedding=True)
     m = build_engine_dir(checkpoint, tmp_path / "e", options)

@@ -227,7 +227,7 @@ def fuse_model(model: nn.Module, kernel: str) -> int:
                 setattr(parent, name, product)
                 replaced += 1
     if products or any(hasattr(m, "quantized") for m in model.modules()):
-        from quanta.runner.quantized import quantize_embeddings
+        from quanta.runner.quantized_table import quantize_embeddings
 
         quantize_embeddings(model, products)
     return replaced
