@@ -226,8 +226,7 @@ def fuse_model(model: nn.Module, kernel: str) -> int:
                     products[id(child.quantized)] = product
                 setattr(parent, name, product)
                 replaced += 1
-    if products or any(hasattr(m, "quantized") for m in model.modules()):
-        from quanta.runner.quantized_table import quantize_embeddings
+    from quanta.runner.quantized_table import quantize_embeddings
 
-        quantize_embeddings(model, products)
+    quantize_embeddings(model, products)  # (none where the loader quantized no table)
     return replaced
