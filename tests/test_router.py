@@ -152,7 +152,9 @@ def test_a_gateway_routes_around_a_dead_replica(triton):
     gateway = GatewayServer(settings, port=free_port()).start()
     try:
         for i in range(3):
-            body = json.dumps({"model": "quanta", "prompt": f"Hello {i}", "max_tokens": 4})
+            body = json.dumps(
+                {"model": "quanta", "prompt": f"Hello {i}", "max_tokens": 4, "ignore_eos": True}
+            )
             request = urllib.request.Request(
                 f"{gateway.url}/v1/completions",
                 body.encode(),

@@ -160,7 +160,7 @@ def test_it_gives_up_after_max_restarts(model_dir, tmp_path):
         srv.stop()
 
 
-GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 def _alive(pid: int) -> bool:
