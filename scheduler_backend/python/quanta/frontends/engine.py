@@ -61,6 +61,7 @@ class Engine:
             "linear_tiles": self.runner.linear_tiles,
             "quantized_kernel": self.runner.quantized_kernel,
             "attention_kernel": self.runner.attention_kernel,
+            "prefill_attention": self.runner.prefill_attention,
             "layer_path": self.runner.layer_path,
             "cpu_isa": cpu_isa(),
             "max_num_seqs": str(c.scheduler.max_num_seqs),

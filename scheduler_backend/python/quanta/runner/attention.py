@@ -59,6 +59,25 @@ DecodeKernel = Callable[
 ProjectKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+class PrefillKernel(Protocol):
+    """A native kernel for prefill chunks (``quanta.runner.native_prefill``): reads the
+    chunk's context in place from the paged cache, with the causal bound implicit."""
+
+    def serves(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool: ...
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        block_size: int,
+        start: int,
+        scale: float,
+    ) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """A multi-token chunk: rows ``[token_start, token_end)`` of the packed batch."""
@@ -117,6 +136,8 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     kv_rows: torch.Tensor | None = None  # [T'] their rows; None: every row is a KV row
     hidden: HiddenBatch | None = None
+    # Runs the KV prefill chunks it serves (``PrefillKernel.serves``); None: SDPA runs all.
+    prefill_kernel: PrefillKernel | None = None
 
 
 def build_metadata(
@@ -126,6 +147,7 @@ def build_metadata(
     device: torch.device,
     decode_kernel: DecodeKernel,
     hidden_shard: HiddenShard | None = None,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> AttentionMetadata:
     """Index tensors for one packed step; raises ValueError on a too-short or bad block table.
 
@@ -141,7 +163,7 @@ def build_metadata(
         table = _checked_table(seq, per_block, num_blocks)
         (hidden if is_hidden else kv).append((offset, seq, table))
         offset += len(seq.token_ids)
-    meta = _kv_metadata(kv, block_size, device, decode_kernel)
+    meta = _kv_metadata(kv, block_size, device, decode_kernel, prefill_kernel)
     if not hidden:
         return meta
     kv_rows = [o + i for o, seq, _ in kv for i in range(len(seq.token_ids))]
@@ -153,6 +175,7 @@ def build_metadata(
         hidden=_hidden_metadata(
             hidden, block_size, num_blocks, device, decode_kernel, hidden_shard
         ),
+        prefill_kernel=meta.prefill_kernel,
     )
 
 
@@ -177,6 +200,7 @@ def _kv_metadata(
     block_size: int,
     device: torch.device,
     kernel: DecodeKernel,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> AttentionMetadata:
     """Cache slots, prefill chunks and the packed decode batch of the KV sequences."""
     if not entries:
@@ -223,6 +247,7 @@ def _kv_metadata(
         slot_mapping=slot_table[new].to(device),  # row-major: the packed batch's token order
         prefills=tuple(prefills),
         decode=decode,
+        prefill_kernel=prefill_kernel if prefills else None,
     )
 
 
@@ -383,7 +408,22 @@ def paged_attention(
         # gather or scatter (two operators and a copy per layer at batch 1).
         return decode.kernel(q, flat[0], flat[1], decode, scale)
     out = torch.empty_like(q)
+    native = meta.prefill_kernel
     for chunk in meta.prefills:
+        rows = q[chunk.token_start : chunk.token_end]
+        if native is not None and native.serves(rows, flat[0]):
+            start = chunk.context_len - rows.shape[0]
+            native(
+                out[chunk.token_start : chunk.token_end],
+                rows,
+                flat[0],
+                flat[1],
+                chunk.block_ids,
+                block_size,
+                start,
+                scale,
+            )
+            continue
         keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
         vals = layer_cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
         _prefill(q, keys, vals, chunk, out, scale)

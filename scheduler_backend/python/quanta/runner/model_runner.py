@@ -30,7 +30,7 @@ from quanta.core.output import (
 )
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.core.safepoint import AbortSignal, StepAborted
-from quanta.runner import decode_chain, panel_linear
+from quanta.runner import decode_chain, native_prefill, panel_linear
 from quanta.runner.attention import AttentionMetadata, HiddenShard, PagedSeq, build_metadata
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
@@ -208,6 +208,13 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             dtype=self.dtype,
             device=self.device,
+        )
+        # "amx": prefill chunks attend on AMX tiles (quanta.runner.native_prefill), else "sdpa"
+        self._prefill_kernel, self.prefill_attention = native_prefill.choose(
+            dtype=self.dtype,
+            device=self.device,
+            block_size=block_size,
+            head_dim=cfg.head_dim,
         )
         # "chain": decode steps run their layers in one native call (quanta.runner.decode_chain)
         self.layer_path = "layer-by-layer"
@@ -477,7 +484,13 @@ class ModelRunner:
             positions.extend(range(seq.start_pos, seq.start_pos + len(seq.token_ids)))
             last_rows.append(len(token_ids) - 1)
         meta = build_metadata(
-            seqs, self.block_size, num_blocks, self.device, self._decode_kernel, self._hidden_shard
+            seqs,
+            self.block_size,
+            num_blocks,
+            self.device,
+            self._decode_kernel,
+            self._hidden_shard,
+            self._prefill_kernel,
         )
         max_pos = max(positions)
         if max_pos >= self.model_config.max_model_len:
