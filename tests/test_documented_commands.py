@@ -64,6 +64,7 @@ FASTER = {
     "quanta simulate repro --figure conserve --quick": "--num-requests 12",
     "quanta bench structured": "--batch 1 --max-tokens 8",
     "quanta bench speculative": "--batch 1 --max-tokens 8 --workload edit",
+    "quanta bench prefix-prefill": "--shapes 64:16 --repeats 1",
 }
 
 
@@ -106,6 +107,7 @@ ENGINE = (
     "quanta bench decode-profile",
     "quanta bench structured",
     "quanta bench speculative",
+    "quanta bench prefix-prefill",
     "quanta fetch-model",
     "quanta profile",
     "quanta simulate validate",

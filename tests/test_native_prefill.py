@@ -189,3 +189,31 @@ def test_a_cached_prefix_changes_no_logprob_of_a_bf16_engine(tmp_path: Path):
     assert cached.engine.loop.stats().prefix_cache_hits >= 96
     assert got.token_ids == want.token_ids
     assert got.logprobs == want.logprobs and len(got.logprobs) == 6
+
+
+def test_bench_shapes_parse_and_each_variant_gets_its_own_ids():
+    from quanta.bench.prefix_prefill import parse_shapes, token_pairs
+
+    assert parse_shapes("460:335, 0:8") == [(460, 335), (0, 8)]
+    for bad in ("460", "5:0", "a:3", "3:-1"):
+        with pytest.raises(ValueError, match="PREFIX:NEW"):
+            parse_shapes(bad)
+    pairs = token_pairs([(40, 5), (0, 3)], repeats=2, variants=2, vocab=500)
+    prefixes = [tuple(p) for lists in pairs["40:5"] for p, _ in lists]
+    assert len(set(prefixes)) == 4 and all(len(p) == 40 for p in prefixes)
+    assert all(100 <= t < 499 for lists in pairs["0:3"] for _, new in lists for t in new)
+
+
+@pytest.mark.engine
+def test_bench_prefix_prefill_times_each_path(tmp_path: Path):
+    from quanta.bench.prefix_prefill import run_prefix_prefill
+    from quanta.build.checkpoint import make_checkpoint
+    from quanta.build.presets import get_preset
+
+    preset = get_preset("llama-tiny").model_copy(update={"name": "llama-h32", "hidden_size": 128})
+    path = make_checkpoint(preset, tmp_path / "llama", seed=5)
+    rows, meta = run_prefix_prefill(path, "bfloat16", [(64, 16), (0, 20)], repeats=2)
+    assert [(r.prefix, r.new) for r in rows] == [(64, 16), (0, 20)]
+    assert all(r.sdpa_ms > 0 and r.vllm_ms is None for r in rows)
+    assert meta["prefill_attention"] == ("amx" if KERNEL is not None else "sdpa")
+    assert all((r.amx_ms is not None) == (KERNEL is not None) for r in rows)

@@ -201,6 +201,7 @@ def _register_subcommands() -> None:
     """Each sub-system adds its own commands; their heavy imports happen inside them."""
     from quanta.bench import (
         load_cli,
+        prefix_prefill_cli,
         quality_cli,
         safepoints,
         serve_cli,
@@ -227,6 +228,7 @@ def _register_subcommands() -> None:
         quality_cli,
         structured_cli,
         speculative_cli,
+        prefix_prefill_cli,
     ):
         module.register(app, bench_app)
 

@@ -1,4 +1,6 @@
-"""Paged attention over block tables: SDPA for prefill chunks, a decode kernel for the rest.
+"""Paged attention over block tables: a prefill kernel for multi-token chunks (the native AMX
+one where it runs, ``quanta.runner.native_prefill``; SDPA elsewhere), a decode kernel for the
+rest.
 
 A KV tier is ONE tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so
 a swap is a single indexed copy over all layers; a layer sees ``cache[layer]``
@@ -6,8 +8,9 @@ a swap is a single indexed copy over all layers; a layer sees ``cache[layer]``
 slot ``block_table[pos // block_size] * block_size + pos % block_size``.
 
 Every step first writes its new K/V through the slot mapping, then attends over the context
-in the cache: one SDPA call per prefill chunk (the causal mask is offset by the chunk's
-start), and for all single-token (decode) rows together a packed, unpadded attention over
+in the cache: one call per prefill chunk (the AMX kernel reads the chunk's blocks in place;
+SDPA gets them gathered, with the causal mask offset by the chunk's start), and for all
+single-token (decode) rows together a packed, unpadded attention over
 the slots each row owns (``DecodeBatch``: the flat slots of every row's context, row after
 row), through the kernel the runner chose (``quanta.runner.decode_kernel``: native C reading
 the slots in place, or ``decode_kernel.varlen_decode``'s segmented softmax over one gathered

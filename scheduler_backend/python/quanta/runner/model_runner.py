@@ -210,7 +210,7 @@ class ModelRunner:
             device=self.device,
         )
         # "amx": prefill chunks attend on AMX tiles (quanta.runner.native_prefill), else "sdpa"
-        self._prefill_kernel, self.prefill_attention = native_prefill.choose(
+        self.prefill_kernel, self.prefill_attention = native_prefill.choose(
             dtype=self.dtype,
             device=self.device,
             block_size=block_size,
@@ -490,7 +490,7 @@ class ModelRunner:
             self.device,
             self._decode_kernel,
             self._hidden_shard,
-            self._prefill_kernel,
+            self.prefill_kernel,
         )
         max_pos = max(positions)
         if max_pos >= self.model_config.max_model_len:

@@ -119,7 +119,8 @@ def load() -> NativePrefill | None:
     if library is None:
         return None
     if not library.quanta_prefill_init():
-        log.warning("Linux refused the AMX tile state: prefill attention stays on SDPA")
+        # the compiler did not target AMX, or Linux refused this process the tile state
+        log.warning("AMX tiles are unavailable to the kernel: prefill attention stays on SDPA")
         return None
     _loaded = NativePrefill(library)
     return _loaded

@@ -8,26 +8,28 @@
  * chunk) needs an explicit mask it turns into floats on every call, over a context it first
  * gathers out of the paged cache. Attention was then 77-85% of a cached-prefix prefill of
  * SmolLM2 (docs/prefix-caching.md). Here the scores and the weighted sums run on AMX tiles,
- * the causal bound is implicit (key groups past a tile's last row are never computed), and
- * each KV head's context is packed once per call straight from its blocks.
+ * the causal bound is implicit (key groups past a tile's last row are never computed), the
+ * keys are read from their blocks as they lie, and each KV head's values are transposed once
+ * per call.
  *
- * Layout: q and out [T, H, D] (rows q_stride and out_stride elements apart, heads D apart); caches
- * [slots, KVH, D] with rows `slot_stride` elements apart; key position p of the chunk's
+ * Layout: q and out [T, H, D] (rows q_stride and out_stride elements apart, heads D apart);
+ * caches [slots, KVH, D] with rows `slot_stride` elements apart; key position p of the chunk's
  * context lives in slot block_ids[p / block_size] * block_size + p % block_size. The chunk's
  * row i is position start + i and sees keys 0 .. start + i. Grouped-query: head h reads KV
  * head h / (H / KVH).
  *
  * Numerics: scores are exact fp32 sums of bf16 products (the tiles accumulate in fp32), the
- * softmax runs online in fp32 over groups of 32 keys, and each group's probabilities are
- * rounded once to bf16 for the product with V, as torch's bf16 flash attention does. A row's
+ * softmax runs online in fp32 over groups of 64 keys (exp by a polynomial within 2e-7), and
+ * each group's probabilities are rounded once to bf16 for the product with V, as torch's
+ * bf16 flash attention does. A row's
  * result depends only on its own position and context, never on where its chunk starts or
  * which rows share its tile: a key group past a row's position adds exactly zero to it. So a
  * prompt gives the same bits whether it was prefilled whole, in chunks, or after a cached
  * prefix.
  *
  * Built at run time by quanta.runner.native_prefill (-O3 -march=native). Where the compiler
- * does not see AMX, or Linux refuses this process the tile state, `quanta_prefill_ready`
- * says 0 and the engine keeps SDPA.
+ * does not see AMX, or Linux refuses this process the tile state, `quanta_prefill_init`
+ * says 0 and the engine keeps SDPA. Single-threaded, as the decode kernel.
  */
 #include <math.h>
 #include <stdint.h>
@@ -56,8 +58,6 @@ int quanta_prefill_init(void) {
 #endif
     return amx_ready;
 }
-
-int quanta_prefill_ready(void) { return amx_ready; }
 
 #if QUANTA_AMX
 /* Every tile is 16 rows x 64 bytes. The products run transposed, with the chunk's queries as
@@ -258,11 +258,11 @@ static void attend_tile(uint16_t *out, const uint16_t *q, const uint16_t *keys,
 
 /*
  * out, q: the chunk's n rows [n, H, D] (bf16, rows `out_stride` and `q_stride` elements
- * apart, heads D apart); key_cache,
- * value_cache: [slots, KVH, D] (bf16); block_ids: the chunk's context blocks; start: the
- * chunk's first position. dim must be a multiple of 32 and at most MAX_DIM, H a multiple of
- * KVH. Returns 0; -1 when the scratch space cannot be allocated; -2 when the kernel cannot
- * run (no AMX, or an unsupported head size): nothing is written then.
+ * apart, heads D apart); key_cache, value_cache: [slots, KVH, D] (bf16); block_ids: the
+ * chunk's context blocks, of block_size slots each; start: the chunk's first position. dim
+ * must be a multiple of 32 and at most MAX_DIM, H a multiple of KVH, block_size a multiple
+ * of 16. Returns 0; -1 when the scratch space cannot be allocated; -2 when the kernel cannot
+ * run (no AMX, or a shape it does not serve): nothing is written then.
  */
 int quanta_paged_prefill(void *out, const void *q, const void *key_cache, const void *value_cache,
                          const int64_t *block_ids, int64_t block_size, int64_t start, int64_t n,
