@@ -6,7 +6,7 @@
  * Why a hand-written kernel: torch's CPU flash attention runs bf16 products at about 130
  * GFLOP/s on one core, and a chunk that starts past position 0 (a cached prefix, a second
  * chunk) needs an explicit mask it turns into floats on every call, over a context it first
- * gathers out of the paged cache. Attention was then 77-85% of a cached-prefix prefill of
+ * gathers out of the paged cache. Attention was then 52-60% of a cached-prefix prefill of
  * SmolLM2 (docs/prefix-caching.md). Here the scores and the weighted sums run on AMX tiles,
  * the causal bound is implicit (key groups past a tile's last row are never computed), the
  * keys are read from their blocks as they lie, and each KV head's values are transposed once
