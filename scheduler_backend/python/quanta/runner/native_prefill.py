@@ -10,6 +10,7 @@ CPU without AMX, no C compiler) keeps SDPA. Measured in ``docs/prefix-caching.md
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 
@@ -101,18 +102,11 @@ class NativePrefill:
             raise RuntimeError("native prefill attention cannot run here (no AMX tiles)")
 
 
-_loaded: NativePrefill | None = None
-_tried = False
-
-
+@functools.cache
 def load() -> NativePrefill | None:
     """The kernel where it runs here (built first if this machine has no build of it), once
     per process; None where it cannot: no AMX in this CPU's flags, Linux refused the tile
     state, or no C compiler."""
-    global _loaded, _tried
-    if _tried:
-        return _loaded
-    _tried = True
     if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags():
         return None
     library = native_decode.load_library(SOURCE, FLAGS, "native prefill attention")
@@ -122,8 +116,7 @@ def load() -> NativePrefill | None:
         # the compiler did not target AMX, or Linux refused this process the tile state
         log.warning("AMX tiles are unavailable to the kernel: prefill attention stays on SDPA")
         return None
-    _loaded = NativePrefill(library)
-    return _loaded
+    return NativePrefill(library)
 
 
 PREFILL_KERNEL_ENV = "QUANTA_PREFILL_KERNEL"
