@@ -36,6 +36,7 @@ from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
 from quanta.runner.draft import DraftModel
 from quanta.runner.layer_ops import layer_ops
+from quanta.runner.lazy_zeros import zeros_on_demand
 from quanta.runner.linear import fuse_model, onednn_supports, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
 from quanta.runner.models import build_model_skeleton
@@ -509,6 +510,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         cfg = self.kv_config
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if device.type == "cpu" and not pin:  # committed as blocks are written (lazy_zeros)
+            return zeros_on_demand(shape, self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
     @staticmethod
