@@ -137,17 +137,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Each module is one unit of work for one worker, so its module-scoped fixtures (servers
     included) are built once, except that the modules on the shared server form one unit, so
     a run starts one tritonserver, not one per worker. (``--dist loadgroup`` with marks would
-    say this, but pytest-xdist 3.8 groups by renaming node ids, which pytest 9.2 ignores.)"""
-    from xdist.scheduler import LoadScopeScheduling
+    say this, but pytest-xdist 3.8 groups by renaming node ids, which pytest 9.2 ignores.)
+    A worker that dies fails its test and the run goes on (``module_scheduling``)."""
+    from module_scheduling import ModuleScheduling
 
     shared = shared_server_modules(Path(__file__).parent)
-
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return SHARED_SERVER if module in shared else module
-
-    return ModuleScheduling(config, log)
+    return ModuleScheduling(config, log, shared, SHARED_SERVER)
 
 
 # -- shared, built once per session -----------------------------------------------------------
