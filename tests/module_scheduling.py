@@ -8,8 +8,9 @@ worker ever reports on; and it hands the replacement worker a single unit, which
 with one test never starts, since it runs a test only once it knows the next one or is told
 to stop. Either way the run waits until CI kills it, with no summary and no name for the
 test that died. Here only unfinished units go back, the test the worker died in is not run
-again (it would take the replacement down too), and a worker is never left holding a
-single test.
+again (it would take the replacement down too), a worker is never left holding a single
+test, and work sent to a worker that died since its last report waits for its replacement
+instead of ending the run with an internal error.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ class ModuleScheduling(LoadScopeScheduling):
         if not self.workqueue:  # the first workers of a run took every unit
             self._stop(node)
             return
-        super()._assign_work_unit(node)
+        try:
+            super()._assign_work_unit(node)
+        except OSError:
+            # it died since its last report: the unit is on its books, and remove_node, which
+            # its death calls next, queues it again
+            return
         if self._pending_of(self.assigned_work[node]) < 2:
             # a single test it would never start: give it the next unit, or tell it to stop
             if self.workqueue:
