@@ -16,6 +16,7 @@ from quanta.costmodel import PRESETS
 from quanta.sim import SimRunner, SimSetup, simulate, summarize
 from quanta.sim.conserve_repro import CONSERVE_SCHEDULER, CONSERVE_SLO, conserve_profile
 from quanta.sim.interactions import Replay
+from quanta.sim.safepoint_repro import head_of_line_waits
 from quanta.workloads import WorkloadRequest, save_workload
 from typer.testing import CliRunner
 
@@ -57,6 +58,7 @@ def test_an_arrival_stops_the_step_at_the_next_safepoint():
     assert (st.safepoint_aborts, st.steps) == (1, 0)
     assert st.aborted_compute_s == pytest.approx(compute / 2)
     assert st.abort_wait_s == pytest.approx(0.2 * compute)
+    assert st.spans == [(0.0, pytest.approx(compute / 2), True)]  # a stopped step ends there
 
 
 def test_no_abort_without_a_signal_or_after_the_last_safepoint():
@@ -71,6 +73,10 @@ def test_no_abort_without_a_signal_or_after_the_last_safepoint():
     runner.execute(SchedulerOutput((prefill("b", 512),)))
     assert clock.now() == pytest.approx(slowed + cost.step_time([(512, 0)]))
     assert runner.stats.safepoint_aborts == 0
+    assert runner.stats.spans == [
+        (0.0, pytest.approx(slowed), True),
+        (pytest.approx(slowed), pytest.approx(clock.now()), False),
+    ]
 
 
 def test_checkpoint_copies_follow_the_forward_pass():
@@ -238,6 +244,47 @@ def test_cli_repro_conserve_quick_writes_the_report(tmp_path: Path):
     for system in ("online-only", "priority (vLLM++)", "conserve, no safepoints", "online alone"):
         assert f"| {system} |" in text
     assert "24 online requests" in text and "Azure Public Dataset" in text
+
+
+def test_head_of_line_wait_is_what_the_running_step_had_left():
+    spans = [(0.0, 1.0, True), (1.0, 1.5, False), (3.0, 4.0, True)]
+    got = head_of_line_waits(spans, [0.0, 0.25, 1.2, 2.0, 3.5, 5.0])
+    assert [w for w, _ in got] == pytest.approx([1.0, 0.75, 0.3, 0.0, 0.5, 0.0])
+    assert [p for _, p in got] == [True, True, False, False, True, False]
+    assert head_of_line_waits([], [1.0]) == [(0.0, False)]
+
+
+@pytest.mark.slow
+def test_cli_repro_safepoints_stop_steps_only_under_a_tight_slo(tmp_path: Path):
+    """Online arrivals every 20 s beside long offline prompts: at a 0.2 s TTFT SLO the
+    safepoints stop offline steps and cut the head-of-line wait; at 1.5 s they stop none."""
+    trace = tmp_path / "azure.csv"
+    lines = [f"2023-11-16 18:15:{2 * i:02d}.5000000,{200 + 50 * i},{8 + i}" for i in range(6)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(lines) + "\n")
+    doc = tmp_path / "conserve.md"
+    doc.write_text("# ConServe\n\nprose kept\n")
+    args = ["simulate", "repro", "--figure", "safepoints", "--num-requests", "6", "--seeds", "0"]
+    res = CliRunner().invoke(
+        app, [*args, "--trace", str(trace), "--jobs", "1", "--output", str(doc)]
+    )
+    assert res.exit_code == 0, res.output
+    text = doc.read_text()
+    assert "prose kept" in text and "<!-- BEGIN repro:conserve-safepoints -->" in text
+    assert "6 online requests" in text and "Azure Public Dataset" in text
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and cells[0].endswith(" s") and cells[0][0].isdigit():
+            rows[cells[0], cells[1]] = cells
+    assert len(rows) == 8
+    layer, iteration = "layer-level (safepoints)", "iteration-level"
+    for slo in ("0.2 s", "0.3 s", "0.5 s", "1.5 s"):
+        assert rows[slo, iteration][6] == "0"  # nothing to stop a step with
+        assert rows[slo, iteration][4] == "0"  # and no step is preemptible
+    assert int(rows["0.2 s", layer][6]) > 0 and int(rows["0.2 s", layer][4]) > 0
+    assert rows["1.5 s", layer][6] == "0"
+    hol = {k: int(v[5].split(" / ")[0]) for k, v in rows.items()}
+    assert hol["0.2 s", layer] < hol["0.2 s", iteration]
 
 
 def test_cli_repro_conserve_needs_a_trace():

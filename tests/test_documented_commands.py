@@ -62,6 +62,7 @@ FASTER = {
     "quanta bench engine": "--repeat 1",
     "quanta simulate repro --figure apt --quick": "--num-requests 8",
     "quanta simulate repro --figure conserve --quick": "--num-requests 12",
+    "quanta simulate repro --figure safepoints --quick": "--num-requests 3",
     "quanta bench structured": "--batch 1 --max-tokens 8",
     "quanta bench speculative": "--batch 1 --max-tokens 8 --workload edit",
     "quanta bench prefix-prefill": "--shapes 64:16 --repeats 1",

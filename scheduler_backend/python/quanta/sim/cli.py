@@ -265,20 +265,25 @@ def repro_cmd(
         str,
         typer.Option(
             help="14, 15a, azure, all (FastServe), fair (FairServe), apt (Apt-Serve "
-            "Tables 4 and 5), or conserve (ConServe under ON/OFF load, needs --trace)"
+            "Tables 4 and 5), conserve (ConServe under ON/OFF load, needs --trace) or "
+            "safepoints (ConServe's layer-level preemption against iteration-level, needs "
+            "--trace)"
         ),
     ] = "all",
     output: Annotated[
         Path | None,
         typer.Option(
             help="markdown file whose tables are (re)written (default docs/fastserve.md; "
-            "apt: docs/aptserve.md, conserve: docs/conserve.md; none with --quick)"
+            "apt: docs/aptserve.md, conserve and safepoints: docs/conserve.md; none with "
+            "--quick)"
         ),
     ] = None,
     num_requests: Annotated[
         int | None,
         typer.Option(
-            min=1, help="jobs per point (default 500; apt: 1000; conserve: online requests, 360)"
+            min=1,
+            help="jobs per point (default 500; apt: 1000; conserve: online requests, 360; "
+            "safepoints: online requests, 30)",
         ),
     ] = None,
     seed: Annotated[int, typer.Option()] = 0,
@@ -290,12 +295,14 @@ def repro_cmd(
         typer.Option(help="Azure conversation trace CSV (azure's sweep, conserve's online load)"),
     ] = None,
     seeds: Annotated[
-        str, typer.Option(help="seeds of the fair and apt figures, comma-separated")
+        str,
+        typer.Option(help="seeds of the fair, apt and safepoints figures, comma-separated"),
     ] = "0,1,2",
     quick: Annotated[
         bool,
         typer.Option(
-            help="apt: 40 requests per trace and seed 0; conserve: 24 online requests "
+            help="apt: 40 requests per trace and seed 0; conserve: 24 online requests, "
+            "safepoints: 4 "
             "(seconds, for a smoke test); the tables are printed, and written only to an "
             "explicit --output"
         ),
@@ -306,22 +313,37 @@ def repro_cmd(
     tables."""
     from quanta.sim.report import run_repro
 
-    if figure not in ("14", "15a", "azure", "all", "fair", "apt", "conserve"):
-        raise typer.BadParameter("figure must be 14, 15a, azure, all, fair, apt or conserve")
-    if quick and figure not in ("apt", "conserve"):
+    figures = ("14", "15a", "azure", "all", "fair", "apt", "conserve", "safepoints")
+    if figure not in figures:
+        raise typer.BadParameter(f"figure must be one of {', '.join(figures)}")
+    if quick and figure not in ("apt", "conserve", "safepoints"):
         raise typer.BadParameter(
-            "--quick shrinks the apt and conserve figures only", param_hint="--quick"
+            "--quick shrinks the apt, conserve and safepoints figures only", param_hint="--quick"
         )
-    if figure in ("azure", "conserve") and trace is None:
+    if figure in ("azure", "conserve", "safepoints") and trace is None:
         raise typer.BadParameter(f"--figure {figure} needs --trace", param_hint="--trace")
     docs = {"apt": "docs/aptserve.md", "conserve": "docs/conserve.md"}
+    docs["safepoints"] = docs["conserve"]
     if quick:
-        num_requests = num_requests or (24 if figure == "conserve" else 40)
+        num_requests = num_requests or {"conserve": 24, "safepoints": 4}.get(figure, 40)
         seeds = "0"
     elif output is None:
         output = Path(docs.get(figure, "docs/fastserve.md"))
     if num_requests is None:
-        num_requests = {"apt": 1000, "conserve": 360}.get(figure, 500)
+        num_requests = {"apt": 1000, "conserve": 360, "safepoints": 30}.get(figure, 500)
+    if figure == "safepoints":
+        from quanta.sim.safepoint_repro import safepoints_report
+
+        assert trace is not None  # NOTE: checked above
+        safepoints_report(
+            trace,
+            output,
+            num_requests=num_requests,
+            seeds=[int(x) for x in seeds.split(",")],
+            jobs=jobs,
+            echo=typer.echo,
+        )
+        return
     if figure == "conserve":
         from quanta.sim.conserve_repro import conserve_report
 

@@ -44,6 +44,10 @@ class SimStats:
     safepoint_aborts: int = 0
     aborted_compute_s: float = 0.0  # forward-pass time of aborted steps, thrown away
     abort_wait_s: float = 0.0  # from each aborting arrival to the safepoint that stopped the step
+    # (start, end, preemptible) of every step, a stopped one ending at its safepoint: what an
+    # arrival inside it waited for before the loop could take it, and whether it could have
+    # stopped the step (``quanta.sim.safepoint_repro.head_of_line_waits``)
+    spans: list[tuple[float, float, bool]] = field(default_factory=list)
     stall_by_request: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
@@ -100,6 +104,7 @@ class SimRunner:
                 self._stop_at_safepoint(so, start, wait_until, compute, raised)
         end = self._checkpoint(so, end)
         self._account(so, wait_until - start, compute)
+        self.stats.spans.append((start, end, so.abort is not None))
         self.clock.set(end)
         self._ready_at = {b: t for b, t in self._ready_at.items() if t > end}
         return RunnerOutput(
@@ -148,6 +153,7 @@ class SimRunner:
         st.aborted_compute_s += stop - begin
         st.abort_wait_s += stop - raised
         st.stall_s += begin - start
+        st.spans.append((start, stop, True))
         self.clock.set(stop)
         self._ready_at = {b: t for b, t in self._ready_at.items() if t > stop}
         raise StepAborted(done, stop - start)
