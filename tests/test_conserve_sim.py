@@ -58,6 +58,7 @@ def test_an_arrival_stops_the_step_at_the_next_safepoint():
     assert (st.safepoint_aborts, st.steps) == (1, 0)
     assert st.aborted_compute_s == pytest.approx(compute / 2)
     assert st.abort_wait_s == pytest.approx(0.2 * compute)
+    assert st.abort_end_wait_s == pytest.approx(0.7 * compute)  # had it run to its end
     assert st.spans == [(0.0, pytest.approx(compute / 2), True)]  # a stopped step ends there
 
 
@@ -283,6 +284,8 @@ def test_cli_repro_safepoints_stop_steps_only_under_a_tight_slo(tmp_path: Path):
         assert rows[slo, iteration][4] == "0"  # and no step is preemptible
     assert int(rows["0.2 s", layer][6]) > 0 and int(rows["0.2 s", layer][4]) > 0
     assert rows["1.5 s", layer][6] == "0"
+    stop, end = (int(x) for x in rows["0.2 s", layer][7].split(" / "))
+    assert stop < end  # each stop cut its arrival's wait
     hol = {k: int(v[5].split(" / ")[0]) for k, v in rows.items()}
     assert hol["0.2 s", layer] < hol["0.2 s", iteration]
 

@@ -44,6 +44,7 @@ class SimStats:
     safepoint_aborts: int = 0
     aborted_compute_s: float = 0.0  # forward-pass time of aborted steps, thrown away
     abort_wait_s: float = 0.0  # from each aborting arrival to the safepoint that stopped the step
+    abort_end_wait_s: float = 0.0  # ... and to the end the step would have had without it
     # (start, end, preemptible) of every step, a stopped one ending at its safepoint: what an
     # arrival inside it waited for before the loop could take it, and whether it could have
     # stopped the step (``quanta.sim.safepoint_repro.head_of_line_waits``)
@@ -152,6 +153,7 @@ class SimRunner:
         st.safepoint_aborts += 1
         st.aborted_compute_s += stop - begin
         st.abort_wait_s += stop - raised
+        st.abort_end_wait_s += begin + compute - raised
         st.stall_s += begin - start
         st.spans.append((start, stop, True))
         self.clock.set(stop)
