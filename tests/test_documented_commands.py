@@ -63,6 +63,7 @@ FASTER = {
     "quanta simulate repro --figure apt --quick": "--num-requests 8",
     "quanta simulate repro --figure conserve --quick": "--num-requests 12",
     "quanta simulate repro --figure safepoints --quick": "--num-requests 3",
+    "quanta simulate repro --figure safepoints --num-requests": "--num-requests 3",
     "quanta bench structured": "--batch 1 --max-tokens 8",
     "quanta bench speculative": "--batch 1 --max-tokens 8 --workload edit",
     "quanta bench prefix-prefill": "--shapes 64:16 --repeats 1",
