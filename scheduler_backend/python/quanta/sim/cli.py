@@ -322,8 +322,11 @@ def repro_cmd(
         )
     if figure in ("azure", "conserve", "safepoints") and trace is None:
         raise typer.BadParameter(f"--figure {figure} needs --trace", param_hint="--trace")
-    docs = {"apt": "docs/aptserve.md", "conserve": "docs/conserve.md"}
-    docs["safepoints"] = docs["conserve"]
+    docs = {
+        "apt": "docs/aptserve.md",
+        "conserve": "docs/conserve.md",
+        "safepoints": "docs/conserve.md",
+    }
     if quick:
         num_requests = num_requests or {"conserve": 24, "safepoints": 4}.get(figure, 40)
         seeds = "0"
