@@ -29,7 +29,7 @@ from quanta.costmodel import CostModel, get_profile
 from quanta.metrics import SLO, from_requests
 from quanta.sim.driver import SimSetup, simulate
 from quanta.sim.metrics import class_figures
-from quanta.sim.report import write_sections
+from quanta.sim.report import publish_sections
 from quanta.slo import with_slo
 from quanta.workloads import LengthDist, WorkloadRequest, load_workload, scale_to_rate
 
@@ -353,10 +353,7 @@ def conserve_report(
     command += f" --trace {trace}" + (f" --output {output}" if output is not None else "")
     load, runs = run_conserve(trace, num_requests=num_requests, seed=seed, jobs=jobs)
     sections = conserve_sections(load, runs, seed=seed, command=command)
-    for name, body in sections.items():
-        echo(f"\n{name}:\n{body}")
-    echo(f"conserve: {time.perf_counter() - t0:.0f} s")
-    if output is not None:
-        write_sections(output, sections, "ConServe in Quanta")
-        echo(f"updated {output}")
+    publish_sections(
+        sections, output, "ConServe in Quanta", label="conserve", started=t0, echo=echo
+    )
     return sections

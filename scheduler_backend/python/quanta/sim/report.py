@@ -46,6 +46,25 @@ def write_sections(path: Path, sections: dict[str, str], title: str) -> None:
     path.write_text(text if text.endswith("\n") else text + "\n")
 
 
+def publish_sections(
+    sections: dict[str, str],
+    output: Path | None,
+    title: str,
+    *,
+    label: str,
+    started: float,
+    echo: Callable[[str], object],
+) -> None:
+    """Print each section and the run's time (since ``started``, ``time.perf_counter``);
+    with ``output``, rewrite the sections there."""
+    for name, body in sections.items():
+        echo(f"\n{name}:\n{body}")
+    echo(f"{label}: {time.perf_counter() - started:.0f} s")
+    if output is not None:
+        write_sections(output, sections, title)
+        echo(f"updated {output}")
+
+
 def run_repro(
     figure: str,
     output: Path | None,
