@@ -27,6 +27,22 @@ from quanta.sim import SimSetup, simulate
 from quanta.sim.driver import time_runner
 from quanta.workloads import WorkloadRequest
 
+
+@pytest.fixture(autouse=True)
+def fastserve_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This module tests skip-join MLFQ's own mechanics, so FastServe's systems run the
+    paper's rule here (MLFQ at every load) instead of their default load signal, whose own
+    tests below set its thresholds explicitly."""
+    from dataclasses import replace
+
+    from quanta.policies import registry
+
+    for name, system in list(registry._SYSTEMS.items()):
+        if name.startswith("sj-mlfq"):
+            rule = replace(system, defaults={**system.defaults, "overload_after_runs": 0.0})
+            monkeypatch.setitem(registry._SYSTEMS, name, rule)
+
+
 PRIORITY_POLICIES = [
     "sj-mlfq",
     "sj-mlfq-reactive",
@@ -588,3 +604,72 @@ def test_below_the_load_switch_every_request_runs_as_under_fcfs():
     fcfs = times("fcfs", {})
     assert times("sj-mlfq", {"overload_after_s": 1e6}) == fcfs
     assert times("sj-mlfq", {}) != fcfs  # FastServe's rule reorders the same trace
+
+
+def test_the_default_load_signal_is_fcfs_below_capacity_and_mlfq_past_it():
+    """sj-mlfq's default (``overload_after_runs=2``) on the same ShareGPT-like lengths: at
+    1.5 req/s, where eight seats keep up, every token time is FCFS's although FastServe's
+    rule reorders the trace; at 3 req/s the queue stops draining and the order switches."""
+    from quanta.policies.fastserve import OVERLOAD_AFTER_RUNS
+    from quanta.workloads import make_workload
+
+    cost = PRESETS["a100-opt13b"]
+
+    def times(rate: float, policy: str, options: dict[str, float]) -> dict[str, tuple]:
+        trace = make_workload("sharegpt", 40, rate, seed=2, max_len=cost.max_model_len)
+        setup = SimSetup(policy, cost, SchedulerConfig(max_num_seqs=8), policy_options=options)
+        return {r.request_id: tuple(r.token_times) for r in simulate(trace, setup).requests}
+
+    default = {"overload_after_runs": OVERLOAD_AFTER_RUNS}
+    below = times(1.5, "fcfs", {})
+    assert times(1.5, "sj-mlfq", default) == below
+    assert times(1.5, "sj-mlfq", {}) != below  # FastServe's rule (this module's fixture)
+    assert times(3.0, "sj-mlfq", default) != times(3.0, "fcfs", {})
+
+
+def test_adaptive_load_signal_scales_its_wait_from_finished_runs():
+    """``overload_after_runs=k``: one seat. Before any job has finished there is no run to
+    scale from and the order stays FCFS (``short`` waits out ``long``). Once three jobs have
+    finished, runs of R seconds on average, a newcomer behind a long job gets the seat after
+    waiting k R, when skip-join MLFQ takes over; and the policy reports that threshold."""
+    from quanta.policies.mlfq import SkipJoinMLFQ
+
+    k = 2.0
+    trace = [
+        WorkloadRequest(0.0, 64, 400, request_id="long"),
+        WorkloadRequest(0.5, 64, 4, request_id="short"),
+        WorkloadRequest(60.0, 64, 40, request_id="warm"),
+        WorkloadRequest(90.0, 64, 400, request_id="late-long"),
+        WorkloadRequest(90.5, 64, 4, request_id="late-short"),
+    ]
+    setup = SimSetup(
+        "sj-mlfq",
+        PRESETS["a100-opt13b"],
+        SchedulerConfig(max_num_seqs=1),
+        policy_options={"overload_after_runs": k},
+    )
+    result = simulate(trace, setup)
+    by_id = {r.request_id: r for r in result.requests}
+    assert by_id["short"].first_token_time > by_id["long"].finish_time  # no run yet: FCFS
+    # seat to finish, less each one's prefill step (a few ms here)
+    runs = [by_id[i].finish_time - by_id[i].first_token_time for i in ("long", "short", "warm")]
+    mean_run = sum(runs) / len(runs)
+    late = by_id["late-short"]
+    wait = late.first_token_time - late.arrival_time
+    assert k * mean_run <= wait < k * mean_run + 0.5  # MLFQ once it waited about k runs...
+    assert late.first_token_time < by_id["late-long"].finish_time  # ...taking the seat
+
+    policy = SkipJoinMLFQ(SchedulerConfig(), PRESETS["a100-opt13b"], overload_after_runs=k)
+    assert policy.overload_wait_s is None and not policy.overloaded
+    fixed = SkipJoinMLFQ(
+        SchedulerConfig(), PRESETS["a100-opt13b"], overload_after_s=3.0, overload_after_runs=k
+    )
+    assert fixed.overload_wait_s == 3.0  # a fixed wait wins over the adaptive one
+
+
+def test_fastserve_rule_is_one_option_away():
+    """Both thresholds at 0 is FastServe's rule: always skip-join MLFQ."""
+    from quanta.policies.mlfq import SkipJoinMLFQ
+
+    policy = SkipJoinMLFQ(SchedulerConfig(), PRESETS["a100-opt13b"])
+    assert policy.overloaded and policy.overload_wait_s is None

@@ -9,7 +9,7 @@ without the cache, under preemption.
 from __future__ import annotations
 
 import pytest
-from conftest import make_requests
+from conftest import MLFQ_ALWAYS, make_requests
 from fakes import HashRunner, decode_chars
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -293,7 +293,10 @@ def run(loop: EngineLoop, requests: list[Request], stagger: int = 2) -> list[lis
 
 POLICIES = [
     ("fcfs", {}),
-    ("sj-mlfq", {"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1}),
+    (
+        "sj-mlfq",
+        {"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1, **MLFQ_ALWAYS},
+    ),
     ("fair", {}),
     ("conserve", {"safepoints": False, "checkpoint_threshold": 1.0}),
     ("apt", {"cache": "kv"}),
@@ -431,7 +434,10 @@ def test_a_hit_whose_host_blocks_a_swap_out_takes_is_cut_short_not_refused(monke
 
 # -- the real engine -----------------------------------------------------------------------
 ENGINE_POLICIES = [
-    ("sj-mlfq", {"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1}),
+    (
+        "sj-mlfq",
+        {"base_quantum": 1e-5, "starve_limit": 1e-3, "starve_check_every": 1, **MLFQ_ALWAYS},
+    ),
     ("conserve", {"safepoints": False, "checkpoint_threshold": 1.0}),
     ("apt", {"cache": "hybrid"}),
 ]

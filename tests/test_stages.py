@@ -366,3 +366,16 @@ def test_core_does_not_import_policies():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_fastserve_systems_start_with_the_load_signal_and_naive_mlfq_does_not():
+    """sj-mlfq and its swap variants default to the adaptive load signal (FCFS below
+    capacity); a user's option overrides it, and naive MLFQ stays the paper's baseline."""
+    from quanta.policies.fastserve import OVERLOAD_AFTER_RUNS
+
+    for name in ("sj-mlfq", "sj-mlfq-reactive", "sj-mlfq-recompute"):
+        options = parse_policy(name).parts[0].options
+        assert options.overload_after_runs == OVERLOAD_AFTER_RUNS > 0, name  # type: ignore[attr-defined]
+    assert parse_policy("mlfq").parts[0].options.overload_after_runs == 0  # type: ignore[attr-defined]
+    chosen = parse_policy("sj-mlfq", {"overload_after_runs": 0}).parts[0].options
+    assert chosen.overload_after_runs == 0  # type: ignore[attr-defined]

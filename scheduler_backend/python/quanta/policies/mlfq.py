@@ -8,6 +8,8 @@ All four are preemptive priority orders at token granularity; they share the pac
   iteration time. A new job *skip-joins* the highest queue whose quantum covers its predicted
   prefill, is demoted once its attained service in a queue uses that queue's quantum (to the
   queue matching its next iteration), and is promoted to Q1 after waiting ``starve_limit``.
+  With a load signal (``overload_after_s``, ``overload_after_runs``: the system's default)
+  the order is first come, first served until the queue stops draining.
 - ``mlfq``: naive MLFQ, every job starts in Q1.
 - ``fixed-priority``: shorter input first, never changes (the paper's strawman).
 - ``srpt``: shortest remaining processing time from the *true* output length, an oracle that
@@ -23,6 +25,7 @@ below the arrivals that have not and its last few tokens wait behind their prefi
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -30,7 +33,7 @@ from typing import Literal
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision
 from quanta.core.output import RunnerOutput
-from quanta.core.request import Request
+from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.mlfq_memory import mlfq_enst
@@ -38,6 +41,8 @@ from quanta.policies.stages import Admission, Ordering, Ranking
 
 # NOTE: quantum comparisons tolerate float rounding of accumulated step times.
 _EPS = 1e-9
+# The adaptive load signal scales from the runs of this many latest finished jobs.
+_RUNS_KEPT = 100
 
 ServiceMode = Literal["own", "step"]
 
@@ -52,6 +57,7 @@ class Job:
     ticket: int = 0  # FIFO position within its queue
     last_run: float = 0.0  # last scheduled, joined or promoted: the starvation clock
     arrival: int = 0  # join order: the first-come-first-served rank
+    seated_at: float | None = None  # when it first ran: the start of its run
 
 
 class PriorityOrder(Ordering):
@@ -141,14 +147,21 @@ class SkipJoinMLFQ(PriorityOrder):
         starve_check_every: int = 1000,
         patience_s: float = 0.0,
         overload_after_s: float = 0.0,
+        overload_after_runs: float = 0.0,
     ) -> None:
         super().__init__(config, cost, service)
-        # The load signal: with overload_after_s > 0 the order is first-come-first-served
+        # The load signal: with either threshold set the order is first-come-first-served
         # until a job has waited that long without a seat, then skip-join MLFQ until a step
-        # runs every live job again (see ``_track_load``).
+        # runs every live job again (see ``_track_load``). ``overload_after_s`` is a fixed
+        # wait; ``overload_after_runs`` a multiple of the mean run (first seat to finish) of
+        # the latest finished jobs, which scales with the deployment; the fixed one wins.
         self.overload_after_s = overload_after_s
-        self.overloaded = overload_after_s <= 0
+        self.overload_after_runs = overload_after_runs
+        self._load_signal = overload_after_s > 0 or overload_after_runs > 0
+        self.overloaded = not self._load_signal
         self.num_overload_periods = 0
+        self._runs: deque[float] = deque(maxlen=_RUNS_KEPT)
+        self._step_end = 0.0
         # A job that has not started yet ranks behind the running ones until it has waited
         # this long: below capacity a seat frees before then, so nobody is displaced for a
         # newcomer (FCFS's behaviour), while under overload waits pass it at once.
@@ -181,21 +194,34 @@ class SkipJoinMLFQ(PriorityOrder):
         return self._fit_level(prefill)
 
     def rank(self, view: SchedulerView) -> Ranking:
-        if self.overload_after_s > 0 and not self.overloaded:
+        if self._load_signal and not self.overloaded:
             self._track_load(view)
         return super().rank(view)
+
+    @property
+    def overload_wait_s(self) -> float | None:
+        """How long a job may wait without a seat before the server counts as overloaded;
+        None before the adaptive threshold has a finished run to scale from."""
+        if self.overload_after_s > 0:
+            return self.overload_after_s
+        if self.overload_after_runs <= 0 or not self._runs:
+            return None
+        return self.overload_after_runs * sum(self._runs) / len(self._runs)
 
     def _track_load(self, view: SchedulerView) -> None:
         """Below capacity every job gets a seat soon after it arrives, and least attained
         service only reshuffles who waits: demoted long jobs yield their seats to a burst's
         newcomers, and their time per token doubles (docs/fastserve.md). So until a job
-        has waited ``overload_after_s`` without a seat, the order stays first come, first
+        has waited ``overload_wait_s`` without a seat, the order stays first come, first
         served; from then on (the queue is not draining) it is skip-join MLFQ, until a step
         seats every live job again (``on_step``)."""
+        threshold = self.overload_wait_s
+        if threshold is None:
+            return
         for r in view.candidates:
             job = self.jobs.get(r.request_id)
             waited = view.now - (job.last_run if job is not None else view.now)
-            if r.request_id not in self._seated and waited >= self.overload_after_s:
+            if r.request_id not in self._seated and waited >= threshold:
                 self.overloaded = True
                 self.num_overload_periods += 1
                 return
@@ -215,10 +241,23 @@ class SkipJoinMLFQ(PriorityOrder):
 
     def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
         super().on_step(decision, output, step_time)
-        if self.patience_s > 0 or self.overload_after_s > 0:  # NOTE: only they read it
+        self._step_end = self._now + step_time
+        if self.patience_s > 0 or self._load_signal:  # NOTE: only they read it
             self._seated = {rid for rid, _ in decision.run}
-        if self.overload_after_s > 0 and self.overloaded and self._seated >= self.jobs.keys():
-            self.overloaded = False  # every live job ran: the queue drained
+        if self._load_signal:
+            for rid in self._seated:
+                job = self.jobs.get(rid)
+                if job is not None and job.seated_at is None:
+                    job.seated_at = self._now
+            if self.overloaded and self._seated >= self.jobs.keys():
+                self.overloaded = False  # every live job ran: the queue drained
+
+    def on_finish(self, request: Request) -> None:
+        job = self.jobs.get(request.request_id)
+        finished = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+        if job is not None and job.seated_at is not None and finished:
+            self._runs.append(self._step_end - job.seated_at)
+        super().on_finish(request)
 
     def _promote_starved(self, jobs: list[Job], now: float) -> None:
         self._iterations += 1
