@@ -30,6 +30,7 @@ from quanta.core.view import SchedulerView
 from quanta.policies.common import QUEUE_RANK
 from quanta.policies.fair_state import Counters, fairness_state
 from quanta.policies.interactions import InteractionTracker
+from quanta.policies.memory_share import hold_back
 from quanta.policies.stages import Ordering, Ranking
 from quanta.policies.systems import SharedStateOptions, Stages, System
 from quanta.policies.throttle import OITAdmission
@@ -131,8 +132,12 @@ class WSCOrder(_CounterOrder):
         prior_weight: float = 1000.0,
         stage_weights: Mapping[str, list[float]] | None = None,
         service: Counters | None = None,
+        reserve_fraction: float = 0.0,
     ) -> None:
         super().__init__(config, service)
+        if not 0 <= reserve_fraction < 1:
+            raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction}")
+        self.reserve_fraction = reserve_fraction
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         self.tracker = tracker
@@ -143,6 +148,13 @@ class WSCOrder(_CounterOrder):
         self._means: dict[tuple[str, int], _Mean] = {}
         self._weights: dict[tuple[str, int], float] = {}  # NOTE: cleared when _means changes
         self._charged: dict[str, int] = {}  # prompt positions already charged, per request
+
+    def rank(self, view: SchedulerView) -> Ranking:
+        ranking = super().rank(view)
+        if self.reserve_fraction <= 0:
+            return ranking
+        order = hold_back(ranking.order, view.pool, self.reserve_fraction)
+        return Ranking(order, {r.request_id: ranking.next_turn[r.request_id] for r in order})
 
     # -- weights (Eq. 2) -------------------------------------------------------------------
     def weight(self, app: str, stage: int) -> float:
@@ -250,6 +262,13 @@ class FairOptions(WSCOptions):
     overload_watermark: float = Field(
         0.9, gt=0, le=1, description="device pool fraction in use that, with a queue, is overload"
     )
+    reserve_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="device pool fraction a user over its equal share of the pool may not "
+        "start calls into (0: none, the paper's FairServe)",
+    )
 
 
 def _tracker(o: WSCOptions) -> InteractionTracker:
@@ -257,7 +276,9 @@ def _tracker(o: WSCOptions) -> InteractionTracker:
     return InteractionTracker(o.interaction_timeout_s, store)
 
 
-def _wsc_order(config: SchedulerConfig, o: WSCOptions, tracker: InteractionTracker) -> WSCOrder:
+def _wsc_order(
+    config: SchedulerConfig, o: WSCOptions, tracker: InteractionTracker, reserve: float = 0.0
+) -> WSCOrder:
     return WSCOrder(
         config,
         tracker,
@@ -268,6 +289,7 @@ def _wsc_order(config: SchedulerConfig, o: WSCOptions, tracker: InteractionTrack
         prior_weight=o.prior_weight,
         stage_weights=o.stage_weights,
         service=fairness_state(o.state_url).service,
+        reserve_fraction=reserve,
     )
 
 
@@ -288,7 +310,8 @@ def _fair(config: SchedulerConfig, o: FairOptions) -> Stages:
         window_s=o.window_s,
         watermark=o.overload_watermark,
     )
-    return Stages(admission, _wsc_order(config, o, tracker), observers=(tracker,))
+    order = _wsc_order(config, o, tracker, o.reserve_fraction)
+    return Stages(admission, order, observers=(tracker,))
 
 
 def _vtc(config: SchedulerConfig, o: VTCOptions) -> Stages:
