@@ -555,13 +555,24 @@ def test_patience_bounds_how_long_a_newcomer_waits_for_a_seat(patience):
 
 
 # -- the load signal: FCFS until a job waits overload_after_s without a seat -----------------
+def _one_seat(trace: list[WorkloadRequest], options: dict[str, float]) -> dict:
+    """Each request of ``trace`` by id, simulated under sj-mlfq with ``options`` on a server
+    of one seat."""
+    setup = SimSetup(
+        "sj-mlfq",
+        PRESETS["a100-opt13b"],
+        SchedulerConfig(max_num_seqs=1),
+        policy_options=options,
+    )
+    return {r.request_id: r for r in simulate(trace, setup).requests}
+
+
 @pytest.mark.parametrize("after", [0.0, 1.0])
 def test_overload_after_keeps_fcfs_until_a_job_waits_that_long(after):
     """One seat, a long job holding it. A short job arriving at 0.5 s takes the seat at once
     under FastServe's rule; with ``overload_after_s`` the order is FCFS until it has waited
     that long, then MLFQ takes over (the short job's queue is higher) until the queue
     drains, and the next arrival meets FCFS again."""
-    from quanta.sim import SimSetup, simulate
     from quanta.workloads import WorkloadRequest
 
     trace = [
@@ -570,14 +581,7 @@ def test_overload_after_keeps_fcfs_until_a_job_waits_that_long(after):
         WorkloadRequest(30.0, 64, 300, request_id="late-long"),
         WorkloadRequest(30.2, 64, 4, request_id="late-short"),
     ]
-    setup = SimSetup(
-        "sj-mlfq",
-        PRESETS["a100-opt13b"],
-        SchedulerConfig(max_num_seqs=1),
-        policy_options={"overload_after_s": after},
-    )
-    result = simulate(trace, setup)
-    by_id = {r.request_id: r for r in result.requests}
+    by_id = _one_seat(trace, {"overload_after_s": after})
     wait = by_id["short"].first_token_time - by_id["short"].arrival_time
     if after == 0.0:
         assert wait < 0.1
@@ -642,14 +646,7 @@ def test_adaptive_load_signal_scales_its_wait_from_finished_runs():
         WorkloadRequest(90.0, 64, 400, request_id="late-long"),
         WorkloadRequest(90.5, 64, 4, request_id="late-short"),
     ]
-    setup = SimSetup(
-        "sj-mlfq",
-        PRESETS["a100-opt13b"],
-        SchedulerConfig(max_num_seqs=1),
-        policy_options={"overload_after_runs": k},
-    )
-    result = simulate(trace, setup)
-    by_id = {r.request_id: r for r in result.requests}
+    by_id = _one_seat(trace, {"overload_after_runs": k})
     assert by_id["short"].first_token_time > by_id["long"].finish_time  # no run yet: FCFS
     # seat to finish, less each one's prefill step (a few ms here)
     runs = [by_id[i].finish_time - by_id[i].first_token_time for i in ("long", "short", "warm")]
