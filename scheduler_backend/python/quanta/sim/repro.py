@@ -211,6 +211,7 @@ def azure_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# -- reporting -----------------------------------------------------------------------------
 def fmt(x: float | None, digits: int = 4) -> str:
     """A table cell: the number, or "-" when there is none."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
