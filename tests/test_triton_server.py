@@ -758,3 +758,18 @@ def test_serve_stops_cleanly_on_ctrl_c(tmp_path, model_dir, inherited):
             proc.kill()
     with socket.socket() as s:  # tritonserver is gone with it
         assert s.connect_ex(("127.0.0.1", http_port)) != 0
+
+
+def test_ports_picked_for_one_server_are_distinct(tmp_path):
+    """Asked one at a time the kernel may hand out one port twice (it did: HTTP and gRPC on
+    one port, which Triton refuses); the ports of one server are picked together."""
+    from quanta.frontends.triton.launcher import free_ports
+
+    for _ in range(50):
+        ports = free_ports(3)
+        assert len(set(ports)) == 3 and all(p > 0 for p in ports)
+    options = ServerOptions(
+        tmp_path, http_port=0, grpc_port=0, metrics_port=0, backend_dir=tmp_path / "backend"
+    )
+    picked = TritonServer(options).options  # NOTE: never started
+    assert len({picked.http_port, picked.grpc_port, picked.metrics_port}) == 3

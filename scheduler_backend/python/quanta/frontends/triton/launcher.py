@@ -195,11 +195,21 @@ def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on right now (best effort, as everywhere)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports nobody listens on right now. The sockets are held until all
+    are bound: asked one by one, the kernel may hand the same port out twice, and Triton
+    refuses to start with HTTP and gRPC on one port."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -242,7 +252,8 @@ class TritonServer:
 
     def __init__(self, options: ServerOptions, *, log_file: Path | None = None) -> None:
         ports = ("http_port", "grpc_port", "metrics_port")
-        picked = {p: free_port(options.host) for p in ports if getattr(options, p) == 0}
+        unset = [p for p in ports if getattr(options, p) == 0]
+        picked = dict(zip(unset, free_ports(len(unset), options.host), strict=True))
         self.options = dataclasses.replace(options, **picked)
         self.log_file = log_file
         self._log: IO[Any] | None = None
