@@ -37,6 +37,7 @@ from quanta.core.loop import EngineLoop
 from quanta.core.request import Request, RequestStatus, SamplingParams
 from quanta.core.speculative import SpeculativeConfig
 from quanta.policies import make_policy
+from quanta.policies.fastserve import FASTSERVE_RULE
 
 # Property tests draw the same examples on every run (a CI run checks what the author ran,
 # and a failure reproduces); HYPOTHESIS_PROFILE=explore draws new ones on each run.
@@ -106,7 +107,7 @@ _WEIGHT = {"slow": 0, "live": 1, "engine": 2}
 SHARED_SERVER = "the shared tritonserver"
 # FastServe's systems default to the load signal (FCFS until the queue stops draining);
 # tests that must see skip-join MLFQ preempt, on tiny loads, ask for the paper's rule.
-MLFQ_ALWAYS = {"overload_after_runs": 0.0}
+MLFQ_ALWAYS = FASTSERVE_RULE
 
 
 def heaviest_first(items: list[pytest.Item]) -> None:

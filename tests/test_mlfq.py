@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from conftest import make_requests, make_resident, move_to_host
+from conftest import MLFQ_ALWAYS, make_requests, make_resident, move_to_host
 from fakes import HashRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,7 +39,7 @@ def fastserve_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name, system in list(registry._SYSTEMS.items()):
         if name.startswith("sj-mlfq"):
-            rule = replace(system, defaults={**system.defaults, "overload_after_runs": 0.0})
+            rule = replace(system, defaults={**system.defaults, **MLFQ_ALWAYS})
             monkeypatch.setitem(registry._SYSTEMS, name, rule)
 
 

@@ -151,6 +151,11 @@ class RequestStatus(StrEnum):
         return self.value.startswith("finished")
 
     @property
+    def completed(self) -> bool:
+        """Ended by its length or a stop, not aborted or failed: its tokens are whole."""
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+    @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 

@@ -34,7 +34,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.output import RunnerCapabilities
 from quanta.core.plan import StepPlan
-from quanta.core.request import CacheKind, Request, RequestStatus
+from quanta.core.request import CacheKind, Request
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.common import residents
@@ -118,7 +118,7 @@ class AdaptivePacker(Packer):
 
     def on_finish(self, request: Request) -> None:
         self._pinned.discard(request.request_id)
-        if request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+        if request.status.completed:
             self._finished += 1
             self._finished_tokens += request.num_output_tokens
 

@@ -25,7 +25,7 @@ from pydantic import Field
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision
 from quanta.core.output import RunnerOutput
-from quanta.core.request import Request, RequestStatus
+from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.policies.common import QUEUE_RANK
 from quanta.policies.fair_state import Counters, fairness_state
@@ -200,7 +200,7 @@ class WSCOrder(_CounterOrder):
     def on_finish(self, request: Request) -> None:
         super().on_finish(request)
         self._charged.pop(request.request_id, None)
-        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+        if request.status.completed:
             meta = request.metadata
             system = min(meta.system_tokens, request.num_prompt_tokens)
             key = (meta.app, _stage(request))

@@ -146,6 +146,8 @@ _sj = _priority(_skip_join(SkipJoinMLFQ))
 # MLFQ stays the paper's baseline as it is.
 OVERLOAD_AFTER_RUNS = 2.0
 _LOAD_SIGNAL = {"overload_after_runs": OVERLOAD_AFTER_RUNS}
+# The options that give FastServe's own rule back: skip-join MLFQ at every load.
+FASTSERVE_RULE: dict[str, Any] = {"overload_after_runs": 0.0}
 
 SYSTEMS = [
     System("sj-mlfq", SkipJoinOptions, _sj, _LOAD_SIGNAL, doc="FastServe"),

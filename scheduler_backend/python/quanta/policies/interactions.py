@@ -10,7 +10,7 @@ throttles such a call: the tokens already spent on the interaction would be wast
 
 from __future__ import annotations
 
-from quanta.core.request import Request, RequestStatus
+from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.policies.fair_state import (
     LocalInteractions,
@@ -51,7 +51,7 @@ class InteractionTracker(Observer):
         iid = request.metadata.interaction_id
         if iid is None:
             return
-        ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        ok = request.status.completed
         if request.metadata.interaction_last or not ok:
             self.store.close(iid)
         elif request.finish_time is not None:

@@ -33,7 +33,7 @@ from typing import Literal
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision
 from quanta.core.output import RunnerOutput
-from quanta.core.request import Request, RequestStatus
+from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.mlfq_memory import mlfq_enst
@@ -89,6 +89,8 @@ class PriorityOrder(Ordering):
             if job is not None:
                 job.service += charge
                 job.last_run = self._now
+                if job.seated_at is None:
+                    job.seated_at = self._now
                 self._after_service(job)
 
     def on_finish(self, request: Request) -> None:
@@ -161,6 +163,7 @@ class SkipJoinMLFQ(PriorityOrder):
         self.overloaded = not self._load_signal
         self.num_overload_periods = 0
         self._runs: deque[float] = deque(maxlen=_RUNS_KEPT)
+        self._runs_total = 0.0  # NOTE: sum(self._runs), kept as runs come and go
         self._step_end = 0.0
         # A job that has not started yet ranks behind the running ones until it has waited
         # this long: below capacity a seat frees before then, so nobody is displaced for a
@@ -206,7 +209,7 @@ class SkipJoinMLFQ(PriorityOrder):
             return self.overload_after_s
         if self.overload_after_runs <= 0 or not self._runs:
             return None
-        return self.overload_after_runs * sum(self._runs) / len(self._runs)
+        return self.overload_after_runs * self._runs_total / len(self._runs)
 
     def _track_load(self, view: SchedulerView) -> None:
         """Below capacity every job gets a seat soon after it arrives, and least attained
@@ -244,19 +247,17 @@ class SkipJoinMLFQ(PriorityOrder):
         self._step_end = self._now + step_time
         if self.patience_s > 0 or self._load_signal:  # NOTE: only they read it
             self._seated = {rid for rid, _ in decision.run}
-        if self._load_signal:
-            for rid in self._seated:
-                job = self.jobs.get(rid)
-                if job is not None and job.seated_at is None:
-                    job.seated_at = self._now
-            if self.overloaded and self._seated >= self.jobs.keys():
-                self.overloaded = False  # every live job ran: the queue drained
+        if self._load_signal and self.overloaded and self._seated >= self.jobs.keys():
+            self.overloaded = False  # every live job ran: the queue drained
 
     def on_finish(self, request: Request) -> None:
         job = self.jobs.get(request.request_id)
-        finished = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
-        if job is not None and job.seated_at is not None and finished:
-            self._runs.append(self._step_end - job.seated_at)
+        if job is not None and job.seated_at is not None and request.status.completed:
+            if len(self._runs) == self._runs.maxlen:
+                self._runs_total -= self._runs[0]
+            run = self._step_end - job.seated_at
+            self._runs.append(run)
+            self._runs_total += run
         super().on_finish(request)
 
     def _promote_starved(self, jobs: list[Job], now: float) -> None:
