@@ -24,7 +24,9 @@ PROGRAMS = (
 )
 SHELL_FENCES = ("", "bash", "sh", "shell", "console")
 _INLINE = re.compile(r"`((?:quanta|locust) [^`]+)`")
-_PLACEHOLDER = re.compile(r"\b[A-Z]{3,}\b|\.\.\.")
+# A value to fill in (NAME, ..., a lone capital: --seed S, =T), an optional part ([--flag]) or a
+# choice (a|b): the text shows a command's shape, not one to run as written.
+_PLACEHOLDER = re.compile(r"\b[A-Z]{3,}\b|\.\.\.|(?<=[\s=])[A-Z](?=[\s,\"]|$)|\[-|\w\|\w")
 
 
 @dataclass(frozen=True)
@@ -68,24 +70,47 @@ def documented_commands() -> list[DocCommand]:
         lines = path.read_text().splitlines()
         fence: str | None = None
         block: list[tuple[int, str]] = []
+        paragraph: list[tuple[int, str]] = []
         for number, line in enumerate(lines, 1):
             if line.startswith("```"):
+                _add(found, _inline_commands(name, paragraph))
+                paragraph = []
                 if fence is None:
                     fence, block = line[3:].strip(), []
                     continue
-                for cmd in _block_commands(name, fence, block):
-                    found.setdefault(cmd.text, cmd)
+                _add(found, _block_commands(name, fence, block))
                 fence = None
                 continue
             if fence is not None:
                 block.append((number, line))
-                continue
-            for match in _INLINE.finditer(line):
-                text = match.group(1).strip()
-                complete = " --" in text and not text.split()[-1].startswith("-")
-                if complete and not _PLACEHOLDER.search(text):
-                    found.setdefault(text, DocCommand(f"{name}:{number}", text))
+            elif line.strip():
+                paragraph.append((number, line))
+            else:
+                _add(found, _inline_commands(name, paragraph))
+                paragraph = []
+        _add(found, _inline_commands(name, paragraph))
     return list(found.values())
+
+
+def _add(found: dict[str, DocCommand], commands: list[DocCommand]) -> None:
+    for cmd in commands:
+        found.setdefault(cmd.text, cmd)
+
+
+def _inline_commands(name: str, paragraph: list[tuple[int, str]]) -> list[DocCommand]:
+    """Inline commands of one paragraph; a command wrapped over lines (a list item's
+    continuation, a long option list) is one command, named by the line it starts on."""
+    if not paragraph:
+        return []
+    joined = "\n".join(line for _, line in paragraph)
+    commands = []
+    for match in _INLINE.finditer(joined):
+        text = " ".join(match.group(1).split())
+        complete = " --" in text and not text.split()[-1].startswith("-")
+        if complete and not _PLACEHOLDER.search(text):
+            number = paragraph[joined.count("\n", 0, match.start())][0]
+            commands.append(DocCommand(f"{name}:{number}", text))
+    return commands
 
 
 def _block_commands(name: str, fence: str, block: list[tuple[int, str]]) -> list[DocCommand]:
