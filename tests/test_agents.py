@@ -301,6 +301,42 @@ def test_delayed_users_follow_the_threshold():
     assert quiet["num_interactions"] == 2  # a call without an interaction is its own
 
 
+def test_delayed_within_counts_only_calls_that_continue_an_interaction():
+    """z's follow-up queues behind x's long call; y's first call does, its follow-up not."""
+
+    def call(t: float, rid: str, out: int, user: str, stage: int | None = None, last: bool = False):
+        inter = None if stage is None else f"{user}-i0"
+        return WorkloadRequest(
+            t,
+            40,
+            out,
+            rid,
+            tenant=user,
+            interaction_id=inter,
+            interaction_stage=stage,
+            think_time_s=0.0 if not stage else 0.1,
+            interaction_last=last,
+        )
+
+    trace = [
+        call(0.0, "z0", 4, "z", 0),
+        call(0.001, "x0", 200, "x"),
+        call(0.002, "y0", 4, "y", 0),
+        call(0.1, "z1", 4, "z", 1, last=True),
+        call(0.1, "y1", 4, "y", 1, last=True),
+    ]
+    res = simulate(trace, SimSetup("fcfs", COST, SchedulerConfig(max_num_seqs=1)))
+    wait = {r.request_id: r.first_scheduled_time - r.arrival_time for r in res.requests}
+    assert wait["z1"] > 1.0 and wait["y0"] > 1.0  # both behind x's 200 tokens
+    assert wait["z0"] < 1.0 and wait["y1"] < 1.0 and wait["x0"] < 1.0
+    fair = fairness(res.requests, delay_threshold_s=1.0)
+    assert fair["delayed_users_fraction"] == pytest.approx(2 / 3)
+    assert fair["delayed_within_users_fraction"] == pytest.approx(1 / 3)
+    rows = fair["by_tenant"]
+    assert [rows[u]["delayed_within"] for u in "xyz"] == [False, False, True]
+    assert [rows[u]["delayed"] for u in "xyz"] == [False, True, True]
+
+
 def test_fair_share_water_fills_what_the_users_asked():
     """x's long call holds the only seat while y's short call waits: over the load period
     (until y's call was sent) x got everything, and y, who asked for less than half, was
