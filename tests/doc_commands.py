@@ -9,6 +9,7 @@ smoke test runs them through bash exactly as written, after ``shrink`` has made 
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,11 +73,11 @@ def documented_commands() -> list[DocCommand]:
         block: list[tuple[int, str]] = []
         paragraph: list[tuple[int, str]] = []
         for number, line in enumerate(lines, 1):
-            if line.startswith("```"):
+            if line.lstrip().startswith("```"):  # NOTE: a list item's block is indented
                 _add(found, _inline_commands(name, paragraph))
                 paragraph = []
                 if fence is None:
-                    fence, block = line[3:].strip(), []
+                    fence, block = line.lstrip()[3:].strip(), []
                     continue
                 _add(found, _block_commands(name, fence, block))
                 fence = None
@@ -116,7 +117,8 @@ def _inline_commands(name: str, paragraph: list[tuple[int, str]]) -> list[DocCom
 def _block_commands(name: str, fence: str, block: list[tuple[int, str]]) -> list[DocCommand]:
     if fence == "python":
         start = block[0][0] if block else 0
-        return [DocCommand(f"{name}:{start}", "\n".join(line for _, line in block), True)]
+        source = textwrap.dedent("\n".join(line for _, line in block))
+        return [DocCommand(f"{name}:{start}", source, True)]
     if fence not in SHELL_FENCES:
         return []
     commands, pending, start = [], "", 0

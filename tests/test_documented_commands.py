@@ -4,10 +4,10 @@ The commands come from the markdown itself (``doc_commands``), so a refactor tha
 documented command, or a doc that shows a command nothing runs, fails this module. Each runs
 through bash as written, after ``shrink`` (counts, durations and the larger checkpoint made
 tiny; the documented ports mapped to free ones) in a scratch directory laid out like the
-repository: ``loadtests/`` and ``triton_models/`` linked, ``docs/`` copied (reproductions
-rewrite their doc), and ``../shared/data`` holding the first rows of the Azure trace (a
-synthetic stand-in when the data is not beside the checkout). Client commands run against one
-real server started with the documented ``quanta serve --openai-port 9000``.
+repository: ``loadtests/``, ``triton_models/`` and ``bench/`` linked, ``docs/`` copied
+(reproductions rewrite their doc), and ``../shared/data`` holding the first rows of the Azure
+trace (a synthetic stand-in when the data is not beside the checkout). Client commands run
+against one real server started with the documented ``quanta serve --openai-port 9000``.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ FASTER = {
     "quanta bench structured": "--batch 1 --max-tokens 8",
     "quanta bench speculative": "--batch 1 --max-tokens 8 --workload edit",
     "quanta bench prefix-prefill": "--shapes 64:16 --repeats 1",
+    "python bench/gpu/hidden_recompute.py": "--device cpu --dtype float32 --hidden 64 "
+    "--layers 2 --batches 2,4 --hidden-tokens 8,16,32 --repeats 2",
 }
 
 
@@ -100,6 +102,8 @@ def kind(cmd: DocCommand) -> str:
         return "client"
     if words[0] == "quanta" or (words[0] == "python" and words[1].startswith("loadtests/")):
         return "offline"  # (a load-test script that starts its own server)
+    if words[0] == "python" and words[1].startswith("bench/gpu/"):
+        return "offline"  # a device benchmark, run here on the CPU at a tiny size
     return "unknown"
 
 
@@ -119,13 +123,16 @@ ENGINE = (
     "quanta fetch-model",
     "quanta profile",
     "quanta simulate validate",
+    "python bench/gpu/",
 )
 
 
 def own_tiers(cmd: DocCommand) -> set[str]:
     """The test tiers (markers in pyproject.toml) a command's smoke test needs by itself."""
     tiers = set()
-    if kind(cmd) in ("demo", "server", "gateway", "client") or cmd.text.startswith("python "):
+    if kind(cmd) in ("demo", "server", "gateway", "client") or cmd.text.startswith(
+        "python loadtests/"
+    ):
         tiers.add("live")  # a server of its own or the module's
     if cmd.text.startswith(ENGINE) or (cmd.python and "quanta.LLM(" in cmd.text):
         tiers.add("engine")
@@ -189,6 +196,7 @@ def workdir(tmp_path_factory) -> Path:
     work.mkdir()
     (work / "loadtests").symlink_to(ROOT / "loadtests")
     (work / "triton_models").symlink_to(ROOT / "triton_models")
+    (work / "bench").symlink_to(ROOT / "bench")
     shutil.copytree(ROOT / "docs", work / "docs")
     (work / "out").mkdir()
     trace = base / "shared" / AZURE
