@@ -149,6 +149,11 @@ def outputs(cmd: DocCommand) -> list[str]:
     return made
 
 
+def reads(cmd: DocCommand, path: str) -> bool:
+    """Whether ``cmd`` names ``path`` (or a file under it) among its words."""
+    return path in cmd.words or f"{path}/" in cmd.text
+
+
 @functools.cache
 def tiers_of() -> dict[str, set[str]]:
     """Each command's tiers, including those of every later command that reads what it
@@ -158,7 +163,7 @@ def tiers_of() -> dict[str, set[str]]:
         cmd = COMMANDS[i]
         tiers[cmd.text] = own_tiers(cmd)
         for later in COMMANDS[i + 1 :]:
-            if any(path in later.words or f"{path}/" in later.text for path in outputs(cmd)):
+            if any(reads(later, path) for path in outputs(cmd)):
                 tiers[cmd.text] |= tiers[later.text]
     return tiers
 
@@ -248,10 +253,6 @@ def run_python(source: str, cwd: Path) -> None:
 def written(text: str) -> list[str]:
     """Files and folders a command says it writes (--output, --plot, --out, --csv prefix)."""
     return re.findall(r"--(?:output|plot|out|plot-dir)\s+(\S+)", text)
-
-
-def reads(cmd: DocCommand, path: str) -> bool:
-    return path in cmd.words or f"{path}/" in cmd.text
 
 
 def ensure_inputs(cmd: DocCommand, workdir: Path, seen: frozenset[str] = frozenset()) -> None:

@@ -128,6 +128,8 @@ def fairness(
             user.wasted_tokens += r.num_prompt_tokens * prefilled + r.num_output_tokens
     senders = [u for u in users.values() if u.sent]
     _set_fair_shares(senders)
+    rows = {name: users[name].row(delay_threshold_s) for name in sorted(users)}
+    sent = [rows[name] for name, u in users.items() if u.sent]  # the senders' rows
     hit = {_interaction(r) for r in requests if r.request_id in throttled}
     done = [r for r in requests if r.finish_time is not None and r.error is None]
     num_interactions = len({_interaction(r) for r in requests})
@@ -139,20 +141,15 @@ def fairness(
         "throttled_interactions": len(hit),
         "abandoned_requests": len(never_sent),
         "wasted_tokens": sum(u.wasted_tokens for u in users.values()),
-        "delayed_users_fraction": _share(
-            sum(any(q > delay_threshold_s for q in u.queueing) for u in senders), len(senders)
-        ),
-        "delayed_within_users_fraction": _share(
-            sum(any(q > delay_threshold_s for q in u.queueing_within) for u in senders),
-            len(senders),
-        ),
+        "delayed_users_fraction": _share(sum(r["delayed"] for r in sent), len(sent)),
+        "delayed_within_users_fraction": _share(sum(r["delayed_within"] for r in sent), len(sent)),
         "served_users_fraction": _share(sum(bool(u.answered) for u in senders), len(senders)),
         "completed_requests": len(done),
         "completed_interactions": len(answered),
         "service_provided_requests": _share(len(done), len(requests)),
         "service_provided_interactions": _share(len(answered), num_interactions),
         "jain_index": jain_index([u.service for u in senders]),
-        "by_tenant": {name: users[name].row(delay_threshold_s) for name in sorted(users)},
+        "by_tenant": rows,
     }
 
 
