@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from quanta.core.blocks import BlockManager, Tier
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
+from quanta.core.faults import FaultPlan
 from quanta.core.output import LogitsProcessing, PromptLogprobsAsk, ScheduledSeq, SchedulerOutput
 from quanta.core.plan import PoolView, StepPlan
 from quanta.core.request import CacheKind, Request, RequestStatus
@@ -23,6 +24,10 @@ class DecisionApplier:
         self.blocks = blocks
         self.prefix_queries = 0  # tokens of requests that started with K/V, cache asked
         self.prefix_hits = 0  # of them, tokens found cached
+        self.faults: FaultPlan | None = None  # tests only (``core/faults.py``)
+        # requests whose scheduling raised in the latest ``apply``: left out of its step,
+        # still holding their blocks until the loop fails them after the step
+        self.failed: dict[str, Exception] = {}
 
     def validate(self, d: Decision, live: Mapping[str, Request]) -> StepPlan:
         """Raise ``PolicyError`` unless ``d`` can be applied as a whole; the plan it makes.
@@ -55,6 +60,7 @@ class DecisionApplier:
         evict them)."""
         trimmed = self.validate(d, live).trimmed
         bm = self.blocks
+        self.failed = {}
         for rid, kept in trimmed.items():
             live[rid].num_cached_tokens = bm.trim_hit(rid, kept)
         starting = {rid for rid, _ in d.run if self._starts_with_hit(live[rid], _kind(d, rid))}
@@ -86,10 +92,15 @@ class DecisionApplier:
                     r.num_computed_tokens = r.num_cached_tokens
                     if r.first_scheduled_time is None:
                         r.num_cached_prompt_tokens = min(r.num_cached_tokens, r.num_prompt_tokens)
-                seqs.append(self._schedule(r, n, now, _kind(d, rid)))
+                try:
+                    seqs.append(self._schedule(r, n, now, _kind(d, rid)))
+                except Exception as exc:  # NOTE: this request's own; the others still run
+                    self.failed[rid] = exc
             ran = dict(d.run)
             checkpoint: list[tuple[int, int]] = []
             for rid in d.checkpoint:
+                if rid in self.failed:
+                    continue
                 r = live[rid]
                 pairs = bm.checkpoint(rid, r.num_computed_tokens + r.real_tokens(ran.get(rid, 0)))
                 assert pairs is not None
@@ -137,6 +148,8 @@ class DecisionApplier:
         start = r.num_computed_tokens
         new = self.blocks.allocate_slots(r.request_id, start + r.slots_for(n), kind)
         assert new is not None
+        if self.faults is not None:
+            self.faults.check("apply", r)
         r.num_cached_tokens = 0
         if r.status is RequestStatus.WAITING:
             r.set_status(RequestStatus.RUNNING)

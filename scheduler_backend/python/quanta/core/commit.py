@@ -13,7 +13,8 @@ from quanta.core.blocks import BlockManager
 from quanta.core.clock import Clock
 from quanta.core.detokenize import Decode, Detokenizer
 from quanta.core.errors import EngineStepError, QuantaError
-from quanta.core.output import RunnerOutput, SchedulerOutput, TokenLogprob
+from quanta.core.faults import FaultPlan
+from quanta.core.output import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 from quanta.core.prefix import block_hashes
 from quanta.core.request import Request, RequestStatus
 from quanta.core.speculative import learn
@@ -35,6 +36,7 @@ class Committer:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.faults: FaultPlan | None = None  # tests only (``core/faults.py``)
 
     def track(self, r: Request, sink: Sink) -> None:
         self._sinks[r.request_id] = sink
@@ -48,7 +50,11 @@ class Committer:
         live: Mapping[str, Request],
         step_time: float,
     ) -> list[Request]:
-        """Apply one step's results; returns the requests that finished."""
+        """Apply one step's results; returns the requests that finished.
+
+        A request whose commit raises (a bug in its detokenizer, its constraint, its prompt
+        logprobs) ends with ``EngineStepError`` and is among those returned; the others'
+        commits go on."""
         now = self.clock.now()
         done: list[Request] = []
         logprobs = out.logprobs or (None,) * len(sched.seqs)
@@ -65,40 +71,61 @@ class Committer:
             strict=True,
         ):
             r = live[seq.request_id]
-            drafts = r.draft_token_ids[: seq.num_draft_tokens]
-            r.draft_token_ids = ()
-            if not 0 <= num_accepted <= len(drafts):
-                raise RuntimeError(
-                    f"{r.request_id}: {num_accepted} of {len(drafts)} drafts accepted"
-                )
-            # NOTE: the K/V of rejected drafts lies past the computed tokens: written over
-            # next step, never named, and its spare blocks go back below
-            r.num_computed_tokens += seq.num_new_tokens - len(drafts) + num_accepted
-            if not seq.hidden:
-                self._name_blocks(r)
-            r.attained_service += step_time
-            if seq.prompt_logprobs is not None:
-                _record_prompt_logprobs(r, seq.prompt_logprobs.first, plp)
-            if token is None:
-                continue
-            if drafts:
-                self.num_drafts += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += num_accepted
-                learn(r, len(drafts), num_accepted)
-            for i, t in enumerate((*drafts[:num_accepted], token)):
-                if self._append(r, t, lp if i == num_accepted else None, now):
+            try:
+                if self._commit_seq(r, seq, token, lp, plp, num_accepted, proposed, now, step_time):
                     done.append(r)
-                    break
-            else:
-                if drafts or seq.num_proposals:
-                    self.blocks.trim_slots(r.request_id, r.num_tokens)
-                r.draft_token_ids = proposed  # the draft model's, verified next step
-                if num_accepted and not seq.hidden:
-                    # NOTE: the accepted drafts' tokens are in the request only now; a request
-                    # that finished on them leaves those blocks unnamed (they are its last)
-                    self._name_blocks(r)
+            except Exception as exc:
+                log.exception("committing the step of %s failed", r.request_id)
+                if not r.status.finished:
+                    self.finish_with_error(r, EngineStepError(f"engine step failed: {exc}"))
+                done.append(r)
         return done
+
+    def _commit_seq(
+        self,
+        r: Request,
+        seq: ScheduledSeq,
+        token: int | None,
+        lp: TokenLogprob | None,
+        plp: tuple[TokenLogprob, ...],
+        num_accepted: int,
+        proposed: tuple[int, ...],
+        now: float,
+        step_time: float,
+    ) -> bool:
+        """Commit one request's share of the step; True when it finished."""
+        if self.faults is not None:
+            self.faults.check("commit", r)
+        drafts = r.draft_token_ids[: seq.num_draft_tokens]
+        r.draft_token_ids = ()
+        if not 0 <= num_accepted <= len(drafts):
+            raise RuntimeError(f"{r.request_id}: {num_accepted} of {len(drafts)} drafts accepted")
+        # NOTE: the K/V of rejected drafts lies past the computed tokens: written over
+        # next step, never named, and its spare blocks go back below
+        r.num_computed_tokens += seq.num_new_tokens - len(drafts) + num_accepted
+        if not seq.hidden:
+            self._name_blocks(r)
+        r.attained_service += step_time
+        if seq.prompt_logprobs is not None:
+            _record_prompt_logprobs(r, seq.prompt_logprobs.first, plp)
+        if token is None:
+            return False
+        if drafts:
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_accepted
+            learn(r, len(drafts), num_accepted)
+        for i, t in enumerate((*drafts[:num_accepted], token)):
+            if self._append(r, t, lp if i == num_accepted else None, now):
+                return True
+        if drafts or seq.num_proposals:
+            self.blocks.trim_slots(r.request_id, r.num_tokens)
+        r.draft_token_ids = proposed  # the draft model's, verified next step
+        if num_accepted and not seq.hidden:
+            # NOTE: the accepted drafts' tokens are in the request only now; a request
+            # that finished on them leaves those blocks unnamed (they are its last)
+            self._name_blocks(r)
+        return False
 
     def _name_blocks(self, r: Request) -> None:
         """Name the full blocks of ``r``'s computed tokens for the prefix cache."""
@@ -153,6 +180,8 @@ class Committer:
         return None
 
     def _text(self, r: Request, final: bool) -> tuple[str, bool]:
+        if self.faults is not None:
+            self.faults.check("detokenize", r)
         detok = self._detok.get(r.request_id)
         if detok is None:
             return "", False

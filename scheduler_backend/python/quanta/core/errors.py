@@ -55,6 +55,15 @@ class EngineStepError(QuantaError):
     code = "internal"
 
 
+class EngineDeadError(QuantaError):
+    """The engine hit an error it cannot contain to one request (its loop died, or made no
+    progress for too long): every request in flight ends with this error, new ones are
+    refused, and the server ends so that its supervisor starts a fresh one. Retry shortly;
+    the code is the one a draining server gives (HTTP 503), since the cure is the same."""
+
+    code = "shutting_down"
+
+
 class PolicyError(QuantaError):
     """A policy produced a decision the block pools cannot carry out: a policy bug."""
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from quanta.core.apply import DecisionApplier
@@ -19,6 +21,7 @@ from quanta.core.decision import Decision, PreemptMode
 from quanta.core.detokenize import Decode
 from quanta.core.errors import (
     CapacityError,
+    EngineDeadError,
     EngineStepError,
     InvalidRequestError,
     QuantaError,
@@ -26,7 +29,14 @@ from quanta.core.errors import (
     ThrottledError,
     WorkerLostError,
 )
-from quanta.core.output import Runner, SchedulerOutput
+from quanta.core.faults import FaultPlan
+from quanta.core.output import (
+    MalformedStepError,
+    Runner,
+    RunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from quanta.core.plan import PoolView
 from quanta.core.policy import Policy, check_capabilities
 from quanta.core.prefix import block_hashes
@@ -70,6 +80,21 @@ class LoopStats:
     spec_num_accepted_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class LoopHealth:
+    """Whether the loop serves: its thread is alive and, with work in flight, it completed a
+    step within the stall timeout. ``reason`` says why not (empty when healthy)."""
+
+    healthy: bool
+    reason: str = ""
+    seconds_since_step: float = 0.0  # since the latest step ended; 0 while idle
+    num_unfinished: int = 0  # requests submitted and not finished
+
+
+class LoopFatalError(RuntimeError):
+    """An error the loop cannot contain to one request: it stops serving (``EngineLoop``)."""
+
+
 class EngineLoop:
     """Drives one model replica; see the module docstring for the step."""
 
@@ -83,6 +108,7 @@ class EngineLoop:
         max_model_len: int,
         decode: Decode | None = None,
         speculative: SpeculativeConfig | None = None,
+        max_step_failures: int = 5,
     ) -> None:
         check_capabilities(policy, runner.capabilities, type(runner).__name__)
         self.runner, self.policy, self.blocks, self.clock = runner, policy, blocks, clock
@@ -111,6 +137,17 @@ class EngineLoop:
         self._abort_rule: AbortRule | None = None
         self._safepoints = runner.capabilities.layer_safepoints
         self.last_abort: tuple[float, float] | None = None  # (raised at, stopped at) clock times
+        # Containment: steps in a row that committed nothing and failed; at this many the
+        # loop gives up (``LoopFatalError``), since the fault is not any one request's.
+        self.max_step_failures = max_step_failures
+        self._failed_steps = 0
+        self.faults: FaultPlan | None = None  # tests only: ``inject``
+        # Called (on the loop thread) once the loop died, after every request in flight was
+        # failed: the server ends, so its supervisor starts a fresh one.
+        self.on_fatal: Callable[[str], None] | None = None
+        self._dead: str | None = None  # why the loop died
+        self._beat = time.monotonic()  # wall time the latest step ended (the watchdog's)
+        self._idle = True  # the thread waits for work
         self._stats = self._snapshot()
 
     # -- client side (any thread) ---------------------------------------------------------
@@ -122,8 +159,12 @@ class EngineLoop:
         self.validate(request)
         stream = RequestStream(request.request_id) if sink is None else None
         with self._cv:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine stopped serving: {self._dead}")
             if self._stopping:
                 raise RequestAbortedError("the engine is shutting down")
+            if self._idle:  # NOTE: the stall clock starts when work arrives, not at the last step
+                self._beat = time.monotonic()
             self._inbox.append((request, sink or stream))  # type: ignore[arg-type]
             self._cv.notify()
             if self.would_abort(request, self.clock.now()):
@@ -174,13 +215,51 @@ class EngineLoop:
         with self._cv:
             return bool(self._live or self._inbox)
 
+    def inject(self, faults: FaultPlan | None) -> None:
+        """Arm the fault sites of ``faults`` (tests only; ``core/faults.py``)."""
+        self.faults = faults
+        self._applier.faults = faults
+        self._committer.faults = faults
+
+    def health(self, stall_timeout: float) -> LoopHealth:
+        """Unhealthy once the loop died, or when work is in flight and no step ended for
+        ``stall_timeout`` seconds (counted from when the work arrived if the loop was idle).
+        Safe from any thread; meaningful while the loop runs on its own thread."""
+        with self._cv:
+            dead, idle, beat = self._dead, self._idle, self._beat
+            unfinished = len(self._live) + len(self._inbox)
+            thread = self._thread
+            stopping = self._stopping
+        if dead is not None:
+            return LoopHealth(False, f"the engine loop died: {dead}", 0.0, unfinished)
+        if thread is not None and not thread.is_alive() and not stopping:
+            return LoopHealth(False, "the engine loop thread is gone", 0.0, unfinished)
+        age = 0.0 if idle and not unfinished else time.monotonic() - beat
+        if unfinished and age > stall_timeout:
+            reason = (
+                f"no engine step completed in {age:.0f} s while {unfinished} request(s) "
+                f"waited or ran (stall timeout {stall_timeout:g} s)"
+            )
+            return LoopHealth(False, reason, age, unfinished)
+        return LoopHealth(True, "", age, unfinished)
+
     # -- one iteration (loop thread) -------------------------------------------------------
     def step(self) -> bool:
-        """Run one iteration; False when there was nothing to do."""
+        """Run one iteration; False when there was nothing to do.
+
+        Containment: a request whose scheduling, row or commit raises ends alone with
+        ``EngineStepError``; a step whose every request failed counts toward
+        ``max_step_failures``, and an exception outside any one request's handling
+        propagates (the thread driver then fails everything in flight: ``_die``)."""
         self._ingest()
         if not self._live:
             self._stats = self._snapshot()
             return False
+        if self.faults is not None:
+            self.faults.check_any("step", self._live.values())  # NOTE: uncontainable
+            self.faults.stall(self._live.values())
+            if self._stopping:
+                return False
         now = self.clock.now()
         try:
             view = self._view(now)
@@ -194,9 +273,12 @@ class EngineLoop:
         except Exception as exc:  # a policy bug must not wedge every client
             log.exception("scheduling failed")
             self._fail(list(self._live.values()), f"scheduler error: {exc}")
+            self._step_failed(f"scheduler error: {exc}")
             return True
+        failed: dict[str, Exception] = dict(self._applier.failed)
         if sched.is_empty:
-            return bool(decision.preempt)
+            self._fail_each(failed)
+            return bool(decision.preempt) or bool(failed)
         if decision.abort_when is not None and self._safepoints and sched.seqs:
             sched = replace(sched, abort=self._abort)
             with self._cv:
@@ -207,9 +289,10 @@ class EngineLoop:
                 if any(self.would_abort(r, now) for r, _ in self._inbox):
                     self._abort.raise_at(self.clock.now())
         try:
-            out = self.runner.execute(sched)
+            out = self._execute(sched)
         except StepAborted:
             self._aborted(decision)
+            self._fail_each(failed)
             return True
         except WorkerLostError as exc:
             # NOTE: every request's KV (and every cached prefix) had a shard on the lost rank
@@ -217,12 +300,27 @@ class EngineLoop:
             log.error("%s", exc)
             self._fail(list(self._live.values()), str(exc), WorkerLostError)
             self.blocks.reset_prefix_cache()
+            self._step_failed(str(exc))
+            return True
+        except MalformedStepError as exc:
+            # NOTE: nothing was copied or written: the step's requests (and those whose KV
+            # was to move) end, the others never met it
+            self.blocks.drop_pending_checkpoints()
+            log.exception("the runner refused the step")
+            self._fail_step(decision, sched, exc)
+            self._fail_each(failed)
+            self._step_failed(f"engine step failed: {exc}")
             return True
         except Exception as exc:
             self.blocks.drop_pending_checkpoints()
-            log.exception("engine step failed")
-            self._fail_step(decision, sched, exc)
-            return True
+            log.exception("engine step failed; running its requests one at a time")
+            isolated = self._isolate(sched, failed)
+            if isolated is None:
+                self._fail_step(decision, sched, exc)
+                self._fail_each(failed)
+                self._step_failed(f"engine step failed: {exc}")
+                return True
+            sched, out = isolated
         finally:
             self._abort_rule = None
         self.blocks.confirm_checkpoints()
@@ -230,12 +328,64 @@ class EngineLoop:
         step_time = self.clock.now() - now
         self._counts["steps"] += 1
         done = self._committer.commit(sched, out, self._live, step_time)
+        if failed:  # NOTE: the policy learns only from the rows that ran
+            ran = {s.request_id for s in sched.seqs}
+            decision = replace(decision, run=tuple(p for p in decision.run if p[0] in ran))
         self.policy.on_step(decision, out, step_time)
         for r in done:
             del self._live[r.request_id]
             self.policy.on_finish(r)
+        self._fail_each(failed)
+        if len(sched.seqs) > sum(1 for r in done if r.error):
+            self._failed_steps = 0  # NOTE: a row went through: the engine works
+        elif failed or sched.seqs:
+            self._step_failed("every request of the step failed")
         self._stats = self._snapshot()
         return True
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = self.runner.execute(sched)
+        if self.faults is not None:
+            self.faults.check_any("runner", (self._live[s.request_id] for s in sched.seqs))
+        return out
+
+    def _isolate(
+        self, sched: SchedulerOutput, failed: dict[str, Exception]
+    ) -> tuple[SchedulerOutput, RunnerOutput] | None:
+        """After a step raised past its block copies: run each of its requests alone (no
+        copies: they were made, and K/V written again is the same), so only the rows that
+        raise again fail. None when none ran (the fault is not any one request's).
+
+        The requests that raise are added to ``failed``."""
+        if len(sched.seqs) < 2:
+            return None
+        good, outs = [], []
+        for seq in sched.seqs:
+            solo = replace(sched, seqs=(seq,), swap_out=(), swap_in=(), checkpoint=(), abort=None)
+            try:
+                outs.append(self._execute(solo))
+                good.append(seq)
+            except Exception as exc:
+                log.warning("the row of %s failed alone too: %s", seq.request_id, exc)
+                failed[seq.request_id] = exc
+        if not good:
+            for seq in sched.seqs:
+                failed.pop(seq.request_id, None)
+            return None
+        return replace(sched, seqs=tuple(good), checkpoint=()), _merge_outputs(good, outs)
+
+    def _fail_each(self, failed: dict[str, Exception]) -> None:
+        """End each request whose own handling raised, with what it raised."""
+        for rid, exc in failed.items():
+            r = self._live.get(rid)
+            if r is not None:
+                self._fail([r], f"engine step failed for this request: {exc}")
+
+    def _step_failed(self, why: str) -> None:
+        """Count a step that failed as a whole; ``max_step_failures`` in a row is fatal."""
+        self._failed_steps += 1
+        if self._failed_steps >= self.max_step_failures:
+            raise LoopFatalError(f"{self._failed_steps} engine steps in a row failed; last: {why}")
 
     def run_until_idle(self) -> None:
         """Step until every submitted request has finished (offline API, simulator)."""
@@ -257,6 +407,8 @@ class EngineLoop:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        if self.faults is not None:
+            self.faults.released.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -264,18 +416,52 @@ class EngineLoop:
         self._fail(list(self._live.values()), reason, error)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # NOTE: whatever it was, nobody may hang on this loop
+            self._die(f"{type(exc).__name__}: {exc}")
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
+                self._idle = True
                 while not (
                     self._stopping or self._inbox or self._cancels or self._live or self._resets
                 ):
                     self._cv.wait()
+                self._idle = False
                 if self._stopping:
                     return
             if not self.step() and self._live:
                 self._stall_check()
                 with self._cv:  # nothing runnable now: wait for news instead of spinning
                     self._cv.wait(timeout=0.005)
+            self._beat = time.monotonic()
+
+    def _die(self, reason: str) -> None:
+        """The loop cannot go on: refuse new requests, fail every one in flight with
+        ``EngineDeadError`` (each on its own, so one broken sink cannot stop the rest), then
+        tell ``on_fatal``."""
+        log.critical("the engine loop died: %s", reason, exc_info=True)
+        with self._cv:
+            self._dead = reason
+            inbox, self._inbox = self._inbox, []
+        error = EngineDeadError(f"the engine failed and stopped serving: {reason}")
+        for request, sink in inbox:
+            try:
+                self._committer.track(request, sink)
+            except Exception:
+                log.exception("tracking %s failed", request.request_id)
+            self._live.setdefault(request.request_id, request)
+        for r in list(self._live.values()):
+            try:
+                self._committer.finish_with_error(r, error)
+            except Exception:
+                log.exception("failing %s failed", r.request_id)
+        self._live.clear()
+        self._stats = replace(self._stats, num_waiting=0, num_running=0, num_swapped=0)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     # -- helpers -----------------------------------------------------------------------------
     def _ingest(self) -> None:
@@ -310,6 +496,8 @@ class EngineLoop:
                 r.num_cached_tokens = 0
                 continue
             n = (len(r.all_token_ids) - 1) // size  # cacheable_blocks, inlined: per request
+            if r.params.prompt_logprobs is not None:
+                n = min(n, _reported_blocks(r, size))
             chain = r.block_hashes if len(r.block_hashes) >= n else block_hashes(r, size, n)
             r.num_cached_tokens = bm.lookup(r.request_id, chain, n)
 
@@ -376,8 +564,14 @@ class EngineLoop:
             self._fail(list(self._live.values()), f"policy {self.policy.name} made no progress")
 
     def stats(self) -> LoopStats:
-        """The snapshot taken at the end of the latest step; safe from any thread."""
-        return self._stats
+        """The snapshot taken at the end of the latest step, with the requests submitted
+        since then counted as waiting (so a loop stuck in a step still shows its queue);
+        safe from any thread."""
+        s = self._stats
+        with self._cv:
+            unfinished = len(self._live) + len(self._inbox)
+        waiting = max(s.num_waiting, unfinished - s.num_running - s.num_swapped)
+        return s if waiting == s.num_waiting else replace(s, num_waiting=waiting)
 
     def _snapshot(self) -> LoopStats:
         view = self._view(self.clock.now())
@@ -408,3 +602,37 @@ class EngineLoop:
             spec_num_draft_tokens=self._committer.num_draft_tokens,
             spec_num_accepted_tokens=self._committer.num_accepted_tokens,
         )
+
+
+def _reported_blocks(r: Request, block_size: int) -> int:
+    """How many leading blocks of a request that asks for prompt logprobs may come from the
+    prefix cache: only those whose rows it has reported already.
+
+    Why: a cached block holds K/V, not the logits its rows gave, so a row served from the
+    cache has no logprob to report. vLLM gives such a request no cache hit at all; here the
+    cap is the rows already reported, which is the same for a new request (none) but lets a
+    request preempted by recompute take back the prefix it reported before, and one that
+    reported its whole prompt hit as any other. Its own blocks are named and shared as usual.
+    """
+    reported = len(r.prompt_logprobs)
+    if reported >= r.num_prompt_tokens - 1:
+        return len(r.all_token_ids)  # NOTE: every row reported: no cap
+    return reported // block_size
+
+
+def _merge_outputs(seqs: list[ScheduledSeq], outs: list[RunnerOutput]) -> RunnerOutput:
+    """One ``RunnerOutput`` for ``seqs`` from the outputs of running each alone."""
+    logprobs = tuple(o.logprobs[0] if o.logprobs else None for o in outs)
+    prompt = tuple(o.prompt_logprobs[0] if o.prompt_logprobs else () for o in outs)
+    accepted = tuple(o.num_accepted[0] if o.num_accepted else 0 for o in outs)
+    proposals = tuple(o.proposals[0] if o.proposals else () for o in outs)
+    times = [o.step_time for o in outs if o.step_time is not None]
+    return RunnerOutput(
+        request_ids=tuple(s.request_id for s in seqs),
+        sampled_token_ids=tuple(o.sampled_token_ids[0] for o in outs),
+        step_time=sum(times) if times else None,
+        logprobs=logprobs if any(lp is not None for lp in logprobs) else (),
+        prompt_logprobs=prompt if any(prompt) else (),
+        num_accepted=accepted if any(o.num_accepted for o in outs) else (),
+        proposals=proposals if any(proposals) else (),
+    )

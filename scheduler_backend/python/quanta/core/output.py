@@ -14,6 +14,13 @@ from quanta.core.safepoint import AbortSignal
 from quanta.core.structured import TokenConstraint
 
 
+class MalformedStepError(ValueError):
+    """A runner refused a step before copying or writing anything (block ids out of range,
+    a block table too short, a position past ``max_model_len``): the ledger and the runner
+    disagree about that step, and its requests' K/V was never touched. Any other exception
+    from ``Runner.execute`` may come after the step's block copies were made."""
+
+
 @dataclass(frozen=True, slots=True)
 class LogitsProcessing:
     """What the sampler does to one row's logits besides temperature/top-k/top-p; present

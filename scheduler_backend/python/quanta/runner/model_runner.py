@@ -22,6 +22,7 @@ import torch
 
 from quanta.core.config import AttentionKernel, LinearKernel
 from quanta.core.output import (
+    MalformedStepError,
     RunnerCapabilities,
     RunnerOutput,
     ScheduledSeq,
@@ -285,10 +286,13 @@ class ModelRunner:
         so = scheduler_output
         seqs = so.seqs
         with torch.inference_mode():
-            batch = self._prepare(seqs, self.num_device_blocks) if seqs else None
-            self._check_copies(so.swap_out, self.num_device_blocks, self.num_host_blocks)
-            self._check_copies(so.swap_in, self.num_host_blocks, self.num_device_blocks)
-            self._check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
+            try:
+                batch = self._prepare(seqs, self.num_device_blocks) if seqs else None
+                self._check_copies(so.swap_out, self.num_device_blocks, self.num_host_blocks)
+                self._check_copies(so.swap_in, self.num_host_blocks, self.num_device_blocks)
+                self._check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
+            except ValueError as exc:  # NOTE: nothing copied or written: the loop can tell
+                raise MalformedStepError(str(exc)) from exc
             with self._tp_call(lambda: ("step", worker_step(so))):
                 self._copy_blocks(so.swap_out, self.device_kv_cache, self.host_kv_cache)
                 self._copy_blocks(so.swap_in, self.host_kv_cache, self.device_kv_cache)

@@ -13,13 +13,20 @@ import functools
 import itertools
 import logging
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from quanta.core.errors import EngineStepError, QuantaError, ShuttingDownError
+from quanta.core.errors import EngineDeadError, EngineStepError, QuantaError, ShuttingDownError
+from quanta.core.faults import ENV as FAULTS_ENV
+from quanta.core.faults import FaultPlan
+from quanta.core.loop import LoopHealth
 from quanta.core.stream import RequestOutput
+from quanta.core.watchdog import Watchdog
 from quanta.frontends.triton.drain import DrainWatch, drain_dir_from_env
 from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
 from quanta.frontends.triton.responder import (
@@ -43,6 +50,8 @@ from quanta.frontends.triton.tensors import (
 )
 
 log = logging.getLogger(__name__)
+
+HEALTH_INPUT = "health_check"  # the control input of a health check (tensors.INPUTS)
 
 _ERROR_CODES = {
     "invalid_argument": "INVALID_ARG",
@@ -162,6 +171,19 @@ class TritonPythonModel:
         self._loop = self._engine.loop
         self._name = args["model_instance_name"]
         self._ids = itertools.count()
+        self._settings = settings
+        faults = settings.fault_injection or os.environ.get(FAULTS_ENV, "")
+        if faults:
+            self._loop.inject(FaultPlan.parse(faults))
+            pb_utils.Logger.log_warn(f"{self._name}: fault injection ({faults}) is on: tests only")
+        self._unhealthy: str | None = None  # why the engine stopped serving
+        self._unhealthy_lock = threading.Lock()
+        self._loop.on_fatal = lambda reason: self._engine_failed(f"the engine loop died: {reason}")
+        self._watchdog = Watchdog(
+            self._loop,
+            stall_timeout=settings.stall_timeout_s,
+            on_unhealthy=lambda health: self._engine_failed(health.reason),
+        )
         self._metrics = MetricsReporter(
             pb_utils,
             labels={
@@ -174,6 +196,7 @@ class TritonPythonModel:
             max_tenant_labels=settings.max_tenant_labels,
             info=self._engine.describe(),
             restarts=int(os.environ.get("QUANTA_SERVER_RESTARTS", "0") or 0),
+            health=self._health,
         )
         responses = TritonResponses(pb_utils, batch_dim=settings.io_layout == "tensorrt_llm")
         self._responder_final_flag = responses.final_flag
@@ -186,6 +209,7 @@ class TritonPythonModel:
         self._loop.start()
         self._responder.start()
         self._metrics.start()
+        self._watchdog.start()
         self._drain: DrainWatch | None = None
         drain_dir = drain_dir_from_env()
         if drain_dir is not None and drain_dir.is_dir():
@@ -209,6 +233,7 @@ class TritonPythonModel:
         """Stop the loop (failing what is in flight), flush responses, then drop metrics."""
         if self._drain is not None:
             self._drain.stop()
+        self._watchdog.stop()
         self._loop.stop("the model is being unloaded; the request was aborted")
         self._responder.stop()
         self._metrics.stop()
@@ -221,8 +246,14 @@ class TritonPythonModel:
         if self._drain is not None and self._drain.is_draining():
             self._responder.reject(inflight, ShuttingDownError(_DRAINING))
             return
+        if self._unhealthy is not None:
+            self._responder.reject(inflight, self._dead_error(self._unhealthy))
+            return
         try:
             get = functools.partial(self._input, request)
+            if get(HEALTH_INPUT) is not None:
+                self._answer_health(inflight)
+                return
             if is_reset_request(get, request.parameters()):
                 self._reset_prefix_cache(inflight)
                 return
@@ -279,6 +310,74 @@ class TritonPythonModel:
         self._loop.reset_prefix_cache(wait=False)
         self._responder.reply(inflight, Reply())
 
+    def _answer_health(self, inflight: InflightRequest) -> None:
+        """A health check: an empty final response while the engine serves, else the typed
+        error that says why not (the OpenAI gateway's ``/health`` asks this way, since
+        Triton 2.51's own readiness cannot be told by a Python backend)."""
+        health = self._health()
+        if health.healthy:
+            self._responder.reply(inflight, Reply())
+        else:
+            self._responder.reject(inflight, self._dead_error(health.reason))
+
+    def _health(self) -> LoopHealth:
+        """The watchdog's fresh reading; unhealthy for good once the engine was failed."""
+        health = self._watchdog.health()
+        reason = self._unhealthy
+        if reason is not None and health.healthy:
+            return LoopHealth(False, reason, health.seconds_since_step, health.num_unfinished)
+        return health
+
+    @staticmethod
+    def _dead_error(reason: str) -> EngineDeadError:
+        return EngineDeadError(f"the engine is unhealthy and the server restarts: {reason}")
+
+    def _engine_failed(self, reason: str) -> None:
+        """The engine stopped serving (its loop died or stalled): refuse new requests, end
+        every one in flight with ``EngineDeadError``, log why, and end tritonserver
+        ``unhealthy_exit_s`` later so that its supervisor restarts it. Idempotent; called
+        from the loop or the watchdog thread."""
+        with self._unhealthy_lock:
+            if self._unhealthy is not None:
+                return
+            self._unhealthy = reason
+        delay = self._settings.unhealthy_exit_s
+        ended = self._responder.fail_all(self._dead_error(reason))
+        then = (
+            f"; tritonserver ends in {delay:g} s so that it is restarted"
+            if delay >= 0
+            else "; health checks fail from now on (unhealthy_exit_s < 0: not ended)"
+        )
+        message = (
+            f"{self._name}: the engine is unhealthy: {reason}; "
+            f"{ended} request(s) in flight ended{then}"
+        )
+        print(f"quanta: {message}", file=sys.stderr, flush=True)
+        try:
+            self._pb.Logger.log_error(message)
+        except Exception:
+            log.exception("logging through Triton failed")
+        if delay >= 0:
+            timer = threading.Timer(delay, self._end_server, args=(reason,))
+            timer.daemon = True
+            timer.start()
+
+    def _end_server(self, reason: str) -> None:
+        """Send what is queued, then end tritonserver (the parent of this stub process).
+
+        Why SIGKILL: Triton 2.51's Python backend can neither mark a model not ready nor
+        restart a decoupled model's stub, and a tritonserver that shuts down cleanly (SIGTERM)
+        exits 0, which ``quanta serve`` takes for a deliberate stop; a killed one is restarted
+        (by ``quanta serve``, or by the container runtime). Every request was answered first."""
+        self._responder.flush(timeout=5.0)
+        parent = os.getppid()
+        if not _is_tritonserver(parent):
+            log.error("not ending process %d (not tritonserver): %s", parent, reason)
+            return
+        print(f"quanta: ending tritonserver (pid {parent}): {reason}", file=sys.stderr, flush=True)
+        os.kill(parent, signal.SIGKILL)
+        os._exit(1)
+
     def _input(self, request: Any, name: str) -> Any:
         tensor = self._pb.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
@@ -295,3 +394,11 @@ class TritonPythonModel:
                 metrics=out.metrics,
             )
         )
+
+
+def _is_tritonserver(pid: int) -> bool:
+    """Whether ``pid`` runs tritonserver (so a test harness is never the one killed)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"
+    except OSError:
+        return False

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from quanta.core.loop import LoopStats
+from quanta.core.loop import LoopHealth, LoopStats
 from quanta.core.stream import RequestMetrics
 from quanta.policies.fair_state import state_errors
 
@@ -102,6 +102,17 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         None,
     ),
     "quanta_engine_steps_total": ("COUNTER", "Engine iterations executed.", None),
+    "quanta_engine_healthy": (
+        "GAUGE",
+        "1 while the engine serves; 0 once its loop died or made no step for the stall "
+        "timeout with requests waiting or running (the log says why).",
+        None,
+    ),
+    "quanta_engine_seconds_since_step": (
+        "GAUGE",
+        "Seconds since the engine's latest step ended, while requests wait or run (0 idle).",
+        None,
+    ),
     "quanta_fairness_state_errors_total": (
         "COUNTER",
         "Operations on the shared fairness state (--state-url) that failed and fell back to "
@@ -236,8 +247,10 @@ class MetricsReporter:
         max_tenant_labels: int = 32,
         info: dict[str, str] | None = None,
         restarts: int = 0,
+        health: Callable[[], LoopHealth] | None = None,
     ) -> None:
         self._labels = labels
+        self._health = health
         self._restarts = restarts
         self._info = tuple(sorted((info or {}).items()))
         self._tenant = TenantLabels(max_tenant_labels)
@@ -288,6 +301,10 @@ class MetricsReporter:
         with self._lock:
             pending, self._pending = self._pending, []
         self._apply_stats(self._stats())
+        if self._health is not None:
+            h = self._health()
+            self._metric("quanta_engine_healthy").set(1.0 if h.healthy else 0.0)
+            self._metric("quanta_engine_seconds_since_step").set(h.seconds_since_step)
         for rec in pending:
             self._apply_finished(rec)
 

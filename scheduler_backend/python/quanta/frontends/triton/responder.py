@@ -148,6 +148,21 @@ class Responder:
         with self._lock:
             return len(self._live)
 
+    def fail_all(self, error: QuantaError) -> int:
+        """End every request still in flight with ``error``, whatever the engine does: for an
+        engine that died or is stuck, which will never end them. Returns how many."""
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for inflight in live:
+            self._queue.put((inflight, error))
+        return len(live)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything queued so far was sent (True), or ``timeout`` s passed."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Send what is queued (the engine must have failed its requests first), then stop."""
         self._queue.put(_STOP)
@@ -168,7 +183,9 @@ class Responder:
                 except queue.Empty:
                     break
             stop = any(entry is _STOP for entry in batch)
-            for inflight, payload in _coalesce([e for e in batch if e is not _STOP]):
+            flushed = [e for e in batch if isinstance(e, threading.Event)]
+            batch = [e for e in batch if e is not _STOP and not isinstance(e, threading.Event)]
+            for inflight, payload in _coalesce(batch):
                 try:
                     if isinstance(payload, QuantaError):
                         self._send_final(inflight, self._error(payload))
@@ -183,6 +200,8 @@ class Responder:
                         self._handle(inflight, payload)
                 except Exception:  # one broken request must not stop everyone's responses
                     log.exception("responding to %s failed", inflight.request_id)
+            for event in flushed:
+                event.set()
             if stop:
                 return
             self._sweep()

@@ -39,6 +39,12 @@ class BackendSettings(BaseModel):
     metrics_interval_ms: float = Field(500.0, gt=0)
     max_tenant_labels: int = Field(32, ge=0)
     cancel_check_interval_ms: float = Field(20.0, gt=0)
+    # the watchdog: no engine step for this long while requests wait or run is a stall
+    stall_timeout_s: float = Field(120.0, gt=0)
+    # once unhealthy (stalled or dead), tritonserver is ended this many seconds later so its
+    # supervisor restarts it; negative: never (only health checks and metrics say so)
+    unhealthy_exit_s: float = 5.0
+    fault_injection: str = ""  # tests only: faults to inject (quanta.core.faults)
     # quanta: scalars are [1]; tensorrt_llm: TensorRT-LLM's configs, with a batch dimension
     # (clients send [1, 1] for a scalar) and responses shaped [1, ...]
     io_layout: Literal["quanta", "tensorrt_llm"] = "quanta"
@@ -77,6 +83,9 @@ class _Parameters(BaseModel):
     metrics_interval_ms: float = 500.0
     max_tenant_labels: int = 32
     cancel_check_interval_ms: float = 20.0
+    stall_timeout_s: float = 120.0
+    unhealthy_exit_s: float = 5.0
+    fault_injection: str = ""
     io_layout: Literal["quanta", "tensorrt_llm"] = "quanta"
 
 
@@ -150,6 +159,9 @@ def parse_parameters(
             metrics_interval_ms=p.metrics_interval_ms,
             max_tenant_labels=p.max_tenant_labels,
             cancel_check_interval_ms=p.cancel_check_interval_ms,
+            stall_timeout_s=p.stall_timeout_s,
+            unhealthy_exit_s=p.unhealthy_exit_s,
+            fault_injection=p.fault_injection,
             io_layout=p.io_layout,
         )
     except ValidationError as exc:
