@@ -15,6 +15,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from quanta.core.json_schema import enforced_schema
+
 GuideKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 
@@ -27,7 +29,8 @@ class StructuredOutput(BaseModel):
     library's (GBNF-like) syntax. JSON output under a schema is written one way,
     ``{"a": 1, "b": [2, 3]}``: a small model allowed any whitespace can fill the output with it
     until ``max_tokens``. A schema is always enforced strictly (properties it does not name are
-    refused unless it allows them), as vLLM does whatever OpenAI's ``strict`` says.
+    refused unless it allows them), as vLLM does whatever OpenAI's ``strict`` says, and one
+    using a keyword the grammar cannot enforce is refused (``core.json_schema``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -51,6 +54,13 @@ class StructuredOutput(BaseModel):
             if not isinstance(parsed, dict | bool):
                 raise ValueError("json_schema must be a JSON object")
             return json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)
+        return value
+
+    @field_validator("json_schema")
+    @classmethod
+    def _enforceable(cls, value: str | None) -> str | None:
+        if value is not None:
+            enforced_schema(json.loads(value))  # raises naming what cannot be enforced
         return value
 
     @field_validator("choice")

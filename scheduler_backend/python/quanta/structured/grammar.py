@@ -7,13 +7,16 @@ grammars are cached by the compiler, so a schema sent by every call of an agent 
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from quanta.core.errors import InvalidRequestError
+from quanta.core.json_schema import SchemaNotEnforceable, enforced_schema
 from quanta.core.structured import StructuredOutput
+from quanta.structured.utf8 import Utf8Guard
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -24,13 +27,18 @@ if TYPE_CHECKING:
 class XGrammarConstraint:
     """One request's grammar state (``core.structured.TokenConstraint``) and its mask."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("guard", "lead", "matcher")
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, guard: Utf8Guard) -> None:
         self.matcher = matcher
+        self.guard = guard
+        self.lead = 0  # the lone UTF-8 lead byte the output ends with (``utf8``), or 0
 
     def accept(self, token_id: int) -> bool:
-        return bool(self.matcher.accept_token(token_id))
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.lead = self.guard.lead_after(token_id)
+        return True
 
     @property
     def terminated(self) -> bool:
@@ -39,6 +47,7 @@ class XGrammarConstraint:
     def fill_mask(self, bitmask: Any, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of an xgrammar bitmask."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.guard.restrict(bitmask[row], self.lead)
 
 
 class Grammars:
@@ -54,34 +63,47 @@ class Grammars:
         self._stop = [t for t in stop_token_ids if 0 <= t < vocab_size]
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
+        self._guard: Utf8Guard | None = None
 
     def __call__(self, spec: StructuredOutput) -> XGrammarConstraint:
         import xgrammar as xgr
 
         compiled = self._compile(spec)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self._stop or None)
-        return XGrammarConstraint(matcher)
+        assert self._guard is not None  # built with the compiler
+        return XGrammarConstraint(matcher, self._guard)
 
     def warm(self) -> None:
         """Build the tokenizer description now rather than on the first request."""
         self._get_compiler()
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's bytes as the grammar matches them (empty: never allowed)."""
+        self._get_compiler()
+        assert self._guard is not None
+        return self._guard.decoded
 
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._get_compiler()
         kind = spec.kind
         try:
             if kind == "json_schema":
-                return compiler.compile_json_schema(spec.json_schema or "", any_whitespace=False)
+                return _compile_schema(compiler, json.loads(spec.json_schema or "true"))
             if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                # vLLM's json_object: any object (not an array), written as a schema's are
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             if kind == "regex":
                 return compiler.compile_regex(spec.regex or "")
             if kind == "choice":
                 return compiler.compile_regex(choice_regex(spec.choice or ()))
             return compiler.compile_grammar(spec.grammar or "")
+        except SchemaNotEnforceable as exc:
+            raise InvalidRequestError(f"structured output: {exc}") from None
         except Exception as exc:  # the library's parse errors come as several types
             what = {"json_schema": "JSON schema", "grammar": "EBNF grammar"}.get(kind, kind)
-            detail = " ".join(str(exc).split()) or type(exc).__name__
+            detail = _LOCATION.sub("", " ".join(str(exc).split())) or type(exc).__name__
             raise InvalidRequestError(
                 f"structured output: the {what} cannot be compiled: {detail}"
             ) from None
@@ -91,13 +113,26 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1)
+                decoded, add_prefix_space = self._vocabulary()
+                self._guard = Utf8Guard(decoded, self._vocab_size)
+                info = xgr.TokenizerInfo(
+                    decoded,
+                    vocab_type=xgr.VocabType.RAW,
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=self._stop or None,
+                    add_prefix_space=add_prefix_space,
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def _tokenizer_info(self) -> xgr.TokenizerInfo:
-        """xgrammar's description of the vocabulary: each id's token as the tokenizer stores
-        it, with special tokens blanked (xgrammar then never allows them; otherwise
-        ``<|im_end|>`` would count as its ten characters inside a JSON string)."""
+    def _vocabulary(self) -> tuple[list[bytes], bool]:
+        """xgrammar's vocabulary: each id's bytes as the tokenizer's ``decode`` writes them
+        (and whether the tokenizer adds a prefix space). The model's tokens are decoded as
+        xgrammar reads the tokenizer's kind (byte-level, byte-fallback). An added token is
+        checked against ``decode``: whether it goes through the decoder depends on the
+        tokenizer, and a special one is dropped (blank: xgrammar then never allows it, so
+        ``<|im_end|>`` is never ten characters of a JSON string); one matching neither is
+        blanked too."""
         import xgrammar as xgr
 
         backend = self._tokenizer.backend
@@ -105,17 +140,42 @@ class Grammars:
         for token, index in backend.get_vocab(with_added_tokens=True).items():
             if index < self._vocab_size:
                 encoded[index] = token
-        for index, added in backend.get_added_tokens_decoder().items():
-            if added.special and index < self._vocab_size:
-                encoded[index] = ""
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-        return xgr.TokenizerInfo(
-            encoded,
-            vocab_type=meta["vocab_type"],
-            vocab_size=self._vocab_size,
-            stop_token_ids=self._stop or None,
-            add_prefix_space=meta["add_prefix_space"],
-        )
+        decoded = list(xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"]).decoded_vocab)
+        for index, added in backend.get_added_tokens_decoder().items():
+            if index < self._vocab_size:
+                text = self._tokenizer.decode([index])
+                candidates = (decoded[index], added.content.encode(), b"")
+                decoded[index] = next(
+                    (c for c in candidates if c.decode(errors="replace") == text), b""
+                )
+        return decoded, bool(meta["add_prefix_space"])
+
+
+# The library's "[20:13:48] /project/cpp/json_schema_converter.cc:936: " before its message.
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+# NOTE: xgrammar (0.2.8) writes a string with minLength/maxLength as characters of the class
+# below, which lets control characters other than CR and LF through unescaped (JSON forbids
+# them in a string: a strict parser refuses the answer). Its plain strings use the second
+# class; the converted grammar is compiled with that one instead, from its EBNF text. That
+# text writes U+0080-U+00FF as ``\xHH``, which its parser reads on into a hex digit after it
+# (a property "\x800" would become U+0800): they are written ``\u00HH`` first.
+_LENGTH_CHARS = r'[^\"\\\r\n]'
+_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_HEX_ESCAPE = re.compile(r"(\\\\)|\\x([0-9a-fA-F]{2})")  # an escaped backslash, or \xHH
+
+
+def _compile_schema(compiler: xgr.GrammarCompiler, schema: Any) -> xgr.CompiledGrammar:
+    """A JSON schema's grammar (``enforced_schema``'s rewrite of it), written compactly."""
+    import xgrammar as xgr
+
+    text = json.dumps(enforced_schema(schema), ensure_ascii=False)
+    if "Length" in text:
+        ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True))
+        if _LENGTH_CHARS in ebnf:
+            ebnf = _HEX_ESCAPE.sub(lambda m: m[1] or f"\\u00{m[2]}", ebnf)
+            return compiler.compile_grammar(ebnf.replace(_LENGTH_CHARS, _STRING_CHARS))
+    return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
 
 
 def choice_regex(choices: Sequence[str]) -> str:
