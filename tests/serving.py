@@ -238,6 +238,8 @@ def shared_models(checkpoint: Path) -> dict[str, dict[str, str]]:
         "quanta-one-seq": served | {"max_num_seqs": "1"},
         # one request per user per minute: the second is throttled
         "quanta-rpm": served | {"policy": "rpm", "policy_options": '{"rpm_limit": 1}'},
+        # fair with one seat: the order alone decides who is served next (tenant attacks)
+        "quanta-fair-one-seq": served | {"policy": "fair", "max_num_seqs": "1"},
         # room for 31 streams of 300 tokens, nothing swapped (cancellation under load)
         "quanta-roomy": {
             "model_dir": str(checkpoint),

@@ -37,6 +37,7 @@ def call(
 ) -> Request:
     meta = RequestMetadata(
         tenant=user,
+        tenant_authenticated=True,  # NOTE: declared tenants: each its own counter
         app=app,
         interaction_id=interaction,
         interaction_stage=stage,

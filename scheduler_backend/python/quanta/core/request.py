@@ -122,6 +122,12 @@ class RequestMetadata(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     tenant: str = "default"
+    # NOTE: set by the server, never by a client: True when ``tenant`` was taken from a
+    # credential the operator declared (an API key mapped to a tenant), False when it is a
+    # name the client chose. The fair policies give only authenticated tenants a service
+    # counter of their own; by default every other request counts as one pooled tenant
+    # (``policies/fair.py``), so fresh names buy no share.
+    tenant_authenticated: bool = False
     app: str = "default"
     interaction_id: str | None = None
     # NOTE: an interaction is one user query served by several calls (agents). Its calls

@@ -13,12 +13,25 @@ so fairness decides who gets in, not who is thrown out.
   counts of that app and stage, learned from finished calls (a prior, or seeded weights, until
   there is history). Calls that continue an open interaction go first, least-served user
   first; then the earliest call of the least-served user.
+
+Who counts as a tenant (``unauthenticated_tenants``): a tenant the request authenticates
+(``RequestMetadata.tenant_authenticated``, set by the gateway from an API key) is its own,
+lifted as VTC lifts a user who (re)enters the queue. The names of all other requests are
+the client's choice, so by default (``"pool"``) they share one tenant, ``POOL``, ranked by
+arrival among themselves (WSC: continuing calls first, as for any tenant): sending under
+fresh names buys no share, and a tenant with a key gets its fair share against all
+unauthenticated traffic together.
+``"max"`` keeps each name its own tenant but starts a name that (re)enters at the
+most-served active tenant's counter, ``"min"`` at the least-served's (VTC's lift, which
+trusts names: a client sending each request under a new name is always first in line).
+``fair_state.ServiceCounters`` says why the lift alone is not enough.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -28,29 +41,50 @@ from quanta.core.output import RunnerOutput
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.policies.common import QUEUE_RANK
-from quanta.policies.fair_state import Counters, fairness_state
+from quanta.policies.fair_state import Counters, Lift, fairness_state
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.memory_share import hold_back
 from quanta.policies.stages import Ordering, Ranking
 from quanta.policies.systems import SharedStateOptions, Stages, System
 from quanta.policies.throttle import OITAdmission
 
+Unauthenticated = Literal["pool", "max", "min"]
+POOL = "(unauthenticated)"  # the tenant every unauthenticated request counts as, with "pool"
+
 
 class _CounterOrder(Ordering):
     """Residents by arrival, then everyone else by the key ``_key``."""
 
-    def __init__(self, config: SchedulerConfig, service: Counters | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        service: Counters | None = None,
+        unauthenticated: Unauthenticated = "pool",
+    ) -> None:
         self.config = config
         self.service = service if service is not None else fairness_state(None).service
+        self.unauthenticated = unauthenticated
         self._live: dict[str, Request] = {}
+
+    def user(self, r: Request) -> str:
+        """Whose counter ``r`` is charged to and ranked by (the module doc)."""
+        meta = r.metadata
+        if meta.tenant_authenticated or self.unauthenticated != "pool":
+            return meta.tenant
+        return POOL
+
+    def _lift(self, r: Request) -> Lift:
+        if r.metadata.tenant_authenticated or self.unauthenticated == "pool":
+            return "min"
+        return self.unauthenticated
 
     def on_admit(self, request: Request, view: SchedulerView) -> None:
         self._live[request.request_id] = request
-        self.service.enter(request.metadata.tenant)
+        self.service.enter(self.user(request), self._lift(request))
 
     def on_finish(self, request: Request) -> None:
         if self._live.pop(request.request_id, None) is not None:
-            self.service.leave(request.metadata.tenant)
+            self.service.leave(self.user(request))
 
     def rank(self, view: SchedulerView) -> Ranking:
         self.service.sync()  # NOTE: a shared store's counters, read once for the whole sort
@@ -65,7 +99,7 @@ class _CounterOrder(Ordering):
         return (group, *self._key(r, now), r.arrival_time)
 
     def _key(self, r: Request, now: float) -> tuple[float, ...]:
-        return (self.service.of(r.metadata.tenant),)
+        return (self.service.of(self.user(r)),)
 
 
 class VTCOrder(_CounterOrder):
@@ -79,14 +113,15 @@ class VTCOrder(_CounterOrder):
         output_weight: float = 2.0,
         weights: Mapping[str, float] | None = None,
         service: Counters | None = None,
+        unauthenticated: Unauthenticated = "pool",
     ) -> None:
-        super().__init__(config, service)
+        super().__init__(config, service, unauthenticated)
         self.input_weight, self.output_weight = input_weight, output_weight
         self.weights = dict(weights or {})
 
     def on_admit(self, request: Request, view: SchedulerView) -> None:
         super().on_admit(request, view)
-        user = request.metadata.tenant
+        user = self.user(request)
         # NOTE: the prompt tokens the engine will compute: a prefix cached at arrival is free
         uncached = request.num_prompt_tokens - request.num_cached_tokens
         self.service.add(user, self.input_weight * uncached / self._w(user))
@@ -95,7 +130,7 @@ class VTCOrder(_CounterOrder):
         for rid, token in zip(output.request_ids, output.sampled_token_ids, strict=True):
             r = self._live.get(rid)
             if r is not None and token is not None:
-                user = r.metadata.tenant
+                user = self.user(r)
                 self.service.add(user, self.output_weight / self._w(user))
 
     def _w(self, user: str) -> float:
@@ -133,8 +168,9 @@ class WSCOrder(_CounterOrder):
         stage_weights: Mapping[str, list[float]] | None = None,
         service: Counters | None = None,
         reserve_fraction: float = 0.0,
+        unauthenticated: Unauthenticated = "pool",
     ) -> None:
-        super().__init__(config, service)
+        super().__init__(config, service, unauthenticated)
         if not 0 <= reserve_fraction < 1:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction}")
         self.reserve_fraction = reserve_fraction
@@ -194,8 +230,9 @@ class WSCOrder(_CounterOrder):
             if sampled.get(rid) is not None:
                 tokens += self.gamma
             self._charged[rid] = max(start, done)
-            e = self.priorities.get(meta.tenant, 1.0)
-            self.service.add(meta.tenant, e * tokens / self.weight(meta.app, _stage(r)))
+            user = self.user(r)
+            e = self.priorities.get(user, 1.0)
+            self.service.add(user, e * tokens / self.weight(meta.app, _stage(r)))
 
     def on_finish(self, request: Request) -> None:
         super().on_finish(request)
@@ -212,7 +249,7 @@ class WSCOrder(_CounterOrder):
     # -- ordering --------------------------------------------------------------------------
     def _key(self, r: Request, now: float) -> tuple[float, ...]:
         fresh = 0 if self.tracker.continues(r, now) else 1
-        return (fresh, self.service.of(r.metadata.tenant))
+        return (fresh, self.service.of(self.user(r)))
 
 
 def _stage(r: Request) -> int:
@@ -233,13 +270,26 @@ def _pooled(means: list[_Mean]) -> _Mean | None:
 
 
 # -- the systems ---------------------------------------------------------------------------
-class VTCOptions(SharedStateOptions):
+class CounterOptions(SharedStateOptions):
+    """What every service-counter ordering takes: who an unauthenticated request counts as."""
+
+    unauthenticated_tenants: Unauthenticated = Field(
+        "pool",
+        description="requests whose tenant is not authenticated (no API key): pool, all one "
+        "tenant, (unauthenticated), first come first served among them; max, each name its "
+        "own tenant, starting at the most-served active tenant's counter; min, each name its "
+        "own tenant lifted to the least-served's (VTC's rule: a client that sends under "
+        "fresh names is always first)",
+    )
+
+
+class VTCOptions(CounterOptions):
     input_weight: float = Field(1.0, ge=0, description="counter per prompt token at admission")
     output_weight: float = Field(2.0, ge=0, description="counter per generated token")
     weights: dict[str, float] = Field(default_factory=dict, description="tenant -> weight w")
 
 
-class WSCOptions(SharedStateOptions):
+class WSCOptions(CounterOptions):
     alpha: float = Field(1.0, ge=0, description="weight of input tokens")
     beta: float = Field(2.0, ge=0, description="weight of system-prompt tokens")
     gamma: float = Field(1.0, ge=0, description="weight of output tokens")
@@ -290,6 +340,7 @@ def _wsc_order(
         stage_weights=o.stage_weights,
         service=fairness_state(o.state_url).service,
         reserve_fraction=reserve,
+        unauthenticated=o.unauthenticated_tenants,
     )
 
 
@@ -321,6 +372,7 @@ def _vtc(config: SchedulerConfig, o: VTCOptions) -> Stages:
         output_weight=o.output_weight,
         weights=o.weights,
         service=fairness_state(o.state_url).service,
+        unauthenticated=o.unauthenticated_tenants,
     )
     return Stages(ordering=order)
 

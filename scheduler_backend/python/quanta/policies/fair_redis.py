@@ -5,8 +5,10 @@ Every update is one Lua script, so it is atomic against the other replicas' upda
 
 - service counters: a replica adds service locally as steps end and, once a step (when it
   ranks), sends what it added and reads every counter back in one round trip (``sync``). The
-  lift rule (``ServiceCounters``) runs in the script at a user's entry, over the cluster's
-  live requests. So another replica's service reaches a ranking at most one step late.
+  lift rule (``ServiceCounters``: to the least-served active user, or the most-served for a
+  name nobody vouches for) and the sweep of forgettable counters run in the script at a
+  user's entry, over the cluster's live requests. So another replica's service reaches a
+  ranking at most one step late.
 - throttling windows: one sorted set per key, trimmed and counted in the script at each
   arrival, timed by the Redis server's clock (replicas' clocks need not agree);
 - open interactions: one key per interaction, expiring after the idle timeout (Redis time
@@ -30,7 +32,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from quanta.policies.fair_state import LocalInteractions, SlidingWindows
+from quanta.policies.fair_state import SWEEP_SLACK, Lift, LocalInteractions, SlidingWindows
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,7 +43,7 @@ for i = 1, #ARGV, 2 do
 end
 return redis.call('HGETALL', KEYS[1])
 """
-# KEYS: service, live, last_exit; ARGV: user
+# KEYS: service, live, last_exit, sweep_at; ARGV: user, lift ("min" or "max"), sweep slack
 _ENTER = """
 local live = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if live <= 0 then
@@ -50,7 +52,9 @@ if live <= 0 then
   for i = 1, #users, 2 do
     if tonumber(users[i + 1]) > 0 then
       local c = tonumber(redis.call('HGET', KEYS[1], users[i]) or '0')
-      if floor == nil or c < floor then floor = c end
+      if floor == nil or (ARGV[2] == 'max' and c > floor) or (ARGV[2] ~= 'max' and c < floor) then
+        floor = c
+      end
     end
   end
   if floor == nil then
@@ -58,9 +62,35 @@ if live <= 0 then
     floor = last and tonumber(redis.call('HGET', KEYS[1], last) or '0') or 0
   end
   local own = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-  if floor > own then redis.call('HSET', KEYS[1], ARGV[1], tostring(floor)) end
+  if floor > own or redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+    redis.call('HSET', KEYS[1], ARGV[1], tostring(math.max(floor, own)))
+  end
 end
 redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+local slack = tonumber(ARGV[3])
+local held = redis.call('HLEN', KEYS[1])
+if held > tonumber(redis.call('GET', KEYS[4]) or ARGV[3]) then
+  local lowest = nil
+  local users = redis.call('HGETALL', KEYS[2])
+  for i = 1, #users, 2 do
+    if tonumber(users[i + 1]) > 0 then
+      local c = tonumber(redis.call('HGET', KEYS[1], users[i]) or '0')
+      if lowest == nil or c < lowest then lowest = c end
+    end
+  end
+  if lowest ~= nil then
+    local last = redis.call('GET', KEYS[3])
+    local all = redis.call('HGETALL', KEYS[1])
+    for i = 1, #all, 2 do
+      local u = all[i]
+      if tonumber(all[i + 1]) <= lowest and u ~= last
+          and tonumber(redis.call('HGET', KEYS[2], u) or '0') <= 0 then
+        redis.call('HDEL', KEYS[1], u)
+      end
+    end
+  end
+  redis.call('SET', KEYS[4], tostring(math.max(slack, 2 * redis.call('HLEN', KEYS[1]))))
+end
 return 1
 """
 _LEAVE = """
@@ -160,14 +190,16 @@ class RedisCounters:
         self._snapshot: dict[str, float] = {}
         self._pending: dict[str, float] = defaultdict(float)
         k = state.key
-        self._keys = [k("service"), k("live"), k("last_exit")]
+        self._keys = [k("service"), k("live"), k("last_exit"), k("sweep_at")]
 
-    def enter(self, user: str) -> None:
+    def enter(self, user: str, lift: Lift = "min") -> None:
         self.sync()
-        self.state.attempt(lambda: self.state.run("enter", self._keys, [user]), lambda: None)
+        args = [user, lift, SWEEP_SLACK]
+        self.state.attempt(lambda: self.state.run("enter", self._keys, args), lambda: None)
 
     def leave(self, user: str) -> None:
-        self.state.attempt(lambda: self.state.run("leave", self._keys, [user]), lambda: None)
+        keys = self._keys[:3]
+        self.state.attempt(lambda: self.state.run("leave", keys, [user]), lambda: None)
 
     def add(self, user: str, amount: float) -> None:
         self._pending[user] += amount

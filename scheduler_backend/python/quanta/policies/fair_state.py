@@ -20,13 +20,21 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
+
+Lift = Literal["min", "max"]
+"""Where a user who (re)enters the queue starts: the least-served active user's counter
+(VTC's rule) or the most-served's (a name nobody vouches for; ``ServiceCounters``)."""
+# Counters of users with no live request are swept once this many are held, and again each
+# time the table has doubled since (only those a lift would raise anyway: nothing a ranking
+# reads is lost); amortized, a sweep costs O(1) per entry.
+SWEEP_SLACK = 1024
 
 
 class Counters(Protocol):
     """Service received per user, with VTC's lift rule (``ServiceCounters``)."""
 
-    def enter(self, user: str) -> None: ...
+    def enter(self, user: str, lift: Lift = "min") -> None: ...
     def leave(self, user: str) -> None: ...
     def add(self, user: str, amount: float) -> None: ...
     def of(self, user: str) -> float: ...
@@ -61,20 +69,58 @@ class ServiceCounters:
     A user with no live request whose counter stayed low while away would otherwise be owed
     all of that absence when it comes back; the lift caps that credit at the least-served
     active user's counter (or, when nobody is active, the last user to leave).
+
+    That cap trusts names. A name never seen before (or swept, below) starts at the same
+    floor, level with the least-served tenant already waiting, so a client that sends each
+    request under a fresh name is always first in line: each name is one more tenant owed
+    a share. ``lift="max"`` starts such a user at the most-served active user's counter:
+    it cannot rank ahead of anyone waiting when it arrives. That is still not enough where
+    service is counted as it is computed (WSC): a waiting newcomer's counter stands still
+    while the tenants being served pass it, so each fresh name soon ranks ahead of them
+    again and still claims a tenant's share; in the simulator a steady tenant fares worse
+    than under FCFS either way (``docs/fairserve.md``). It also costs an honest newcomer
+    up to the spread of the active counters. So the fair policies, by default, count every
+    unauthenticated request as one tenant (``fair.POOL``) and lift only real tenants.
+
+    Counters of users with no live request that are at or below the least-served active
+    user's are swept as the table grows (``SWEEP_SLACK``): any lift raises them to that
+    floor again, so forgetting them changes no ranking and a stream of fresh names does not
+    grow the table without bound.
     """
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
         self._live: dict[str, int] = {}  # user -> live requests
         self._last_exit: str | None = None
+        self._sweep_at = SWEEP_SLACK
 
-    def enter(self, user: str) -> None:
+    def enter(self, user: str, lift: Lift = "min") -> None:
         """A request of ``user`` arrived; lift the counter when the user was not active."""
         if self._live.get(user, 0) == 0:
             active = [self.counters[u] for u, n in self._live.items() if n > 0]
-            floor = min(active) if active else self.counters.get(self._last_exit or "", 0.0)
+            if active:
+                floor = max(active) if lift == "max" else min(active)
+            else:
+                floor = self.counters.get(self._last_exit or "", 0.0)
             self.counters[user] = max(self.counters.get(user, 0.0), floor)
         self._live[user] = self._live.get(user, 0) + 1
+        if len(self.counters) > self._sweep_at:
+            self._sweep()
+            self._sweep_at = max(SWEEP_SLACK, 2 * len(self.counters))
+
+    def _sweep(self) -> None:
+        """Forget the inactive users a lift would raise to the active floor anyway."""
+        active = [self.counters[u] for u, n in self._live.items() if n > 0]
+        if not active:
+            return
+        floor = min(active)
+        stale = [
+            u
+            for u, c in self.counters.items()
+            if c <= floor and self._live.get(u, 0) == 0 and u != self._last_exit
+        ]
+        for u in stale:
+            del self.counters[u]
 
     def leave(self, user: str) -> None:
         left = self._live.get(user, 0) - 1

@@ -91,6 +91,14 @@ def simulate_cmd(
             "interactions as a benign user (default 15)",
         ),
     ] = None,
+    tenants: Annotated[
+        str | None,
+        typer.Option(
+            help="each request's tenant drawn by weight, e.g. victim:1,sybil*:8: a name is "
+            "an authenticated tenant's (an API key's) unless it ends in ? (a name the client "
+            "chose) or * (a fresh name for every request); not with agents or chat"
+        ),
+    ] = None,
     delay_threshold: Annotated[
         float, typer.Option(min=0.0, help="seconds queued that make a user delayed (fairness)")
     ] = 2.0,
@@ -176,6 +184,7 @@ def simulate_cmd(
             num_users=num_users,
             abusers=abusers,
             abuse_factor=abuse_factor,
+            tenants=tenants,
         )
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc), param_hint="--workload") from None

@@ -45,7 +45,14 @@ from quanta.workloads.model import (
     WorkloadRequest,
 )
 from quanta.workloads.prompts import DEFAULT_ID_RANGE, PromptIds, prompt_ids
-from quanta.workloads.tenants import App, Tenant, offline_batch, synthesize, tenant_mix
+from quanta.workloads.tenants import (
+    App,
+    Tenant,
+    offline_batch,
+    synthesize,
+    tenant_mix,
+    with_tenants,
+)
 from quanta.workloads.transforms import (
     TOO_LONG,
     TooLong,
@@ -73,6 +80,7 @@ def make_workload(
     num_users: int | None = None,
     abusers: int | None = None,
     abuse_factor: float | None = None,
+    tenants: str | None = None,
 ) -> list[WorkloadRequest]:
     """The simulator's entry point: a dataset name, ``agents``, ``chat``, or a workload file.
 
@@ -86,12 +94,31 @@ def make_workload(
     users and ``abusers`` (default 0) who start interactions ``abuse_factor`` (default 15)
     times as often, which no other workload takes. ``chat`` is
     ``quanta.workloads.chat.chat`` with its defaults (``rate``: turns per second).
+    ``tenants`` (``tenant_mix``'s syntax, ``"victim:1,sybil*:8"``) draws each request's
+    tenant of a dataset or a file by weight (``with_tenants``); agents and chat have their
+    own users.
     """
     shaping = (num_users, abusers, abuse_factor)
     if name_or_path != AGENTS and any(x is not None for x in shaping):
         raise WorkloadError(
             f"num_users, abusers and abuse_factor shape the {AGENTS!r} workload only"
         )
+    if tenants is not None:
+        if name_or_path in (AGENTS, CHAT):
+            raise WorkloadError(f"the {name_or_path!r} workload has its own users; no tenants")
+        mix = tenant_mix(tenants)
+        rows = make_workload(
+            name_or_path,
+            num_requests,
+            rate,
+            seed=seed,
+            cv=cv,
+            max_len=max_len,
+            time_scale=time_scale,
+            token_scale=token_scale,
+            too_long=too_long,
+        )
+        return with_tenants(rows, mix, seed=seed)
     if name_or_path in (*DATASETS, AGENTS, CHAT):
         if time_scale != 1.0 or token_scale != 1.0:
             raise WorkloadError(
@@ -186,4 +213,5 @@ __all__ = [
     "synthesize",
     "tenant_mix",
     "with_io_ratio",
+    "with_tenants",
 ]

@@ -20,6 +20,9 @@ The interaction keys describe one call of a multi-call interaction (agents):
 (true on the call that answers the user), ``system_tokens`` (how many of the prompt's tokens
 are system prompt, at most ``prompt_tokens``) and ``think_time_s`` (seconds its sender waits
 after the previous call finished; only for ``interaction_stage`` > 0).
+``tenant_authenticated`` (default true) says the tenant is one the operator declared (an
+API key's); false: a name the client chose, which the fair policies do not trust (a live
+replay's requests are authenticated only by the API key they are sent with).
 
 The prefix keys say which prompts share a beginning, so that a trace without text still
 exercises a prefix cache: requests with one ``prefix_group`` (a string) share their first
@@ -154,10 +157,9 @@ def _parse_interaction(fields: dict[str, Any]) -> None:
         stage = fields["interaction_stage"] = parse_count(stage, "interaction_stage", minimum=0)
         if fields.get("interaction_id") is None:
             raise WorkloadError("interaction_stage needs an interaction_id")
-    if not isinstance(fields.get("interaction_last", False), bool):
-        raise WorkloadError(
-            f"interaction_last must be true or false, got {fields['interaction_last']!r}"
-        )
+    for key in ("interaction_last", "tenant_authenticated"):
+        if not isinstance(fields.get(key, False), bool):
+            raise WorkloadError(f"{key} must be true or false, got {fields[key]!r}")
     if "system_tokens" in fields:
         system = fields["system_tokens"] = parse_count(
             fields["system_tokens"], "system_tokens", minimum=0

@@ -55,6 +55,9 @@ class WorkloadRequest:
     prefix_group: str | None = None  # requests that share a prompt prefix (not metadata)
     prefix_tokens: int = 0  # leading prompt tokens shared within the group (<= prompt_tokens)
     prompt_token_ids: tuple[int, ...] | None = None  # the prompt's ids; None: synthetic
+    # NOTE: a workload's tenants are the operator's declared ones (an API key's) unless a
+    # row says the name is the client's own choice, as the fairness figures assume
+    tenant_authenticated: bool = True
 
     def __post_init__(self) -> None:
         # NOTE: checked here, not only in the reader, because every generator and transform
@@ -87,6 +90,7 @@ class WorkloadRequest:
         """Keyword arguments of ``quanta.core.request.RequestMetadata``."""
         return {
             "tenant": self.tenant,
+            "tenant_authenticated": self.tenant_authenticated,
             "app": self.app,
             "interaction_id": self.interaction_id,
             "interaction_stage": self.interaction_stage,
@@ -130,6 +134,7 @@ OPTIONAL_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
         "prefix_group": None,
         "prefix_tokens": 0,
         "prompt_token_ids": None,
+        "tenant_authenticated": True,
     }
 )
 

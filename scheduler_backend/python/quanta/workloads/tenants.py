@@ -3,7 +3,11 @@ and offline batches.
 
 Tenants send a weighted share of the interactions (an abusive tenant has a large weight); an
 interaction is one or more consecutive calls of one user in one app, sharing an
-``interaction_id``.
+``interaction_id``. A tenant is one the operator declared (an API key's) unless
+``authenticated`` is false: then its name is the client's own choice. A tenant with
+``rotate_names`` (never authenticated) sends each interaction under a name never used
+before (``<name>-<k>``): the Sybil attack on fair scheduling, where every fresh name would
+be one more tenant owed a share.
 """
 
 from __future__ import annotations
@@ -40,27 +44,50 @@ class App:
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """A user: ``weight`` is its share of interactions (an abusive tenant's is large)."""
+    """A user: ``weight`` is its share of interactions (an abusive tenant's is large);
+    ``rotate_names``: each interaction under a fresh name (``name_for``), which no key
+    can vouch for; ``authenticated``: the name is a declared tenant's (module doc)."""
 
     name: str
     weight: float = 1.0
     apps: tuple[str, ...] = ("default",)
     priority_class: PriorityClass = "online"
+    rotate_names: bool = False
+    authenticated: bool = True
+
+    def name_for(self, k: int) -> str:
+        """The tenant name of its ``k``-th interaction (of the whole workload)."""
+        return f"{self.name}-{k}" if self.rotate_names else self.name
 
     def __post_init__(self) -> None:
         if self.weight <= 0 or not self.apps or self.priority_class not in CLASSES:
             raise WorkloadError(f"tenant {self.name!r}: need weight > 0, apps, a known class")
+        if self.rotate_names and self.authenticated:
+            raise WorkloadError(f"tenant {self.name!r}: a key names one tenant, not many")
 
 
 def tenant_mix(spec: str, *, apps: tuple[str, ...] = ("default",)) -> list[Tenant]:
-    """``"gold:1,silver:2,abuser:20"`` -> weighted tenants (the Locust option's syntax)."""
+    """``"gold:1,silver:2,abuser:20"`` -> weighted tenants (the Locust option's syntax). A
+    name ending in ``?`` is not authenticated (a name the client chose); one ending in ``*``
+    (``"victim:1,sybil*:8"``) sends each request under a fresh name, never authenticated."""
     tenants = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, weight = part.partition(":")
+        rotate, anonymous = name.endswith("*"), name.endswith("?")
+        name = name.removesuffix("*").removesuffix("?")
         try:
-            tenants.append(Tenant(name, float(weight or 1), apps))
+            if not name:
+                raise ValueError(name)
+            tenant = Tenant(
+                name,
+                float(weight or 1),
+                apps,
+                rotate_names=rotate,
+                authenticated=not (rotate or anonymous),
+            )
         except ValueError:
-            raise WorkloadError(f"bad tenant mix {spec!r}; e.g. gold:1,silver:2") from None
+            raise WorkloadError(f"bad tenant mix {spec!r}; e.g. gold:1,silver:2,sybil*:8") from None
+        tenants.append(tenant)
     if not tenants:
         raise WorkloadError("empty tenant mix")
     return tenants
@@ -106,7 +133,8 @@ def synthesize(
         tenant = rng_mix.choices(tenants, weights)[0]
         app = app_by_name[rng_mix.choice(tenant.apps)]
         n_calls = rng_mix.randint(*app.calls)
-        iid = f"{tenant.name}-i{k}" if n_calls > 1 else None
+        user = tenant.name_for(k)
+        iid = f"{user}-i{k}" if n_calls > 1 else None
         t = t0
         for j in range(n_calls):
             if j:
@@ -116,7 +144,8 @@ def synthesize(
                 t,
                 n_in,
                 n_out,
-                tenant=tenant.name,
+                tenant=user,
+                tenant_authenticated=tenant.authenticated,
                 app=app.name,
                 interaction_id=iid,
                 priority_class=tenant.priority_class,
@@ -128,6 +157,23 @@ def synthesize(
     calls.sort(key=lambda c: (c[0], c[1]))
     return [
         replace(r, request_id=f"{id_prefix}{i}") for i, (_, _, r) in enumerate(calls[:num_requests])
+    ]
+
+
+def with_tenants(
+    rows: Sequence[WorkloadRequest], tenants: Sequence[Tenant], *, seed: int = 0
+) -> list[WorkloadRequest]:
+    """``rows`` with each request's tenant drawn by weight (a seeded stream of its own, so
+    arrivals and lengths stay those of the seed); a rotating tenant's requests each get a
+    fresh name. Apps and classes are left as they are."""
+    if not tenants:
+        raise WorkloadError("no tenants to draw from")
+    rng = random.Random(f"{seed}-tenants")
+    weights = [t.weight for t in tenants]
+    drawn = [rng.choices(tenants, weights)[0] for _ in rows]
+    return [
+        replace(r, tenant=t.name_for(k), tenant_authenticated=t.authenticated)
+        for k, (r, t) in enumerate(zip(rows, drawn, strict=True))
     ]
 
 

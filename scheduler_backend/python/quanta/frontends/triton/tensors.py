@@ -40,6 +40,9 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("end_id", "TYPE_INT32", [1]),
     ("ignore_eos", "TYPE_BOOL", [1]),
     ("tenant", "TYPE_STRING", [1]),
+    # Quanta: the gateway sets it true when the tenant comes from an API key; whoever can
+    # reach Triton's ports is trusted with it, as with ``tenant``
+    ("tenant_authenticated", "TYPE_BOOL", [1]),
     ("app", "TYPE_STRING", [1]),
     ("interaction_id", "TYPE_STRING", [1]),
     ("interaction_stage", "TYPE_INT32", [1]),
@@ -71,6 +74,9 @@ INPUTS: tuple[tuple[str, str, list[int]], ...] = (
     # Quanta: true makes this a control request of its own (no other input): the engine
     # forgets every cached prefix, and the answer is one empty final response.
     ("reset_prefix_cache", "TYPE_BOOL", [1]),
+    # Quanta: true makes this a health check of the engine (no other input is read): an
+    # empty final response while the engine serves, else an error saying why not.
+    ("health_check", "TYPE_BOOL", [1]),
 )
 OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("text_output", "TYPE_STRING", [1]),
