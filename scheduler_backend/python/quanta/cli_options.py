@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any, get_args
 
 import typer
@@ -142,3 +143,82 @@ def check_state_policy(policy: str | None, options: dict[str, Any]) -> None:
         raise typer.BadParameter(
             f"policy {policy!r} keeps no fairness state to share", param_hint="--state-url"
         )
+
+
+# The OpenAI gateway's security and limits (``quanta openai`` and ``quanta serve``).
+ApiKeyOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--api-key",
+        envvar="QUANTA_API_KEY",
+        help="require this key as 'Authorization: Bearer KEY' (vLLM's flag); repeat for "
+        "several; tenant 'default' (default: none, every client is served)",
+        show_default=False,
+    ),
+]
+ApiKeyFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="YAML or JSON file: API key -> {tenant, weight, priority_class, "
+        "requests_per_minute, tokens_per_minute}; the tenant comes from the key",
+        show_default=False,
+    ),
+]
+MaxRequestBytesOpt = Annotated[
+    int,
+    typer.Option(min=1, help="largest request body in bytes (413 before it is read)"),
+]
+MaxFileBytesOpt = Annotated[
+    int, typer.Option(min=1, help="largest Batch API file upload in bytes (413)")
+]
+MaxPromptBytesOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="longest text prompt in UTF-8 bytes (400, before tokenizing; default: the "
+        "context length times the tokenizer's longest token)",
+        show_default=False,
+    ),
+]
+AllowedHostsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allowed-hosts",
+        help="serve only requests whose Host header is this (repeat; '*.example.com' "
+        "matches subdomains; default: any)",
+        show_default=False,
+    ),
+]
+
+
+def api_key_policies(keys: list[str] | None, key_file: Path | None) -> dict[str, Any]:
+    """The gateway's keys (``auth.KeyPolicy`` by key), or a usage error naming the flag."""
+    from quanta.frontends.openai.auth import KeysFileError, key_policies
+
+    try:
+        return key_policies(keys or (), key_file)
+    except KeysFileError as exc:
+        hint = "--api-key-file" if key_file is not None else "--api-key"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+
+
+def with_key_weights(
+    policy: str | None, options: dict[str, Any] | None, keys: dict[str, Any]
+) -> dict[str, Any] | None:
+    """``options`` with the keys' tenant weights, where the policy weighs tenants (vtc's
+    ``weights``, fair and wsc's ``priorities``) and the options do not set them already."""
+    weights = {p.tenant: p.weight for p in keys.values() if p.weight != 1.0}
+    if policy is None or not weights:
+        return options
+    from quanta.policies import parse_policy
+
+    try:
+        spec = parse_policy(policy, options or {})
+    except ValueError:
+        return options  # the policy itself is refused later, with its own message
+    added = {
+        name: weights
+        for name in ("weights", "priorities")
+        if spec.accepts(name) and name not in (options or {})
+    }
+    return {**(options or {}), **added} if added else options

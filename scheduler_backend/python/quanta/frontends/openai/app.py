@@ -9,6 +9,7 @@ A client that disconnects — while waiting, streaming or not — cancels its Tr
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,11 +21,30 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from quanta.core.request import SamplingParams
+from quanta.frontends.openai.auth import (
+    DEFAULT_TENANT,
+    NO_RESERVATION,
+    ApiKeys,
+    AuthMiddleware,
+    KeyPolicy,
+    Principal,
+    Reservation,
+    principal_of,
+)
 from quanta.frontends.openai.batch_routes import BatchService
+from quanta.frontends.openai.body_limit import BodyLimit, BodyTooLarge
 from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.errors import OpenAIError, classify, invalid
+from quanta.frontends.openai.limits import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    prompt_limit,
+    token_counter,
+    too_large,
+)
 from quanta.frontends.openai.logprobs import output_logprobs, prompt_logprobs
 from quanta.frontends.openai.page import router as chat_page
 from quanta.frontends.openai.protocol import (
@@ -44,6 +64,7 @@ from quanta.frontends.openai.router import ReplicaRouter, RoutedStream, make_ups
 from quanta.frontends.openai.sse import DisconnectWatcher, event_stream, interleave
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
 from quanta.frontends.triton.client import request_inputs
+from quanta.frontends.triton.supervisor_state import metrics_text as supervisor_metrics_text
 
 Body = CompletionRequest | ChatCompletionRequest
 Stream = GenerationStream | RoutedStream
@@ -66,6 +87,15 @@ class GatewaySettings(BaseModel):
     # Several Triton replicas (``router.py``): when given, they replace ``triton_grpc_url``.
     upstreams: tuple[str, ...] = ()
     router: Literal["least-outstanding", "round-robin", "prefix-affinity"] = "least-outstanding"
+    # Who may call (``auth.py``): API key -> tenant, weight, class, limits; empty: anyone.
+    api_keys: dict[str, KeyPolicy] = Field(default_factory=dict, repr=False)
+    # Size limits (``limits.py``): request bodies, uploaded files, prompts.
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1)
+    max_file_bytes: int = Field(DEFAULT_MAX_FILE_BYTES, ge=1)
+    max_model_len: int | None = Field(None, ge=1)  # default: the checkpoint's
+    max_prompt_bytes: int | None = Field(None, ge=1)  # default: derived (limits.py)
+    # Host header values served (Starlette's TrustedHostMiddleware); empty: any host.
+    allowed_hosts: tuple[str, ...] = ()
 
 
 def create_app(
@@ -81,7 +111,10 @@ def create_app(
     """
     gateway = Gateway(settings, chat_template or ChatTemplate(), upstream)
     batches = BatchService(
-        settings.state_dir, gateway.answer, concurrency=settings.batch_concurrency
+        settings.state_dir,
+        gateway.answer,
+        concurrency=settings.batch_concurrency,
+        scoped=gateway.keys is not None,
     )
 
     @asynccontextmanager
@@ -100,13 +133,49 @@ def create_app(
     app.get("/v1/models/{model}")(gateway.model)
     app.get("/health", response_model=None)(gateway.health)
     app.post("/reset_prefix_cache", response_model=None)(gateway.reset_prefix_cache)
-    if isinstance(gateway.upstream, ReplicaRouter):
-        app.get("/metrics", response_model=None)(gateway.metrics)
+    app.get("/metrics", response_model=None)(gateway.metrics)
     app.exception_handler(OpenAIError)(_openai_error)
     app.exception_handler(RequestValidationError)(_validation_error)
     app.exception_handler(HTTPException)(_http_error)
     app.exception_handler(Exception)(_internal_error)
+    # NOTE: added last is outermost: the Host check, the key, the body's size, the routes
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_request_bytes,
+        routes={"/v1/files": settings.max_file_bytes},
+    )
+    if gateway.keys is not None:
+        app.add_middleware(AuthMiddleware, keys=gateway.keys)
+    if settings.allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts))
     return app
+
+
+def auth_warning(settings: GatewaySettings, host: str) -> str | None:
+    """What the log says when the gateway serves without keys (None: it has keys)."""
+    if settings.api_keys:
+        return None
+    if _loopback(host):
+        return (
+            f"no API key: the gateway on {host} serves every local client unauthenticated, "
+            "as any tenant they name (--api-key / --api-key-file to require keys)"
+        )
+    return (
+        f"no API key and bound to {host}: ANYONE WHO CAN REACH THIS PORT is served, as any "
+        "tenant they name, and may use the Batch API and /reset_prefix_cache; give "
+        "--api-key or --api-key-file, or bind 127.0.0.1 behind an authenticating proxy"
+    )
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Gateway:
@@ -128,6 +197,14 @@ class Gateway:
         )
         self.triton_model = settings.triton_model or settings.model_name
         self.created = int(time.time())
+        self.keys = ApiKeys(settings.api_keys) if settings.api_keys else None
+        self.prompt_limit = prompt_limit(
+            chat_template.model_dir,
+            chat_template.tokenizer,
+            max_model_len=settings.max_model_len,
+            max_prompt_bytes=settings.max_prompt_bytes,
+        )
+        self.count_tokens = token_counter(chat_template.tokenizer)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self._respond(request, body)
@@ -135,16 +212,23 @@ class Gateway:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         return await self._respond(request, body)
 
-    async def answer(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def answer(
+        self, path: str, payload: dict[str, Any], owner: str | None = None
+    ) -> dict[str, Any]:
         """The whole response body the route at ``path`` gives ``payload``, not streamed, for
         callers with no HTTP request of their own (the Batch API). Errors raise the
-        ``OpenAIError`` the route would have answered with."""
+        ``OpenAIError`` the route would have answered with. With keys configured the request
+        runs as tenant ``owner`` (the tenant of the key that created the batch)."""
         model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
         try:
             body = model.model_validate({**payload, "stream": False})
         except ValidationError as exc:
             raise _invalid_fields(exc.errors()) from None
-        result = await self._generate(None, body, *self._prepared(body))
+        principal = None
+        if self.keys is not None:
+            principal = self.keys.owner(owner) or Principal(owner or DEFAULT_TENANT)
+        prepared = await self._prepared(body)
+        result = await self._generate(None, body, *prepared, principal=principal)
         assert isinstance(result, dict)  # not streamed
         return result
 
@@ -157,17 +241,39 @@ class Gateway:
         return self._model_card()
 
     async def health(self) -> Response:
-        """200 when Triton has the model ready, else 503 (for load balancers and tests)."""
-        if await self.upstream.is_model_ready(self.triton_model):
-            return JSONResponse({"status": "ok"})
-        raise OpenAIError(503, f"model '{self.triton_model}' is not ready in Triton")
+        """200 when Triton has the model ready and its engine serves, else 503 with the
+        reason (for load balancers, the image's HEALTHCHECK and Kubernetes probes).
+
+        The engine is asked with a health-check request (the input ``health_check``):
+        Triton 2.51 keeps a model "ready" whatever its Python backend's engine does."""
+        if not await self.upstream.is_model_ready(self.triton_model):
+            raise OpenAIError(503, f"model '{self.triton_model}' is not ready in Triton")
+        stream = self.upstream.stream(self.triton_model, {"health_check": True})
+
+        async def answered() -> None:
+            while not stream.done:
+                await _next(stream)
+
+        try:
+            await asyncio.wait_for(answered(), _HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            raise OpenAIError(
+                503, f"the engine did not answer a health check in {_HEALTH_TIMEOUT_S:g} s"
+            ) from None
+        except OpenAIError as exc:
+            if "health_check" in exc.message and "unexpected" in exc.message.lower():
+                return JSONResponse({"status": "ok"})  # NOTE: a backend without the check
+            raise OpenAIError(503, exc.message) from None
+        finally:
+            stream.cancel()
+        return JSONResponse({"status": "ok"})
 
     async def metrics(self) -> Response:
-        """Each replica's load and state (Prometheus text format), when routing to several."""
-        assert isinstance(self.upstream, ReplicaRouter)  # NOTE: the route exists only then
-        return PlainTextResponse(
-            self.upstream.metrics_text(), media_type="text/plain; version=0.0.4"
-        )
+        """Prometheus text: each replica's load and state when routing to several, and the
+        state of each tritonserver supervised in this process (``quanta serve``)."""
+        text = self.upstream.metrics_text() if isinstance(self.upstream, ReplicaRouter) else ""
+        text += supervisor_metrics_text()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def reset_prefix_cache(self) -> Response:
         """vLLM's route: the model forgets every cached prefix, so requests sent after the
@@ -193,18 +299,35 @@ class Gateway:
             "owned_by": "quanta",
         }
 
-    def _prepared(self, body: Body) -> tuple[str | list[int], SamplingParams, int | None]:
-        """The prompt, sampling settings and system-prompt length of a checked ``body``."""
+    async def _prepared(self, body: Body) -> tuple[str | list[int], SamplingParams, int | None]:
+        """The prompt, sampling settings and system-prompt length of a checked ``body``.
+
+        The size checks run first, on the event loop (they only count); rendering the chat
+        template and counting tokens run on a worker thread, so a large prompt never stalls
+        the requests the loop is streaming."""
+        if isinstance(body, ChatCompletionRequest):
+            self.prompt_limit.check("".join(m.text() for m in body.messages), "messages")
+        else:
+            self.prompt_limit.check(body.single_prompt(), "prompt")
+        return await asyncio.to_thread(self._prepare, body)
+
+    def _prepare(self, body: Body) -> tuple[str | list[int], SamplingParams, int | None]:
         self._check(body)
+        count = self.count_tokens
         if isinstance(body, ChatCompletionRequest):
             params = body.sampling_params(self.settings.default_chat_max_tokens)
             prompt = self.template.render(body.messages)
+            self.prompt_limit.check_tokens(prompt, count, "messages")
             return prompt, params, self.template.system_tokens(body.messages)
         prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            self.prompt_limit.check_tokens(prompt, count, "prompt")
         return prompt, body.sampling_params(self.settings.default_max_tokens), None
 
     async def _respond(self, request: Request, body: Body) -> Response:
-        result = await self._generate(request, body, *self._prepared(body))
+        principal = principal_of(request.scope)
+        prepared = await self._prepared(body)
+        result = await self._generate(request, body, *prepared, principal=principal)
         return JSONResponse(result) if isinstance(result, dict) else result
 
     def _check(self, body: Body) -> None:
@@ -237,12 +360,19 @@ class Gateway:
         prompt: str | list[int],
         params: SamplingParams,
         system_tokens: int | None = None,
+        *,
+        principal: Principal | None = None,
     ) -> dict[str, Any] | StreamingResponse:
         """One Triton request per choice (``n``): choice i samples with seed ``seed + i``.
 
         A whole response is returned as its body; without an HTTP ``request`` nothing watches
-        for a disconnect (the caller cancels the task instead)."""
-        metadata = body.metadata(system_tokens)
+        for a disconnect (the caller cancels the task instead). ``principal``: the API key's
+        tenant, class and rate limits (None: no keys)."""
+        metadata = body.metadata(system_tokens, principal)
+        reservation = NO_RESERVATION
+        if principal is not None:
+            expected = _prompt_estimate(prompt) + params.max_tokens * body.n
+            reservation = principal.admit(expected)
         streams = [
             self.upstream.stream(
                 self.triton_model,
@@ -264,7 +394,9 @@ class Gateway:
         try:
             firsts = [await _next(stream) for stream in streams]  # errors before any header
             if body.stream and watcher is not None:
-                chunks = self._all_chunks(rid, body, firsts, streams, self._echo(body, prompt))
+                chunks = self._all_chunks(
+                    rid, body, firsts, streams, self._echo(body, prompt), reservation
+                )
                 sse = event_stream(chunks, cancel, watcher)
                 owned = False
                 return StreamingResponse(sse, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -298,7 +430,9 @@ class Gateway:
                     rid, body.model, text, finish, None, chunk=False, logprobs=logprobs
                 )["choices"][0]
             choices.append(choice | {"index": index})
-        whole = (chat_body if chat else _completion_whole)(rid, body.model, "", None, _usage(runs))
+        use = _usage(runs)
+        reservation.settle(use["total_tokens"])
+        whole = (chat_body if chat else _completion_whole)(rid, body.model, "", None, use)
         return whole | {"choices": choices}
 
     async def _all_chunks(
@@ -308,8 +442,10 @@ class Gateway:
         firsts: list[dict[str, Any]],
         streams: list[Stream],
         echo: str = "",
+        reservation: Reservation = NO_RESERVATION,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Every choice's chunks as they come, then the usage chunk if asked."""
+        """Every choice's chunks as they come, then the usage chunk if asked; the tokens used
+        settle the rate limit's reservation (a stream cut short keeps what was reserved)."""
         finals: list[dict[str, Any]] = list(firsts)
 
         def note(index: int, event: dict[str, Any]) -> None:
@@ -321,8 +457,9 @@ class Gateway:
         ]
         async for chunk in interleave(per_choice):
             yield chunk
+        use = _usage([[event] for event in finals])
+        reservation.settle(use["total_tokens"])
         if body.include_usage:
-            use = _usage([[event] for event in finals])
             if isinstance(body, ChatCompletionRequest):
                 yield chat_chunk(rid, body.model, None, use=use)
             else:
@@ -394,6 +531,12 @@ class Gateway:
             event = await _next(stream)
 
 
+def _prompt_estimate(prompt: str | list[int]) -> int:
+    """Tokens a prompt is expected to take, for a rate limit's reservation: its ids, or a
+    quarter of its characters (what English text averages); the actual count settles it."""
+    return len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
+
+
 def _usage(runs: list[list[dict[str, Any]]]) -> Usage:
     """One prompt, every choice's completion tokens; the prompt's cached tokens are the first
     choice's, as its prompt tokens are (choice i > 0 may find what choice 0 computed)."""
@@ -432,9 +575,12 @@ def _finish(event: dict[str, Any]) -> str | None:
 
 
 def _upstream_error(exc: UpstreamError) -> OpenAIError:
-    if exc.unavailable:
-        return OpenAIError(503, exc.message)
+    if exc.unavailable:  # down or restarting: 503 with when to try again
+        return OpenAIError(503, exc.message, retry_after=exc.retry_after)
     return classify(exc.message)
+
+
+_HEALTH_TIMEOUT_S = 3.0  # under the 5 s a Docker HEALTHCHECK or a probe waits
 
 
 def _unknown_model(model: str) -> OpenAIError:
@@ -468,6 +614,8 @@ def _invalid_fields(errors: Any) -> OpenAIError:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if isinstance(exc, BodyTooLarge):  # found while the body was being read (limits.py)
+        return await _openai_error(request, too_large(exc.limit))
     return await _openai_error(request, OpenAIError(exc.status_code, str(exc.detail)))
 
 

@@ -4,6 +4,10 @@
 bad file is a 400 naming its first bad line, and serves the output and error files batches
 write. ``/v1/batches`` creates, lists, retrieves and cancels batches; ``BatchRunner`` runs them.
 
+With API keys (``scoped``), files and batches belong to the tenant of the key that made them:
+another tenant's are not found (404), listings show only the caller's own, and a batch's
+lines run as its owner's tenant whatever their bodies say.
+
 The store opens on first use, not at startup: a gateway that never sees a batch writes nothing
 to disk. A state directory an earlier run left is opened at startup, and its unfinished
 batches resume.
@@ -15,13 +19,14 @@ import asyncio
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from quanta.frontends.openai.auth import principal_of
 from quanta.frontends.openai.batch_input import ENDPOINTS, BatchFileError, parse_batch_file
 from quanta.frontends.openai.batch_runner import Answer, BatchRunner
-from quanta.frontends.openai.batch_store import ACTIVE, BatchStore, FileRecord
+from quanta.frontends.openai.batch_store import ACTIVE, ANY, BatchStore, FileRecord
 from quanta.frontends.openai.errors import OpenAIError, invalid
 
 WINDOWS = {"24h": 24 * 3600}  # completion windows OpenAI offers, in seconds
@@ -32,7 +37,7 @@ MetaValue = Annotated[str, Field(max_length=512)]
 class BatchCreate(BaseModel):
     """``POST /v1/batches``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     input_file_id: str
     endpoint: str
@@ -50,14 +55,22 @@ class BatchCreate(BaseModel):
 class BatchService:
     """The routes (``router``) and the runner behind them, for one state directory."""
 
-    def __init__(self, state_dir: Path, answer: Answer, *, concurrency: int) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        answer: Answer,
+        *,
+        concurrency: int,
+        scoped: bool = False,
+    ) -> None:
         self.state_dir = state_dir
         self._answer = answer
         self._concurrency = concurrency
+        self._scoped = scoped
         self._runner: BatchRunner | None = None
         self._opening = asyncio.Lock()
         self.router = APIRouter(prefix="/v1")
-        self.router.post("/files")(self.upload)
+        self.router.post("/files")(self.upload)  # its own body limit: limits.BodyLimit
         self.router.get("/files")(self.list_files)
         self.router.get("/files/{file_id}")(self.retrieve_file)
         self.router.get("/files/{file_id}/content", response_model=None)(self.file_content)
@@ -80,8 +93,18 @@ class BatchService:
             self._runner = None
 
     # -- files ---------------------------------------------------------------------------------
+    def _owner(self, request: Request) -> str | None:
+        """The tenant whose files and batches ``request`` may see: ``ANY`` without keys."""
+        if not self._scoped:
+            return ANY
+        principal = principal_of(request.scope)
+        return None if principal is None else principal.tenant
+
     async def upload(
-        self, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
+        self,
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        purpose: Annotated[str, Form()],
     ) -> dict[str, Any]:
         if purpose != "batch":
             raise invalid(f"purpose {purpose!r} is not supported (only 'batch')", "purpose")
@@ -93,11 +116,15 @@ class BatchService:
             raise invalid(f"{name} is not a valid batch file: {exc}", "file") from None
         store = (await self._open()).store
         name = file.filename or "upload.jsonl"
-        record = await asyncio.to_thread(store.add_file, name, purpose, content)
+        owner = self._owner(request)
+        record = await asyncio.to_thread(
+            store.add_file, name, purpose, content, None if owner == ANY else owner
+        )
         return record.object()
 
     async def list_files(
         self,
+        request: Request,
         purpose: str | None = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
         after: str | None = None,
@@ -112,26 +139,28 @@ class BatchService:
             limit=limit,
             after=after,
             descending=order == "desc",
+            owner=self._owner(request),
         )
         return _page([r.object() for r in records], more)
 
-    async def retrieve_file(self, file_id: str) -> dict[str, Any]:
-        return (await self._file(file_id)).object()
+    async def retrieve_file(self, request: Request, file_id: str) -> dict[str, Any]:
+        return (await self._file(file_id, self._owner(request))).object()
 
-    async def file_content(self, file_id: str) -> FileResponse:
-        record = await self._file(file_id)
+    async def file_content(self, request: Request, file_id: str) -> FileResponse:
+        record = await self._file(file_id, self._owner(request))
         runner = await self._open()
         path = runner.store.file_path(record.id)
         return FileResponse(path, media_type="application/octet-stream", filename=record.filename)
 
-    async def delete_file(self, file_id: str) -> dict[str, Any]:
-        runner = await self._opened()
-        if runner is None or not await asyncio.to_thread(runner.store.delete_file, file_id):
+    async def delete_file(self, request: Request, file_id: str) -> dict[str, Any]:
+        await self._file(file_id, self._owner(request))  # another tenant's: not found
+        runner = await self._open()
+        if not await asyncio.to_thread(runner.store.delete_file, file_id):
             raise _no_such("File", file_id, "file_id")
         return {"id": file_id, "object": "file", "deleted": True}
 
     # -- batches -------------------------------------------------------------------------------
-    async def create(self, body: BatchCreate) -> dict[str, Any]:
+    async def create(self, request: Request, body: BatchCreate) -> dict[str, Any]:
         if body.endpoint not in ENDPOINTS:
             raise invalid(
                 f"endpoint {body.endpoint!r} is not supported (one of {', '.join(ENDPOINTS)})",
@@ -142,7 +171,8 @@ class BatchService:
                 f"completion_window {body.completion_window!r} is not supported (only '24h')",
                 "completion_window",
             )
-        record = await self._file(body.input_file_id, param="input_file_id")
+        owner = self._owner(request)
+        record = await self._file(body.input_file_id, owner, param="input_file_id")
         if record.purpose != "batch":
             raise invalid(f"file {record.id} was not uploaded for a batch", "input_file_id")
         runner = await self._open()
@@ -156,36 +186,48 @@ class BatchService:
             WINDOWS[body.completion_window],
             body.metadata,
             requests,
+            None if owner == ANY else owner,
         )
         if batch["status"] in ACTIVE:
             runner.start(batch["id"])
         return batch
 
     async def list_batches(
-        self, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
+        self,
+        request: Request,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: str | None = None,
     ) -> dict[str, Any]:
         runner = await self._opened()
         if runner is None:
             return _page([], False)
-        batches, more = await asyncio.to_thread(runner.store.batches, limit=limit, after=after)
+        batches, more = await asyncio.to_thread(
+            runner.store.batches, limit=limit, after=after, owner=self._owner(request)
+        )
         return _page(batches, more)
 
-    async def retrieve(self, batch_id: str) -> dict[str, Any]:
+    async def retrieve(self, request: Request, batch_id: str) -> dict[str, Any]:
+        return await self._batch(batch_id, self._owner(request))
+
+    async def _batch(self, batch_id: str, owner: str | None) -> dict[str, Any]:
         runner = await self._opened()
-        batch = None if runner is None else await asyncio.to_thread(runner.store.batch, batch_id)
+        batch = (
+            None if runner is None else await asyncio.to_thread(runner.store.batch, batch_id, owner)
+        )
         if batch is None:
             raise _no_such("Batch", batch_id, "batch_id")
         return batch
 
-    async def cancel(self, batch_id: str) -> dict[str, Any]:
-        batch = await self.retrieve(batch_id)
+    async def cancel(self, request: Request, batch_id: str) -> dict[str, Any]:
+        owner = self._owner(request)
+        batch = await self._batch(batch_id, owner)
         if batch["status"] not in ("validating", "in_progress", "cancelling"):
             raise invalid(
                 f"batch {batch_id} is {batch['status']}: only a batch in progress can be cancelled"
             )
         runner = await self._open()
         await runner.cancel(batch_id)
-        return await self.retrieve(batch_id)
+        return await self._batch(batch_id, owner)
 
     # -- helpers -------------------------------------------------------------------------------
     async def _open(self) -> BatchRunner:
@@ -202,9 +244,13 @@ class BatchService:
             return None
         return await self._open()
 
-    async def _file(self, file_id: str, param: str = "file_id") -> FileRecord:
+    async def _file(
+        self, file_id: str, owner: str | None = ANY, param: str = "file_id"
+    ) -> FileRecord:
         runner = await self._opened()
-        record = None if runner is None else await asyncio.to_thread(runner.store.file, file_id)
+        record = (
+            None if runner is None else await asyncio.to_thread(runner.store.file, file_id, owner)
+        )
         if record is None:
             raise _no_such("File", file_id, param)
         return record

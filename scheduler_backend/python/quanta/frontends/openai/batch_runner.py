@@ -32,8 +32,10 @@ from quanta.frontends.openai.errors import OpenAIError
 
 log = logging.getLogger(__name__)
 
-Answer = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
-"""``(endpoint, body) -> response body``; raises ``OpenAIError`` as the route would."""
+Answer = Callable[..., Awaitable[dict[str, Any]]]
+"""``(endpoint, body[, owner]) -> response body``; raises ``OpenAIError`` as the route would.
+``owner`` (given when the batch has one) is the tenant of the key that created the batch, which
+its lines run as."""
 
 RETRIED = frozenset({429, 503})  # the server's state, not the request's fault
 EXPIRED = {
@@ -149,22 +151,25 @@ class BatchRunner:
         if batch["status"] == "cancelling":
             return "cancelled"
         lines = await asyncio.to_thread(self.store.pending_lines, batch_id)
+        owner = await asyncio.to_thread(self.store.batch_owner, batch_id)
         if lines:
             try:
                 async with asyncio.timeout(max(batch["expires_at"] - self._clock(), 0.0)):
-                    await self._dispatch(batch_id, batch["endpoint"], lines)
+                    await self._dispatch(batch_id, batch["endpoint"], lines, owner)
             except TimeoutError:
                 return "expired"
         return "completed"
 
-    async def _dispatch(self, batch_id: str, endpoint: str, lines: list[PendingLine]) -> None:
+    async def _dispatch(
+        self, batch_id: str, endpoint: str, lines: list[PendingLine], owner: str | None = None
+    ) -> None:
         """Every line, in input order, at most ``concurrency`` at once over all batches;
         returns when all are committed. Cancelled: the lines in flight are too."""
         in_flight: set[asyncio.Task[None]] = set()
         try:
             for line in lines:
                 await self._slots.acquire()
-                task = asyncio.create_task(self._line(batch_id, endpoint, line))
+                task = asyncio.create_task(self._line(batch_id, endpoint, line, owner))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             while in_flight:
@@ -174,10 +179,12 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
 
-    async def _line(self, batch_id: str, endpoint: str, line: PendingLine) -> None:
+    async def _line(
+        self, batch_id: str, endpoint: str, line: PendingLine, owner: str | None = None
+    ) -> None:
         """Answer one line and commit it (the slot it holds is released at the end)."""
         try:
-            ok, result = await self._result(endpoint, line)
+            ok, result = await self._result(endpoint, line, owner)
             commit = asyncio.ensure_future(
                 asyncio.to_thread(self.store.finish_line, batch_id, line.index, ok, result)
             )
@@ -189,13 +196,16 @@ class BatchRunner:
         finally:
             self._slots.release()
 
-    async def _result(self, endpoint: str, line: PendingLine) -> tuple[bool, dict[str, Any]]:
+    async def _result(
+        self, endpoint: str, line: PendingLine, owner: str | None = None
+    ) -> tuple[bool, dict[str, Any]]:
         """The line's output line, and whether it succeeded; waits out server outages."""
         body = {**line.body, "priority_class": "offline"}
+        extra = () if owner is None else (owner,)
         delay = self._backoff.initial_s
         while True:
             try:
-                response = await self._answer(endpoint, body)
+                response = await self._answer(endpoint, body, *extra)
             except OpenAIError as exc:
                 if exc.status not in RETRIED:
                     return False, output_line(line, exc.status, _request_id(), exc.body())

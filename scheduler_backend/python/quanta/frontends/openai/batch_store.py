@@ -7,9 +7,11 @@ is answered twice. Status polls read while the runner writes.
 
 File contents live on disk under ``<state_dir>/files/`` (written, then renamed into place
 before their row is committed, so a file row always has its whole content); the rows hold
-metadata. Every method is synchronous and serialised by a lock: the async side calls them
-through ``asyncio.to_thread`` so the gateway's event loop keeps serving online requests while
-a large file is validated or an output file written.
+metadata. With API keys, each file and batch has an ``owner`` (the tenant of the key that
+made it, or of the batch that wrote it), and a caller sees only its own: ``owner=ANY`` (no
+keys) sees everything. Every method is synchronous and serialised by a lock: the async side
+calls them through ``asyncio.to_thread`` so the gateway's event loop keeps serving online
+requests while a large file is validated or an output file written.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ CREATE TABLE IF NOT EXISTS files (
     filename TEXT NOT NULL,
     purpose TEXT NOT NULL,
     bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    owner TEXT
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -67,6 +70,7 @@ CREATE TABLE IF NOT EXISTS batches (
     error_file_id TEXT,
     errors TEXT,
     metadata TEXT,
+    owner TEXT,
     created_at INTEGER NOT NULL,
     expires_at INTEGER NOT NULL,
     {", ".join(f"{name}_at INTEGER" for name in _STAMPED)}
@@ -84,6 +88,9 @@ CREATE INDEX IF NOT EXISTS lines_state ON lines (batch_id, state);
 """
 
 
+ANY = "*any*"  # an owner filter that matches every owner (a gateway without keys)
+
+
 @dataclass(frozen=True, slots=True)
 class FileRecord:
     id: str
@@ -91,6 +98,7 @@ class FileRecord:
     purpose: str
     bytes: int
     created_at: int
+    owner: str | None = None
 
     def object(self) -> dict[str, Any]:
         """The OpenAI ``file`` object."""
@@ -135,6 +143,10 @@ class BatchStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL keeps commits atomic; fsync at checkpoints
         db.executescript(_SCHEMA)
+        for table in ("files", "batches"):  # a state directory from before owners
+            columns = {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}
+            if "owner" not in columns:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT")
         return cls(state_dir, db, clock)
 
     @staticmethod
@@ -146,26 +158,38 @@ class BatchStore:
             self._db.close()
 
     # -- files ---------------------------------------------------------------------------------
-    def add_file(self, filename: str, purpose: str, content: bytes) -> FileRecord:
-        record = FileRecord(_new_id("file-"), filename, purpose, len(content), self._now())
+    def add_file(
+        self, filename: str, purpose: str, content: bytes, owner: str | None = None
+    ) -> FileRecord:
+        record = FileRecord(_new_id("file-"), filename, purpose, len(content), self._now(), owner)
         self._write(record.id, content)
         with self._tx() as db:
             db.execute(
-                "INSERT INTO files (id, filename, purpose, bytes, created_at) VALUES (?,?,?,?,?)",
-                (record.id, filename, purpose, record.bytes, record.created_at),
+                "INSERT INTO files (id, filename, purpose, bytes, created_at, owner) "
+                "VALUES (?,?,?,?,?,?)",
+                (record.id, filename, purpose, record.bytes, record.created_at, owner),
             )
         return record
 
-    def file(self, file_id: str) -> FileRecord | None:
+    def file(self, file_id: str, owner: str | None = ANY) -> FileRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
-        return None if row is None else _file(row)
+        record = None if row is None else _file(row)
+        return record if record is not None and _owns(owner, record.owner) else None
 
     def files(
-        self, *, purpose: str | None, limit: int, after: str | None, descending: bool = True
+        self,
+        *,
+        purpose: str | None,
+        limit: int,
+        after: str | None,
+        descending: bool = True,
+        owner: str | None = ANY,
     ) -> tuple[list[FileRecord], bool]:
         """One page of files, newest first unless ``descending`` is False; and whether more."""
         where = ["1"] if purpose is None else ["purpose = :purpose"]
+        if owner != ANY:
+            where.append("owner IS :owner")
         if after is not None:
             cmp = "<" if descending else ">"
             where.append(f"seq {cmp} (SELECT seq FROM files WHERE id = :after)")
@@ -174,7 +198,9 @@ class BatchStore:
             f"ORDER BY seq {'DESC' if descending else 'ASC'} LIMIT :n"
         )
         with self._lock:
-            rows = self._db.execute(sql, {"purpose": purpose, "after": after, "n": limit + 1})
+            rows = self._db.execute(
+                sql, {"purpose": purpose, "after": after, "n": limit + 1, "owner": owner}
+            )
             records = [_file(row) for row in rows]
         return records[:limit], len(records) > limit
 
@@ -197,6 +223,7 @@ class BatchStore:
         window_s: int,
         metadata: dict[str, str] | None,
         requests: list[BatchLine],
+        owner: str | None = None,
     ) -> dict[str, Any]:
         """A new batch of ``requests``: ``failed`` (with errors naming the lines) if a line's
         url is not ``endpoint``, else ``in_progress``. Returns the batch object."""
@@ -215,8 +242,8 @@ class BatchStore:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, "
-                f"errors, metadata, created_at, expires_at, {status}_at) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?)",
+                f"errors, metadata, owner, created_at, expires_at, {status}_at) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     batch_id,
                     endpoint,
@@ -225,6 +252,7 @@ class BatchStore:
                     status,
                     json.dumps({"object": "list", "data": errors}) if errors else None,
                     None if metadata is None else json.dumps(metadata),
+                    owner,
                     now,
                     now + window_s,
                     now,
@@ -243,18 +271,34 @@ class BatchStore:
         assert batch is not None
         return batch
 
-    def batch(self, batch_id: str) -> dict[str, Any] | None:
+    def batch(self, batch_id: str, owner: str | None = ANY) -> dict[str, Any] | None:
         """The OpenAI ``batch`` object, request counts included."""
         with self._lock:
             row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
-            return None if row is None else self._batch(row)
+            if row is None or not _owns(owner, row["owner"]):
+                return None
+            return self._batch(row)
 
-    def batches(self, *, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
+    def batch_owner(self, batch_id: str) -> str | None:
+        """The tenant whose key created the batch (None: made without keys)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT owner FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+        return None if row is None else row["owner"]
+
+    def batches(
+        self, *, limit: int, after: str | None, owner: str | None = ANY
+    ) -> tuple[list[dict[str, Any]], bool]:
         """One page of batches, newest first; and whether more follow."""
         where = "1" if after is None else "seq < (SELECT seq FROM batches WHERE id = :after)"
+        if owner != ANY:
+            where += " AND owner IS :owner"
         sql = f"SELECT * FROM batches WHERE {where} ORDER BY seq DESC LIMIT :n"
         with self._lock:
-            rows = self._db.execute(sql, {"after": after, "n": limit + 1}).fetchall()
+            rows = self._db.execute(
+                sql, {"after": after, "n": limit + 1, "owner": owner}
+            ).fetchall()
             objects = [self._batch(row) for row in rows[:limit]]
         return objects, len(rows) > limit
 
@@ -325,13 +369,14 @@ class BatchStore:
                 written[kind] = (file_id, len(content))
         now = self._now()
         marks = ",".join("?" * len(ACTIVE))
+        owner = self.batch_owner(batch_id)
         with self._tx() as db:
             for kind, file in written.items():
                 if file is not None:
                     db.execute(
-                        "INSERT INTO files (id, filename, purpose, bytes, created_at) "
-                        "VALUES (?,?,?,?,?)",
-                        (file[0], f"{batch_id}_{kind}.jsonl", "batch_output", file[1], now),
+                        "INSERT INTO files (id, filename, purpose, bytes, created_at, owner) "
+                        "VALUES (?,?,?,?,?,?)",
+                        (file[0], f"{batch_id}_{kind}.jsonl", "batch_output", file[1], now, owner),
                     )
             db.execute(
                 f"UPDATE batches SET status = ?, {status}_at = ?, output_file_id = ?, "
@@ -407,7 +452,13 @@ def unfinished_line(line: PendingLine, error: dict[str, Any]) -> dict[str, Any]:
 
 
 def _file(row: sqlite3.Row) -> FileRecord:
-    return FileRecord(row["id"], row["filename"], row["purpose"], row["bytes"], row["created_at"])
+    return FileRecord(
+        row["id"], row["filename"], row["purpose"], row["bytes"], row["created_at"], row["owner"]
+    )
+
+
+def _owns(caller: str | None, owner: str | None) -> bool:
+    return caller in (ANY, owner)
 
 
 def _new_id(prefix: str) -> str:

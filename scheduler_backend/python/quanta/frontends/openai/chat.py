@@ -40,8 +40,14 @@ class ChatTemplate:
         count_tokens: Callable[[str], int] | None = None,
         token_text: Callable[[int], str] | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        tokenizer: Tokenizer | None = None,
+        model_dir: Path | None = None,
     ) -> None:
         self.source = source
+        # The checkpoint, for the prompt size limit (``limits.py``): its tokenizer's longest
+        # token and its context length.
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
         # The checkpoint's tokenizer as the gateway needs it: token counts of system
         # messages, the text of each token that logprobs name, and the text of a prompt given
         # as token ids that ``echo`` repeats.
@@ -67,15 +73,16 @@ class ChatTemplate:
         text = None if tokenizer is None else (lambda token: tokenizer.decode([token]))
         decode = None if tokenizer is None else tokenizer.decode
         path = Path(model_dir) / "tokenizer_config.json"
+        known = {"tokenizer": tokenizer, "model_dir": Path(model_dir)}
         if not path.is_file():
-            return cls(count_tokens=count, token_text=text, decode=decode)
+            return cls(count_tokens=count, token_text=text, decode=decode, **known)
         config = json.loads(path.read_text(encoding="utf-8"))
         source = config.get("chat_template")
         if isinstance(source, list):  # HF's named templates: take "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
         if not isinstance(source, str):
-            return cls(count_tokens=count, token_text=text, decode=decode)
+            return cls(count_tokens=count, token_text=text, decode=decode, **known)
         return cls(
             source,
             bos_token=_token(config, "bos_token"),
@@ -83,6 +90,7 @@ class ChatTemplate:
             count_tokens=count,
             token_text=text,
             decode=decode,
+            **known,
         )
 
     @classmethod

@@ -11,7 +11,17 @@ from typing import Annotated
 
 import typer
 
-from quanta.cli_options import RouterOpt
+from quanta.cli_options import (
+    AllowedHostsOpt,
+    ApiKeyFileOpt,
+    ApiKeyOpt,
+    MaxFileBytesOpt,
+    MaxPromptBytesOpt,
+    MaxRequestBytesOpt,
+    RouterOpt,
+    api_key_policies,
+)
+from quanta.frontends.openai.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -60,13 +70,30 @@ def openai(
     router: Annotated[
         RouterOpt, typer.Option(help="how requests pick a replica (with --upstream)")
     ] = RouterOpt.least_outstanding,
+    api_key: ApiKeyOpt = None,
+    api_key_file: ApiKeyFileOpt = None,
+    max_request_bytes: MaxRequestBytesOpt = DEFAULT_MAX_REQUEST_BYTES,
+    max_file_bytes: MaxFileBytesOpt = DEFAULT_MAX_FILE_BYTES,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="the model's context length, for the prompt limit (default: --model-dir's "
+            "config.json)",
+            show_default=False,
+        ),
+    ] = None,
+    max_prompt_bytes: MaxPromptBytesOpt = None,
+    allowed_hosts: AllowedHostsOpt = None,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and the Batch API (/v1/files,
-    /v1/batches), forwarding to Triton gRPC."""
+    /v1/batches), forwarding to Triton gRPC; with --api-key or --api-key-file every route but
+    /health and /metrics needs a key."""
     from quanta.frontends.openai.app import GatewaySettings
     from quanta.frontends.openai.chat import ChatTemplate
     from quanta.frontends.openai.server import GatewayServer
 
+    keys = api_key_policies(api_key, api_key_file)
     template = (
         ChatTemplate.from_file(chat_template)
         if chat_template is not None
@@ -82,7 +109,21 @@ def openai(
         batch_concurrency=batch_concurrency,
         upstreams=tuple(upstream or ()),
         router=router.value,
+        api_keys=keys,
+        max_request_bytes=max_request_bytes,
+        max_file_bytes=max_file_bytes,
+        max_model_len=max_model_len,
+        max_prompt_bytes=max_prompt_bytes,
+        allowed_hosts=tuple(allowed_hosts or ()),
     )
     target = ", ".join(upstream) + f" ({router.value})" if upstream else triton_grpc_url
     typer.echo(f"OpenAI  http://{host}:{port}/v1 -> Triton gRPC {target}")
+    if keys:
+        tenants = sorted({p.tenant for p in keys.values()})
+        typer.echo(f"API keys: {len(keys)}, tenants: {', '.join(tenants)}")
+        if any(p.weight != 1.0 for p in keys.values()):
+            typer.echo(
+                "note: key weights reach a running Triton only through its model's policy "
+                "options (weights for vtc, priorities for fair/wsc); quanta serve sets them"
+            )
     GatewayServer(settings, host=host, port=port, chat_template=template, log_level="info").run()

@@ -10,6 +10,7 @@ tensors): known phrases of those decide, and anything else is a 500.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -17,7 +18,9 @@ from typing import Any
 # HTTP status -> (OpenAI error type, default code)
 _TYPES: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", None),
+    413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "backend_unavailable"),
@@ -99,3 +102,19 @@ def classify(message: str) -> OpenAIError:
         if phrase in lowered:
             return OpenAIError(status, message, code="model_not_found" if status == 404 else None)
     return OpenAIError(500, message)
+
+
+async def send_error(exc: OpenAIError, send: Any, headers: dict[str, str] | None = None) -> None:
+    """``exc`` as a whole JSON response on an ASGI ``send``, for middleware that answers
+    before the app sees the request."""
+    body = json.dumps(exc.body()).encode()
+    raw = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *(
+            (k.lower().encode(), v.encode())
+            for k, v in {**(headers or {}), **exc.headers()}.items()
+        ),
+    ]
+    await send({"type": "http.response.start", "status": exc.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

@@ -25,6 +25,7 @@ from pydantic import (
 
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.structured import StructuredOutput
+from quanta.frontends.openai.auth import Principal
 from quanta.frontends.openai.errors import OpenAIError, invalid
 from quanta.frontends.triton.tensors import validation_message
 
@@ -38,10 +39,12 @@ Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
 
 
 class _Checked(BaseModel):
-    """Unknown fields forbidden, and every string encodable as UTF-8: a lone surrogate
-    (``"\\ud800"`` in the JSON) is a 400 naming the field, not a failure further down."""
+    """Unknown fields forbidden, types strict, and every string encodable as UTF-8: a lone
+    surrogate (``"\\ud800"`` in the JSON) is a 400 naming the field, not a failure further
+    down. Strict as OpenAI is: ``"stream": "yes"`` or ``"max_tokens": "16"`` is a 400 naming
+    the field, not a guess; a JSON integer is still a number where a float is expected."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -173,9 +176,14 @@ class _GenerationRequest(_Checked):
         """Whether the prompt's tokens are reported with logprobs too (completions' echo)."""
         return False
 
-    def metadata(self, system_tokens: int | None = None) -> RequestMetadata:
+    def metadata(
+        self, system_tokens: int | None = None, principal: Principal | None = None
+    ) -> RequestMetadata:
         """Scheduling metadata; ``tenant`` wins over OpenAI's ``user``, and an explicit
-        ``system_tokens`` over the count the gateway made of the system messages."""
+        ``system_tokens`` over the count the gateway made of the system messages.
+
+        With an API key (``principal``) the tenant is the key's whatever the body says, and
+        a key whose class is ``offline`` sends offline work only (``auth.py``)."""
         fields = {
             name: getattr(self, name)
             for name in _METADATA_FIELDS
@@ -184,6 +192,11 @@ class _GenerationRequest(_Checked):
         if system_tokens is not None:
             fields.setdefault("system_tokens", system_tokens)
         tenant = self.tenant if self.tenant is not None else self.user
+        if principal is not None:
+            tenant = principal.tenant
+            fields["tenant_authenticated"] = True
+            if principal.priority_class == "offline":
+                fields["priority_class"] = "offline"
         if tenant is not None:
             fields["tenant"] = tenant
         return _validated(RequestMetadata, fields)
@@ -240,8 +253,11 @@ _SAMPLING_FIELDS = (
     "repetition_penalty",
     "min_tokens",
 )
-# Every scheduling field but ``tenant``, which ``user`` may give instead.
-_METADATA_FIELDS = tuple(name for name in RequestMetadata.model_fields if name != "tenant")
+# Every scheduling field but ``tenant``, which ``user`` may give instead, and
+# ``tenant_authenticated``, which only the server sets (from an API key), never a body.
+_METADATA_FIELDS = tuple(
+    name for name in RequestMetadata.model_fields if name not in ("tenant", "tenant_authenticated")
+)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -290,6 +306,13 @@ class ChatMessage(_Checked):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        """Only an assistant turn may have no content, as OpenAI has it."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (text or parts)")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -8,13 +8,14 @@ still reaches ``quanta serve``, which stops the gateway and then Triton.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from quanta.frontends.openai.app import GatewaySettings, create_app
+from quanta.frontends.openai.app import GatewaySettings, auth_warning, create_app
 from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.upstream import TritonGrpc
 
@@ -42,6 +43,9 @@ class GatewayServer:
         app = create_app(settings, chat_template, upstream=upstream)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
         self._server = uvicorn.Server(config)
+        warning = auth_warning(settings, host)
+        if warning is not None:  # NOTE: uvicorn.Config has set up its loggers by now
+            logging.getLogger("uvicorn.error").warning(warning)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
