@@ -1,7 +1,8 @@
 """The Kubernetes manifests (deploy/kubernetes): valid against the Kubernetes API schemas
 (kubernetes-validate, strict: an unknown field fails), and consistent with what Quanta is:
-every flag they pass exists, the gateway lists every replica, the replicas reach the Redis
-Service, probes hit the real health endpoints, and the grace period covers the drain."""
+every flag they pass exists, the gateway runs in every replica and is the only port that
+leaves a pod, the replicas reach the Redis Service, probes hit the real health endpoints,
+and the grace period covers the drain."""
 
 from __future__ import annotations
 
@@ -73,22 +74,35 @@ def _container(kind: str, name: str) -> dict[str, Any]:
 def test_every_flag_is_quantas_and_the_pieces_meet():
     replicas = DOCS[("StatefulSet", "quanta")]
     engine = _container("StatefulSet", "quanta")
-    gateway = _container("Deployment", "quanta-gateway")
     serve = _flags(engine["args"])
-    openai = _flags(gateway["args"])
     assert set(serve) <= _options("serve"), set(serve) - _options("serve")
-    assert gateway["command"] == ["quanta", "openai"]
-    assert set(openai) <= _options("openai"), set(openai) - _options("openai")
-    # the gateway lists each replica by its stable name, at the gRPC port
-    service = replicas["spec"]["serviceName"]
-    grpc = next(p["containerPort"] for p in engine["ports"] if p["name"] == "grpc")
-    count = replicas["spec"]["replicas"]
-    assert openai["--upstream"] == [f"quanta-{i}.{service}:{grpc}" for i in range(count)]
+    # the gateway runs in each replica, and the gateway Service selects the replicas' pods
+    gateway_port = int(serve["--openai-port"][0])
+    http = next(p for p in engine["ports"] if p["name"] == "http")
+    assert http["containerPort"] == gateway_port
+    service = DOCS[("Service", "quanta-gateway")]["spec"]
+    assert service["selector"] == replicas["spec"]["selector"]["matchLabels"]
+    assert [p["targetPort"] for p in service["ports"]] == ["http"]
     # the replicas reach the Redis Service
     redis = DOCS[("Service", "quanta-redis")]["spec"]["ports"][0]["port"]
     assert serve["--state-url"] == [f"redis://quanta-redis:{redis}/0"]
-    # probes: Triton's readiness, the gateway's health; the drain fits the grace period
-    assert engine["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    # probes: Triton's readiness and liveness, asked inside the pod; the drain fits the grace
+    assert engine["readinessProbe"]["exec"]["command"][-1].endswith(f":{gateway_port}/health")
+    assert engine["livenessProbe"]["exec"]["command"][-1].endswith("/v2/health/live")
     grace = replicas["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert float(serve["--drain-timeout"][0]) < grace
+
+
+def test_no_triton_port_leaves_the_pod():
+    """Only the gateway's port is declared or served: Triton's ports stay on the loopback
+    (no --triton-host), and the probes ask them from inside the container."""
+    engine = _container("StatefulSet", "quanta")
+    serve = _flags(engine["args"])
+    assert "--triton-host" not in serve
+    gateway_port = int(serve["--openai-port"][0])
+    assert [p["containerPort"] for p in engine["ports"]] == [gateway_port]
+    for (kind, name), doc in DOCS.items():
+        if kind == "Service" and name != "quanta-redis":
+            assert {p["port"] for p in doc["spec"]["ports"]} == {gateway_port}, name
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "127.0.0.1:" in engine[probe]["exec"]["command"][-1]

@@ -209,6 +209,7 @@ class RoutedStream:
         tried: set[int] = set()
         key = _affinity_key(self._inputs)
         errors: list[str] = []
+        retry: list[float] = []  # when each replica that refused expects to be back
         while not self._cancelled:
             i = self._router.pick(key, tried)
             if i is None:
@@ -228,6 +229,7 @@ class RoutedStream:
                     raise
                 self._router.mark_down(i)
                 errors.append(exc.message)
+                retry += [exc.retry_after] if exc.retry_after is not None else []
                 continue
             except BaseException:
                 self._release()
@@ -237,7 +239,11 @@ class RoutedStream:
             return event
         self._done = True
         detail = "; ".join(errors) or "the request was cancelled"
-        raise UpstreamError(f"no Triton replica took the request: {detail}", unavailable=True)
+        raise UpstreamError(
+            f"no Triton replica took the request: {detail}",
+            unavailable=True,
+            retry_after=min(retry, default=None),
+        )
 
     def _release(self) -> None:
         """The request no longer counts against its replica (idempotent)."""

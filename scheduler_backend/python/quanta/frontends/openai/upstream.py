@@ -8,25 +8,38 @@ iterator yields the one request and ends, which half-closes the stream while Tri
 sending responses until the final one.
 
 Used by the OpenAI gateway and by ``quanta bench serve``'s gRPC transport.
+
+Where ``quanta serve`` supervises the Triton server in this process, its state
+(``quanta.frontends.triton.supervisor_state``) is read first: while the server is down or
+restarting, a request fails at once as unavailable with the seconds until it is expected
+back, readiness is false, and after each restart the channel is opened afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from quanta.frontends.triton.client import grpc_inputs, grpc_outputs, has_batch_dim
+from quanta.frontends.triton.supervisor_state import DEFAULT_RETRY_S, state_for
 
 
 class UpstreamError(RuntimeError):
-    """Triton answered with an error, or could not be reached (``unavailable``)."""
+    """Triton answered with an error, or could not be reached (``unavailable``); then
+    ``retry_after`` says in how many seconds it is worth trying again."""
 
-    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+    def __init__(
+        self, message: str, *, unavailable: bool = False, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.unavailable = unavailable
+        if retry_after is None and unavailable:
+            retry_after = DEFAULT_RETRY_S
+        self.retry_after = retry_after
 
 
 class TritonGrpc:
@@ -37,15 +50,41 @@ class TritonGrpc:
         self.timeout_s = timeout_s
         self._client: Any = None
         self._batch_dims: dict[str, bool] = {}
+        self._restarts = 0  # the supervisor's restart count when the channel was opened
+        self._closing: set[asyncio.Task[Any]] = set()  # old channels being closed
 
     @property
     def client(self) -> Any:
         # NOTE: created on first use, so the channel binds to the loop that runs the requests.
+        state = state_for(self.url)
+        if state is not None and state.restarts != self._restarts and state.available:
+            # Why: a channel that saw the server die backs its reconnects off for seconds,
+            # so it would refuse requests for a while after the server is back.
+            self._restarts = state.restarts
+            self._drop_client()
         if self._client is None:
             import tritonclient.grpc.aio as grpcaio
 
             self._client = grpcaio.InferenceServerClient(self.url)
         return self._client
+
+    def unavailable(self) -> UpstreamError | None:
+        """The error for a request sent now, when the supervisor knows the server cannot
+        take it (down, restarting or given up); None when it may."""
+        state = state_for(self.url)
+        if state is None or state.available:
+            return None
+        return UpstreamError(
+            f"{state.describe()}; retry later", unavailable=True, retry_after=state.retry_after()
+        )
+
+    def _drop_client(self) -> None:
+        old, self._client = self._client, None
+        if old is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: left to the collector
+                task = asyncio.get_running_loop().create_task(old.close())
+                self._closing.add(task)  # NOTE: held, or the task may be collected unfinished
+                task.add_done_callback(self._closing.discard)
 
     def stream(
         self, model: str, inputs: dict[str, Any], *, request_id: str | None = None
@@ -65,6 +104,8 @@ class TritonGrpc:
         return self._batch_dims[model]
 
     async def is_model_ready(self, model: str) -> bool:
+        if self.unavailable() is not None:
+            return False
         try:
             return bool(await self.client.is_model_ready(model))
         except Exception:
@@ -100,6 +141,10 @@ class GenerationStream:
         if self.done:
             raise StopAsyncIteration
         if self._responses is None:
+            down = self._upstream.unavailable()
+            if down is not None:
+                self.done = True
+                raise down
             batched = await self._upstream.batch_dim(self._model)
             self._responses = self._upstream.client.stream_infer(
                 self._requests(batched), stream_timeout=self._upstream.timeout_s
@@ -117,7 +162,9 @@ class GenerationStream:
                 grpc.StatusCode.CANCELLED,
             )
             message = f"Triton gRPC {exc.code().name} at {self._upstream.url}: {exc.details()}"
-            raise UpstreamError(message, unavailable=unavailable) from None
+            state = state_for(self._upstream.url)  # it may know by now that the server died
+            retry = None if state is None else state.retry_after()
+            raise UpstreamError(message, unavailable=unavailable, retry_after=retry) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self.done and not (task is not None and task.cancelling()):

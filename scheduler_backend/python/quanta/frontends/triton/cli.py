@@ -15,17 +15,26 @@ from typing import Annotated, Any
 import typer
 
 from quanta.cli_options import (
+    AllowedHostsOpt,
+    ApiKeyFileOpt,
+    ApiKeyOpt,
     AttentionKernelOpt,
     LinearKernelOpt,
+    MaxFileBytesOpt,
+    MaxPromptBytesOpt,
+    MaxRequestBytesOpt,
     PolicyOpt,
     PrefixCachingOverrideOpt,
     RouterOpt,
     SpeculativeConfigOpt,
     TensorParallelOpt,
+    api_key_policies,
     check_state_policy,
     parse_options,
     parse_speculative_config,
+    with_key_weights,
 )
+from quanta.frontends.openai.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -50,7 +59,26 @@ def serve(
             "else a generated one with the tiny default model)"
         ),
     ] = None,
-    host: Annotated[str, typer.Option(help="address all three endpoints bind to")] = "127.0.0.1",
+    host: Annotated[
+        str,
+        typer.Option(help="address the OpenAI gateway binds to (Triton's ports: --triton-host)"),
+    ] = "127.0.0.1",
+    triton_host: Annotated[
+        str,
+        typer.Option(
+            help="address Triton's HTTP, gRPC and metrics ports bind to; the loopback keeps "
+            "them behind the gateway, another address exposes them deliberately"
+        ),
+    ] = "127.0.0.1",
+    triton_admin_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="QUANTA_TRITON_ADMIN_KEY",
+            help="value of the quanta-admin-key header Triton's admin APIs (model-repository, "
+            "logging, trace, shared-memory, statistics) require (default: a random one per "
+            "start; '': leave them open)",
+        ),
+    ] = None,
     http_port: Annotated[
         int, typer.Option(envvar="QUANTA_HTTP_PORT", help="HTTP port (0: any free port)")
     ] = 8000,
@@ -90,6 +118,12 @@ def serve(
     state_dir: Annotated[
         Path, typer.Option(help="where the OpenAI gateway keeps Batch API files and batches")
     ] = Path("quanta-state"),
+    api_key: ApiKeyOpt = None,
+    api_key_file: ApiKeyFileOpt = None,
+    max_request_bytes: MaxRequestBytesOpt = DEFAULT_MAX_REQUEST_BYTES,
+    max_file_bytes: MaxFileBytesOpt = DEFAULT_MAX_FILE_BYTES,
+    max_prompt_bytes: MaxPromptBytesOpt = None,
+    allowed_hosts: AllowedHostsOpt = None,
     served_model_name: Annotated[
         str | None,
         typer.Option(
@@ -161,10 +195,18 @@ def serve(
         int,
         typer.Option(
             min=0,
-            help="restart a tritonserver that dies, at most this many times in a row "
-            "(a server up for 5 minutes resets the count); 0: exit with it",
+            help="restarts of a tritonserver that dies: 0 restarts it forever; N gives up "
+            "(exits with its status) after N restarts in a row (5 minutes up resets the count)",
         ),
-    ] = 5,
+    ] = 0,
+    max_restart_delay: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="the longest wait before a restart (the wait doubles from 1 s with each "
+            "death in a row, jittered, up to this)",
+        ),
+    ] = 30.0,
     replicas: Annotated[
         int,
         typer.Option(
@@ -189,6 +231,18 @@ def serve(
     if state_url is not None:
         options = {**(options or {}), "state_url": state_url}
         check_state_policy(policy, options)
+    keys = api_key_policies(api_key, api_key_file)
+    if keys and openai_port is None:
+        raise typer.BadParameter("API keys guard the OpenAI gateway: give --openai-port too")
+    options = with_key_weights(policy, options, keys)  # a key's weight is its tenant's share
+    gateway_options: dict[str, Any] = {
+        "api_keys": keys,
+        "max_request_bytes": max_request_bytes,
+        "max_file_bytes": max_file_bytes,
+        "max_model_len": max_seq_len,
+        "max_prompt_bytes": max_prompt_bytes,
+        "allowed_hosts": tuple(allowed_hosts or ()),
+    }
     try:
         flags = served_parameters(
             policy=policy,
@@ -247,13 +301,14 @@ def serve(
             raise typer.BadParameter("--demo runs one server: leave out --replicas")
         options = ServerOptions(
             model_repository=repo,
-            host=host,
+            host=triton_host,
             http_port=http_port,
             grpc_port=grpc_port,
             metrics_port=metrics_port,
             tritonserver=tritonserver,
             backend_dir=backend_dir,
             log_verbose=log_verbose,
+            admin_key=triton_admin_key,
         )
         servers = [
             TritonServer(options.replica(i), log_file=_replica_log(log_file, i))
@@ -276,15 +331,37 @@ def serve(
                 typer.echo(f"metrics {s.metrics_url}{label}")
             if openai_port is not None:
                 gateway = _start_gateway(
-                    servers, repo, host, openai_port, model_name, state_dir, router.value
+                    servers,
+                    repo,
+                    host,
+                    openai_port,
+                    model_name,
+                    state_dir,
+                    router.value,
+                    **gateway_options,
                 )
                 typer.echo(f"OpenAI  {gateway.url}/v1")
             if demo is not None:
                 entry = model if model is not None else model_dir_from_repository(repo, model_name)
-                _demo(server.http_url, model_name, demo, entry, gateway and gateway.url)
+                _demo(
+                    server.http_url,
+                    model_name,
+                    demo,
+                    entry,
+                    gateway and gateway.url,
+                    next(iter(keys), None),
+                )
                 return
+            if gateway is not None and host != triton_host:
+                typer.echo(f"Triton's ports stay on {triton_host}, behind the gateway")
+            elif gateway is None and host != triton_host:
+                typer.echo(
+                    f"note: --host {host} binds the OpenAI gateway, which --openai-port starts; "
+                    f"Triton's ports bind {triton_host} (--triton-host)",
+                    err=True,
+                )
             typer.echo("ready; Ctrl-C stops the server" + ("s" if replicas > 1 else ""))
-            code = supervise_all(servers, max_restarts, ready_timeout)
+            code = supervise_all(servers, max_restarts, ready_timeout, max_restart_delay)
             if code != 0:
                 raise typer.Exit(code)
         except LaunchError as exc:
@@ -365,6 +442,7 @@ def _start_gateway(
     model_name: str,
     state_dir: Path,
     router: str,
+    **gateway_options: Any,
 ) -> Any:
     from quanta.frontends.openai.server import (
         GatewayError,
@@ -384,6 +462,7 @@ def _start_gateway(
             model_name=model_name,
             model_dir=model_dir_from_repository(repo, model_name),
             state_dir=state_dir,
+            **gateway_options,
         )
     except GatewayError as exc:  # reported (and Triton stopped) like a failed launch
         raise LaunchError(str(exc)) from None
@@ -411,7 +490,12 @@ def resolve_model(model: Path, dtype: str | None) -> Path:
 
 
 def _demo(
-    url: str, model: str, prompt: str, model_dir: Path | None, gateway_url: str | None
+    url: str,
+    model: str,
+    prompt: str,
+    model_dir: Path | None,
+    gateway_url: str | None,
+    api_key: str | None = None,
 ) -> None:
     """One greedy answer through Triton and, when the gateway runs, one through the OpenAI
     chat endpoint. A chat model gets its own template on the Triton request too, so both
@@ -445,7 +529,8 @@ def _demo(
     request = urllib.request.Request(
         f"{gateway_url}/v1/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json"}
+        | ({} if api_key is None else {"Authorization": f"Bearer {api_key}"}),
     )
     with urllib.request.urlopen(request, timeout=300) as response:
         answer = json.loads(response.read())

@@ -16,6 +16,7 @@ import dataclasses
 import importlib.resources
 import importlib.util
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,8 +35,17 @@ from typing import IO, Any
 
 from quanta.frontends.triton.drain import ENV as DRAIN_ENV
 from quanta.frontends.triton.drain import request_drain, wait_drained
+from quanta.frontends.triton.supervisor_state import SupervisorState, register, unregister
 
 BACKEND_NAME = "quanta"
+# Triton's admin protocols, refused without the admin key (``--http-restricted-api``,
+# ``--grpc-restricted-protocol``). Not restricted: health, metadata, model-config (the
+# gateway reads the model's config) and inference.
+RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory", "statistics")
+ADMIN_KEY_HEADER = "quanta-admin-key"  # lower case: gRPC metadata keys must be
+# Triton's gRPC frontend looks the key up under this prefix (and answers UNAVAILABLE without it)
+GRPC_ADMIN_KEY_HEADER = f"triton-grpc-protocol-{ADMIN_KEY_HEADER}"
+_ADMIN_KEY = re.compile(r"[A-Za-z0-9._~+/-]+")
 
 
 class LaunchError(RuntimeError):
@@ -169,6 +179,9 @@ class ServerOptions:
     log_verbose: int = 0
     exit_timeout_s: int = 10
     extra_args: list[str] = field(default_factory=list)
+    # The value of ADMIN_KEY_HEADER that Triton's admin protocols require (default: one
+    # generated per server); "" leaves them open, as tritonserver does by default.
+    admin_key: str | None = None
 
     def replica(self, i: int) -> ServerOptions:
         """The options of replica ``i`` of several on one machine: every port ten above the
@@ -266,6 +279,26 @@ class TritonServer:
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self.restarts = 0  # how often start() ran after the first time (the backend reports it)
         self.drain_dir = Path(tempfile.mkdtemp(prefix="quanta-drain-"))
+        self.admin_key = (
+            secrets.token_urlsafe(24) if self.options.admin_key is None else self.options.admin_key
+        )
+        if not _ADMIN_KEY.fullmatch(self.admin_key or "x"):
+            raise LaunchError(
+                "the Triton admin key may hold only letters, digits and -._~+/ "
+                "(tritonserver parses it out of <apis>:<header>=<key>)"
+            )
+        # what the supervisor knows of this server, for a gateway in this process
+        self.state = SupervisorState(self.grpc_url)
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The HTTP header Triton's admin APIs (RESTRICTED_APIS) require."""
+        return {ADMIN_KEY_HEADER: self.admin_key} if self.admin_key else {}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """The gRPC metadata its admin protocols require (tritonclient's ``headers=``)."""
+        return {GRPC_ADMIN_KEY_HEADER: self.admin_key} if self.admin_key else {}
 
     @property
     def http_url(self) -> str:
@@ -297,8 +330,19 @@ class TritonServer:
             f"--exit-timeout-secs={o.exit_timeout_s}",
             f"--log-verbose={o.log_verbose}",
             f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+            *self._restricted_args(),
             *o.extra_args,
         ]
+
+    def _restricted_args(self) -> list[str]:
+        """Triton's admin protocols behind the admin key. Why: a client that reaches the
+        ports could otherwise unload the model, change logging or read statistics.
+        NOTE: the key is on tritonserver's command line (it takes it no other way), so local
+        users who can list processes can read it; it keeps out network clients."""
+        if not self.admin_key:
+            return []
+        rule = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={self.admin_key}"
+        return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
     def start(self) -> TritonServer:
         binary = find_tritonserver(self.options.tritonserver)
@@ -320,6 +364,7 @@ class TritonServer:
         )
         if self.log_file is None:
             threading.Thread(target=self._tee, args=(self._proc,), daemon=True).start()
+        register(self.state)
         return self
 
     def restart(self) -> TritonServer:
@@ -431,6 +476,7 @@ class TritonServer:
             self._log.close()
             self._log = None
         if remove_backend_dir:
+            unregister(self.state)
             shutil.rmtree(self.drain_dir, ignore_errors=True)
             if self._own_backend_dir:
                 shutil.rmtree(self.backend_dir, ignore_errors=True)
