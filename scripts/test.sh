@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up (idempotently), runs the linter, then the fast tier of the test suite: every test
 # not marked live (a running tritonserver), engine (a real forward pass or HF transformers) or
-# slow (opt-125m, Locust, packaging, supervision). `--all` runs the whole suite, as CI does.
+# slow (opt-125m, Locust, packaging, supervision) or docker (the container image). `--all`
+# runs the whole suite, as CI does.
 # Other arguments go to pytest (`bash scripts/test.sh tests/test_sim.py -k repro`).
 #
 # A whole tier runs on QUANTA_TEST_WORKERS pytest-xdist workers (default 3 on the 2-core CI
@@ -12,7 +13,7 @@
 # picks tests (a path, a node id or -k) runs in this process, with no workers to start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tier=(-m "not live and not engine and not slow")
+tier=(-m "not live and not engine and not slow and not docker")
 args=()
 workers=${QUANTA_TEST_WORKERS:-3}
 for arg in "$@"; do

@@ -102,8 +102,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # -- pytest-xdist: what each worker runs -------------------------------------------------------
-# A module holding slow tests weighs most, then one with live or engine tests, then the rest.
-_WEIGHT = {"slow": 0, "live": 1, "engine": 2}
+# The container image's module (a build, then a server) weighs most, then one holding slow
+# tests, then one with live or engine tests, then the rest.
+_WEIGHT = {"docker": -1, "slow": 0, "live": 1, "engine": 2}
 SHARED_SERVER = "the shared tritonserver"
 # FastServe's systems default to the load signal (FCFS until the queue stops draining);
 # tests that must see skip-join MLFQ preempt, on tiny loads, ask for the paper's rule.
