@@ -41,8 +41,9 @@ NOT_RUN = {
     "quanta bench peer": "needs the vLLM venv above; tests/test_bench_peer.py covers the harness",
     "bench/lm_eval/run.sh": "installs lm-evaluation-harness (network) and evaluates a real "
     "model twice (minutes); tests/test_bench_lm_eval.py covers its data and report",
-    "docker ": "no container engine on the test machines; tests/test_packaging.py runs the "
-    "image's steps",
+    "docker ": "builds and runs the image: tests/test_container.py (the docker tier) does",
+    "bash scripts/docker-base.sh": "debootstraps Debian (root, minutes): tests/test_container.py "
+    "runs it",
     "python loadtests/fair_replicas.py": "starts two replicas (and Redis) for each mode and "
     "loads them for a minute each; tests/test_openai_gateway.py runs --replicas 2 behind the "
     "gateway and tests/test_fair_redis.py the shared state",
@@ -100,6 +101,8 @@ def kind(cmd: DocCommand) -> str:
         return "client"  # the Batch API's CLI talks to a running gateway
     if words[:2] == ["quanta", "reset-prefix-cache"]:
         return "client"
+    if words[0] == "python" and words[1].startswith("bench/trust/"):
+        return "client"  # a burst against the running server (restarted if it aborts)
     if words[0] == "quanta" or (words[0] == "python" and words[1].startswith("loadtests/")):
         return "offline"  # (a load-test script that starts its own server)
     if words[0] == "python" and words[1].startswith("bench/gpu/"):
