@@ -129,6 +129,20 @@ def test_types_are_strict_and_a_wrong_one_names_its_field(gateway, field, value)
     assert upstream.inputs() == []
 
 
+def test_stream_options_without_a_stream_are_refused_naming_the_field(gateway):
+    client, upstream, _ = gateway
+    options = {"include_usage": True}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hi", stream_options=options)
+    assert info.value.body["param"] == "stream_options", info.value.body
+    assert upstream.inputs() == []
+    stream = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=1, stream=True, stream_options=options
+    )
+    assert list(stream)
+    assert len(upstream.inputs()) == 1
+
+
 def test_a_json_integer_is_still_a_number_where_a_float_is_expected(gateway):
     client, upstream, _ = gateway
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, temperature=1, top_p=1)

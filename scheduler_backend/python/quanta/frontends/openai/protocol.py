@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -116,6 +117,18 @@ class _GenerationRequest(_Checked):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        """Options of a stream on a request that does not stream are a client's mistake (a
+        usage it would never see): refused as OpenAI and vLLM refuse them. ``stream`` is
+        declared first, so it is validated by now."""
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true")
+        return value
 
     def unsupported(self) -> OpenAIError | None:
         """The first requested feature Quanta does not offer, as a 400."""
