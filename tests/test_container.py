@@ -147,6 +147,20 @@ def served_on_loopback(directory: Path) -> Iterator[str]:
         server.server_close()
 
 
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # the Dockerfile's TORCH_INDEX
+
+
+def reachable(url: str) -> bool:
+    """Whether ``url`` answers at all (a build without a local wheel needs it)."""
+    try:
+        urllib.request.urlopen(url, timeout=10).close()
+    except urllib.error.HTTPError:
+        return True  # it answered
+    except OSError:
+        return False
+    return True
+
+
 def image_exists(name: str) -> bool:
     inspect = ["docker", "image", "inspect", name]
     return subprocess.run(inspect, capture_output=True, timeout=60).returncode == 0
@@ -174,6 +188,8 @@ def image(dockerd: None) -> str:
     """The Dockerfile built as ``quanta:test`` (layers cached by dockerd between runs)."""
     args = ["build", "--network", "host", *base_args(), "-t", IMAGE, str(ROOT)]
     wheel = local_torch_wheel()
+    if wheel is None and not reachable(TORCH_CPU_INDEX):
+        pytest.skip(f"no local torch CPU wheel and {TORCH_CPU_INDEX} cannot be reached")
     with contextlib.ExitStack() as stack:
         if wheel is not None:
             url = stack.enter_context(served_on_loopback(wheel.parent))
