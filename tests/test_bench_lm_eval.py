@@ -1,7 +1,7 @@
 """The lm-evaluation-harness benchmark without lm_eval: the project's task data and the report
 that sets Quanta's scores beside HF's (bench/lm_eval/compare.py, on outputs shaped as lm_eval
 0.4 writes them). The run itself (bench/lm_eval/run.sh) installs lm_eval from the network and is
-run by hand; docs/benchmarks.md has its numbers."""
+run by hand; docs/results/benchmarks.md has its numbers."""
 
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ def test_scale_to_rate_and_io_ratio():
     ],
 )  # fmt: skip
 def test_make_workload_is_pinned(name, head, sum_in, sum_out, last):
-    """The simulator's traces (and so docs/fastserve.md's numbers) must not drift: these are
+    """The simulator's traces (and so docs/results/fastserve.md's numbers) must not drift: these are
     the values the published tables were generated from."""
     trace = make_workload(name, 300, 2.0, seed=7, cv=2.0)
     assert [(round(r.arrival_time, 6), r.input_len, r.output_len) for r in trace[:3]] == head

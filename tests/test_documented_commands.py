@@ -53,10 +53,10 @@ NOT_RUN = {
 # Inline mentions that name a flag rather than show a whole command.
 FRAGMENTS = {
     "quanta bench serve --workload out/w.jsonl": "its whole command is in loadtests/README.md",
-    "quanta bench workload --dataset chat": "names the dataset; docs/prefix-caching.md's "
+    "quanta bench workload --dataset chat": "names the dataset; docs/results/prefix-caching.md's "
     "blocks give the whole command",
     "quanta bench workload --dataset agents --num-requests 60 --rate 1 --seed 0": "the options "
-    "of a trace; docs/prefix-caching.md's blocks give the whole command",
+    "of a trace; docs/results/prefix-caching.md's blocks give the whole command",
     "quanta bench serve --workload out/peer/workload_rate2.jsonl --transport openai": "reads "
     "the workload `quanta bench peer` writes (not run here)",
 }

@@ -188,11 +188,11 @@ def test_chat_through_the_gateway_answers_the_question(gateway: str):
 def test_quantized_engines_keep_perplexity_and_the_answer(
     engine: Path, gguf: Path, prompt_ids, fp32_perplexity: float, quantization: str
 ):
-    """docs/quantization.md's quality claims: int8 (per channel, from the dequantized Q4_1
+    """docs/results/quantization.md's quality claims: int8 (per channel, from the dequantized Q4_1
     weights) and int4 (the file's Q4_1 kept) within 1% of the float engine's perplexity on
     the same weights; int8 still answers "Paris". int4 does not: the answer's first token is
     a near-tie already in bf16 ("The" -1.746, "L" -1.871) and ties exactly under int4pack's
-    bf16 logits, which then picks "L'Étoile, ..." (docs/quantization.md)."""
+    bf16 logits, which then picks "L'Étoile, ..." (docs/results/quantization.md)."""
     import torch
     from quanta.runner.linear import onednn_supports
 

@@ -166,7 +166,7 @@ def test_parse_request_takes_trtllm_sampling_inputs():
     assert (p.min_tokens, p.logprobs) == (3, 0)
     assert parsed.bad_words == ("foo", "bar baz") and parsed.echo and parsed.return_log_probs
     plain = parse_request(_getter(text_input=text))
-    assert not plain.echo and plain.params.logprobs is None  # absent: no echo (see README)
+    assert not plain.echo and plain.params.logprobs is None  # absent: no echo (docs/triton-api.md)
     kept = parse_request(_getter(text_input=text, exclude_input_in_output=np.array([True])))
     assert not kept.echo
 

@@ -119,7 +119,7 @@ def test_the_real_azure_trace():
     assert head[0].arrival_time == 0.0 and head[1].arrival_time == pytest.approx(4.314579)
     rows = load_workload(SHARED_AZURE)
     assert rows[:200] == head
-    assert len(rows) == 19366  # the README's count; every row is a request
+    assert len(rows) == 19366  # docs/benchmarking.md's count; every row is a request
     span = rows[-1].arrival_time
     assert (len(rows) - 1) / span == pytest.approx(5.5, abs=0.1)  # about 5.5 req/s
     assert statistics.mean(r.prompt_tokens for r in rows) == pytest.approx(1155, abs=1)
