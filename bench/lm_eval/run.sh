@@ -8,7 +8,7 @@
 # MODEL is a `quanta fetch-model` catalogue name or an engine directory (HF layout). Why a venv
 # of its own: lm_eval is a benchmark tool with dependencies of its own (datasets, evaluate,
 # scikit-learn, ...), never part of Quanta's install. Env: LMEVAL_VENV (default
-# /tmp/lmeval-venv), LMEVAL_VERSION (default 0.4.13, the version docs/benchmarks.md used),
+# /tmp/lmeval-venv), LMEVAL_VERSION (default 0.4.13, the version docs/results/benchmarks.md used),
 # PYTHON (interpreter for the venv), QUANTA (default .venv/bin/quanta), OUT (default
 # out/lm_eval), LIMIT (documents per task, default all), TORCH_THREADS (default 2, both sides).
 set -euo pipefail

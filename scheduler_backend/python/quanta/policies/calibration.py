@@ -4,7 +4,7 @@ A profile is measured once, on an idle machine. Then the engine serves beside a 
 Triton and a load generator, or on a busier GPU, and every step takes longer than predicted.
 A policy that sizes steps by predictions to keep an SLO (ConServe's TPOT budget) then keeps
 it only on paper. On the CPU server the online P99 TPOT was 170-240 ms against a 110 ms
-target (docs/conserve.md).
+target (docs/results/conserve.md).
 
 ``CalibratedCost`` is the stages' cost model and an observer at once. After each step it
 compares the time the step took with what the base model predicts for the same tokens. Its

@@ -78,7 +78,7 @@ class ServiceCounters:
     service is counted as it is computed (WSC): a waiting newcomer's counter stands still
     while the tenants being served pass it, so each fresh name soon ranks ahead of them
     again and still claims a tenant's share; in the simulator a steady tenant fares worse
-    than under FCFS either way (``docs/fairserve.md``). It also costs an honest newcomer
+    than under FCFS either way (``docs/results/fairserve.md``). It also costs an honest newcomer
     up to the spread of the active counters. So the fair policies, by default, count every
     unauthenticated request as one tenant (``fair.POOL``) and lift only real tenants.
 

@@ -142,7 +142,7 @@ def _srpt(config: SchedulerConfig, o: PriorityOptions) -> Stages:
 _sj = _priority(_skip_join(SkipJoinMLFQ))
 
 # FastServe's systems start with the adaptive load signal: below capacity they run first
-# come, first served, so switching to them loses nothing there (docs/fastserve.md). Naive
+# come, first served, so switching to them loses nothing there (docs/results/fastserve.md). Naive
 # MLFQ stays the paper's baseline as it is.
 OVERLOAD_AFTER_RUNS = 2.0
 _LOAD_SIGNAL = {"overload_after_runs": OVERLOAD_AFTER_RUNS}

@@ -3,7 +3,7 @@
 A fair order decides who runs first, but a call that is not resident can start only in free
 blocks. When one user floods the server, its admitted calls keep the pool full, and a benign
 call that arrives waits for running calls to finish, however high it ranks
-(docs/fairserve.md, "Delayed users"). So a call whose user already holds more than an equal
+(docs/results/fairserve.md, "Delayed users"). So a call whose user already holds more than an equal
 share of the pool (the pool over the users with live calls) starts only while the free
 blocks left after it stay above ``fraction`` of the pool; users within their share may use
 the reserve. Nothing is evicted and nothing is refused: a held-back call waits in the queue

@@ -214,7 +214,7 @@ class SkipJoinMLFQ(PriorityOrder):
     def _track_load(self, view: SchedulerView) -> None:
         """Below capacity every job gets a seat soon after it arrives, and least attained
         service only reshuffles who waits: demoted long jobs yield their seats to a burst's
-        newcomers, and their time per token doubles (docs/fastserve.md). So until a job
+        newcomers, and their time per token doubles (docs/results/fastserve.md). So until a job
         has waited ``overload_wait_s`` without a seat, the order stays first come, first
         served; from then on (the queue is not draining) it is skip-join MLFQ, until a step
         seats every live job again (``on_step``)."""

@@ -4,7 +4,7 @@ Why a system of its own: the default packer (vLLM's FCFS shape, and the admissio
 FairServe's Algorithm 1 and VTC's: take the next request while one more can be added) stops
 at the first call that does not fit. One large call at the head of the ranking then holds
 back every smaller call behind it until the pool drains enough for it, however high those
-rank. Under a flood that wait falls on the users a fair order puts first (docs/fairserve.md,
+rank. Under a flood that wait falls on the users a fair order puts first (docs/results/fairserve.md,
 "Packing past a call that does not fit"). Stacked under an ordering that fills no packer
 (``fair+skip-fit``, ``vtc+skip-fit``), steps are packed by FastServe's priority packer without
 ``evict_to_start``: residents continue in rank order as before, and a call that is not

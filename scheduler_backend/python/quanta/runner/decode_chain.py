@@ -3,7 +3,7 @@
 Once the panel kernel streamed a batch-1 step's weights near memory speed, what was left of
 the step was Python: each of SmolLM2-135M's 30 layers dispatched some 27 torch operators and
 ctypes calls (norms, product, rotary, two K/V stores, attention, product, norm, two products,
-SiLU * up), a few microseconds each (profile in ``docs/benchmarks.md``). The chain runs the
+SiLU * up), a few microseconds each (profile in ``docs/results/benchmarks.md``). The chain runs the
 same kernels in the same order from C, so its values are bit for bit those of the layer-by-
 layer path, and only the dispatch between them goes.
 

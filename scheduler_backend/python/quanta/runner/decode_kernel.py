@@ -8,8 +8,8 @@ torch.compile, or ``varlen_decode`` eagerly.
   ``ROW_BY_ROW_DECODE_ROWS`` rows attend row by row through SDPA instead.
 - ``eager`` runs the same ops one by one, and is what any machine can run.
 
-Measured per layer of OPT-125M, one thread (``docs/benchmarks.md``): the native kernel is the
-fastest at every batch size measured, in fp32 and bf16. It stays the fastest where torch runs
+Measured per layer of OPT-125M, one thread (``docs/results/benchmarks.md``): the native kernel
+is the fastest at every batch size measured, in fp32 and bf16. It stays the fastest where torch runs
 two threads, although it uses one: on SmolLM2 (bf16, 2 threads) a decode step took 24.3 /
 31.5 / 107.6 ms at batch 1 / 8 / 32 against the compiled kernel's 27.1 / 38.5 / 177.9 (the
 compiled loops' threads do not make up for Dynamo's guards and their gathers). So ``auto``

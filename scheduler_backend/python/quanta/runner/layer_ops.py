@@ -4,7 +4,7 @@ SiLU * up. Two implementations with one meaning.
 At batch 1 a decode step of SmolLM2-135M (30 layers) spent about a third of its time outside
 the weight products, most of it dispatching small operators: RMSNorm alone is eight torch
 operators on a 576-wide row, rotary embedding fourteen, and each costs microseconds of dispatch
-whatever its size (profile in ``docs/benchmarks.md``).
+whatever its size (profile in ``docs/results/benchmarks.md``).
 
 ``NativeLayerOps`` runs the residual add + RMSNorm, the rotary embedding and SiLU * up each
 as one call into a C kernel (``layer_ops.c``, built at load like the decode-attention

@@ -4,8 +4,8 @@ weights on CPU where that runs the dtype.
 torch's ``F.linear`` re-lays the weight out for its GEMM on every call. oneDNN can reorder the
 weight once, at load, into the blocked layout its kernels read (AVX-512, AVX512_BF16 or AMX,
 whichever the CPU has), and each step then runs the kernel directly. Measured on an OPT-125M
-layer, one thread (``docs/benchmarks.md``): 1.2-2x faster in fp32 and 1.3-2.2x in bf16 at 1-32
-rows, and never slower at 512 rows. The rule (not a timing at start-up, which would make two
+layer, one thread (``docs/results/benchmarks.md``): 1.2-2x faster in fp32 and 1.3-2.2x in bf16
+at 1-32 rows, and never slower at 512 rows. The rule (not a timing at start-up, which would make two
 replicas of one model round differently on a noisy machine): ``auto`` packs on CPU whenever
 torch's oneDNN build can run the dtype, and keeps ``F.linear`` elsewhere (CUDA, fp16 on CPU).
 
@@ -13,7 +13,7 @@ Projections that read the same input are fused into one product at load (q, k an
 gate and up), and the residual add and ReLU ride on the product as oneDNN post-ops: a decode
 step of a small model is dozens of products that each stream their weight once, so fewer,
 wider calls save both the per-call dispatch and a pass over the output (measured in
-``docs/benchmarks.md``). Checkpoints keep HF's separate names; models load them into plain
+``docs/results/benchmarks.md``). Checkpoints keep HF's separate names; models load them into plain
 ``nn.Linear`` modules and ``fuse`` replaces those with ``Projection``s afterwards.
 
 In bf16 on a CPU with AVX512_BF16, ``auto`` picks ``native``: the panel kernel of

@@ -93,8 +93,8 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 def default_dtype(device: torch.device) -> torch.dtype:
     """The fastest dtype that is correct here: fp16 on CUDA; on CPU bf16 where the CPU runs
     bf16 GEMMs natively (AMX or AVX512_BF16: 2-3x fp32's linears, measured in
-    docs/benchmarks.md), else fp32 (emulated bf16 is slower than fp32). ``QUANTA_DEFAULT_DTYPE``
-    overrides it."""
+    docs/results/benchmarks.md), else fp32 (emulated bf16 is slower than fp32).
+    ``QUANTA_DEFAULT_DTYPE`` overrides it."""
     override = os.environ.get(DEFAULT_DTYPE_ENV, "").strip()
     if override:
         if override not in _DTYPES:

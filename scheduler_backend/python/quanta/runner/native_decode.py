@@ -3,7 +3,7 @@ compiler, loaded through ctypes, called once per layer of a decode step.
 
 It reads each row's slots in place from the paged cache, so a decode step pays neither the
 gather of SDPA row by row nor Dynamo's guards of the compiled kernel (measured in
-``docs/benchmarks.md``). Where no C compiler is found, or the build fails, ``load`` returns
+``docs/results/benchmarks.md``). Where no C compiler is found, or the build fails, ``load`` returns
 None and the engine falls back to the compiled or eager kernel with a warning: slower, never
 broken.
 

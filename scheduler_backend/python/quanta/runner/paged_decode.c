@@ -6,7 +6,7 @@
  * new buffer first (SDPA per row: the context is read, written and read again) or pay
  * Dynamo's guards and Inductor's generic loops on every call (torch.compile: ~75 us a call
  * before any work, and twice the bandwidth floor on a batch of 8). A decode step of a small
- * model calls this once per layer, so both costs show in tokens/s (docs/benchmarks.md).
+ * model calls this once per layer, so both costs show in tokens/s (docs/results/benchmarks.md).
  *
  * Layout: queries [B, H, D]; caches [slots, KVH, D] with rows `slot_stride` elements apart;
  * slots[bounds[b] .. bounds[b + 1]) are row b's context in position order; out [B, H, D].

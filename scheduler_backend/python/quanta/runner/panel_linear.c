@@ -3,7 +3,7 @@
  * At batch 1 a decode step is a chain of one-row products, each reading its whole weight to
  * use every element once: the time is the weight's bytes over the memory bandwidth, plus what
  * each call costs. oneDNN's blocked kernels, on one row, streamed 6.6-7.6 GB/s with ~17 us of
- * fixed cost per call (docs/benchmarks.md); this kernel streams the same bytes at 10-13 GB/s.
+ * fixed cost per call (docs/results/benchmarks.md); this kernel streams the same bytes at 10-13 GB/s.
  *
  * Layout. The weight is packed once, at load, into panels of PANEL output columns:
  * [N / PANEL][K / 2][PANEL][2], pairs of input columns side by side, which is the operand

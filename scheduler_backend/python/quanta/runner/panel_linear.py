@@ -6,7 +6,7 @@ bytes over the memory bandwidth plus a fixed cost per call. oneDNN's prepacked b
 streamed 6.6-7.6 GB/s on one row with ~17 us per call; the panel kernel reads a layout made
 for AVX512_BF16's pair dot product (``[N/64][K/2][64][2]``: one contiguous stream per 64
 output columns, no horizontal sums) and measured on SmolLM2-135M's 121 products, one
-thread (docs/benchmarks.md): 1.5x oneDNN at 1 row, 1.25x at 8, 1.1x at 32, level at 96-256.
+thread (docs/results/benchmarks.md): 1.5x oneDNN at 1 row, 1.25x at 8, 1.1x at 32, level at 96-256.
 
 It runs where the CPU has AVX512_BF16 and a C compiler is found (built at load and cached,
 like the decode-attention kernel); ``auto`` picks it for bf16 there and keeps oneDNN

@@ -282,9 +282,9 @@ def repro_cmd(
     output: Annotated[
         Path | None,
         typer.Option(
-            help="markdown file whose tables are (re)written (default docs/fastserve.md; "
-            "apt: docs/aptserve.md, conserve and safepoints: docs/conserve.md; none with "
-            "--quick)"
+            help="markdown file whose tables are (re)written (default docs/results/fastserve.md; "
+            "apt: docs/results/aptserve.md, conserve and safepoints: docs/results/conserve.md; "
+            "none with --quick)"
         ),
     ] = None,
     num_requests: Annotated[
@@ -332,15 +332,15 @@ def repro_cmd(
     if figure in ("azure", "conserve", "safepoints") and trace is None:
         raise typer.BadParameter(f"--figure {figure} needs --trace", param_hint="--trace")
     docs = {
-        "apt": "docs/aptserve.md",
-        "conserve": "docs/conserve.md",
-        "safepoints": "docs/conserve.md",
+        "apt": "docs/results/aptserve.md",
+        "conserve": "docs/results/conserve.md",
+        "safepoints": "docs/results/conserve.md",
     }
     if quick:
         num_requests = num_requests or {"conserve": 24, "safepoints": 4}.get(figure, 40)
         seeds = "0"
     elif output is None:
-        output = Path(docs.get(figure, "docs/fastserve.md"))
+        output = Path(docs.get(figure, "docs/results/fastserve.md"))
     if num_requests is None:
         num_requests = {"apt": 1000, "conserve": 360, "safepoints": 30}.get(figure, 500)
     if figure == "safepoints":

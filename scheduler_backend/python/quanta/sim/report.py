@@ -203,7 +203,7 @@ def _apt_sections(
     t0 = time.perf_counter()
     command = (
         f"quanta simulate repro --figure apt --num-requests {num_requests} --seeds "
-        f"{','.join(str(s) for s in seeds)} --output {output or 'docs/aptserve.md'}"
+        f"{','.join(str(s) for s in seeds)} --output {output or 'docs/results/aptserve.md'}"
     )
     sections, _ = run_apt(seeds, num_requests, jobs, command)
     for name in ("apt-table5", "apt-table4", "apt-detail"):

@@ -12,7 +12,7 @@ The validation's engine is a CPU engine whose steps take about a millisecond, no
 so thresholds the papers state in seconds are scaled to it:
 
 - FairServe's delayed user queued a call longer than 2 s on a setup whose capacity is about
-  1.7 calls/s (``docs/fairserve.md``): 3.4 calls' worth of service. Here the threshold is as
+  1.7 calls/s (``docs/results/fairserve.md``): 3.4 calls' worth of service. Here the threshold is as
   many calls at the engine's estimated capacity (``delay_threshold``).
 - SLOs are counted in the profile's decode steps of a full batch at the trace's mean context
   (``engine_slo``): Apt-Serve's ShareGPT SLO (1 s TTFT, 1 s P99 TBT) is about 23 steps of a
