@@ -140,8 +140,12 @@ def test_faults_are_contained_or_end_the_server_which_is_restarted(tmp_path, opt
             lambda: (r := _get(health))[0] == 503 and r, timeout=60, what="/health to fail"
         )
         assert "no engine step completed" in body["error"]["message"]
-        metrics = scrape(serve.metrics_url)
-        assert metrics["quanta_engine_healthy"] == 0.0
+        # NOTE: the metrics are flushed every metrics_interval_ms, /health asks at once
+        metrics = wait_for(
+            lambda: (m := scrape(serve.metrics_url))["quanta_engine_healthy"] == 0.0 and m,
+            timeout=10,
+            what="quanta_engine_healthy to read 0",
+        )
         assert metrics["quanta_engine_seconds_since_step"] >= 3
         waiting.join(60)
         assert isinstance(stalled[777], openai.APIStatusError) and stalled[777].status_code == 503
