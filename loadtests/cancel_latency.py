@@ -6,7 +6,7 @@ preset or checkpoint, and for each concurrency and transport: ``N - 1`` streams 
 end, one more reads 5 tokens and disconnects. The server's ``quanta_generation_tokens_total``
 before and after, minus everything the full streams and the reader got, is what was generated
 for nobody; with one token per decode step that is the number of steps the cancellation took
-(``quanta.bench.cancel``).
+(``quanta_lab.bench.cancel``).
 
     python loadtests/cancel_latency.py --preset opt-125m --streams 20,50 --tokens 150
 """
@@ -17,10 +17,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from quanta.bench.cancel import tokens_after_disconnect
 from quanta.build.checkpoint import ensure_checkpoint
 from quanta.frontends.triton.launcher import ServerOptions, TritonServer
 from quanta.frontends.triton.repository import write_model_repository
+from quanta_lab.bench.cancel import tokens_after_disconnect
 
 
 def main() -> None:

@@ -36,9 +36,9 @@ from quanta.policies.fair import WSCOrder
 from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, options
 from quanta.policies.throttle import OITAdmission
 from quanta.sim import SimRunner, SimSetup, build_requests
-from quanta.sim.bench import bench_scheduler
 from quanta.sim.driver import drive, make_sim_policy
 from quanta.workloads import make_workload
+from quanta_lab.sim.bench import bench_scheduler
 from typer.testing import CliRunner
 
 KV, HIDDEN = CacheKind.KV, CacheKind.HIDDEN

@@ -15,10 +15,10 @@ from quanta.core.request import Request, RequestStatus
 from quanta.costmodel import PRESETS
 from quanta.metrics import SLO, attains_slo, from_requests
 from quanta.policies.adaptive import AdaptivePacker
-from quanta.sim.apt_repro import APT_SCHEDULER
 from quanta.sim.driver import SimSetup, simulate
 from quanta.slo import with_slo
 from quanta.workloads import WorkloadRequest
+from quanta_lab.sim.apt_repro import APT_SCHEDULER
 from test_adaptive_policy import NO_SLO, apt, request, resident, schedule
 
 COST = PRESETS["a100-opt13b"]

@@ -15,9 +15,9 @@ from quanta.cli import app
 from quanta.costmodel import PRESETS
 from quanta.metrics import SLO, RequestRecord, attains_slo, from_requests, slo_attainment
 from quanta.sim import SimSetup, simulate, summarize
-from quanta.sim.apt_repro import APT_ROWS, APT_SCHEDULER, PAPER_TABLE4, PAPER_TABLE5
 from quanta.slo import APT_SERVE_SLOS, attainment, resolve_slo, slo_preset, with_slo
 from quanta.workloads import WorkloadRequest, make_workload
+from quanta_lab.sim.apt_repro import APT_ROWS, APT_SCHEDULER, PAPER_TABLE4, PAPER_TABLE5
 from typer.testing import CliRunner
 
 SLO_1S = SLO(ttft_s=1.0, tpot_s=1.0)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 from quanta.bench.client import to_client_requests
-from quanta.bench.peer import (
+from quanta.metrics import SLO
+from quanta.workloads import WorkloadRequest
+from quanta_lab.bench.peer import (
     VLLM_PRIORITIES,
     PeerSetup,
     QuantaServer,
@@ -25,8 +27,6 @@ from quanta.bench.peer import (
     side_by_side,
     workload_for,
 )
-from quanta.metrics import SLO
-from quanta.workloads import WorkloadRequest
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,7 @@ class _Fake(Server):
 
 
 def test_server_process_is_started_polled_and_stopped(tmp_path):
-    from quanta.bench.peer import free_port
+    from quanta_lab.bench.peer import free_port
 
     server = _Fake(free_port(), tmp_path / "logs" / "fake.log", _FAKE_SERVER)
     server.start()
@@ -267,7 +267,7 @@ def test_side_by_side_table_and_max_rate(model_dir, tmp_path):
 def test_engine_figures_take_each_peer_and_render_a_column_pair_per_peer(model_dir, tmp_path):
     """vLLM at every batch, llama.cpp (one column per GGUF file) at batch 1 only; the peer
     scripts are stood in for by an interpreter that prints their JSON line."""
-    from quanta.bench.peer.checkpoint import engine_ratio
+    from quanta_lab.bench.peer.checkpoint import engine_ratio
 
     fake = tmp_path / "fake-python"
     fake.write_text(
@@ -310,7 +310,7 @@ def test_engine_figures_take_each_peer_and_render_a_column_pair_per_peer(model_d
 
 
 def test_chat_prompts_are_real_questions_answered_until_eos(model_dir, tmp_path):
-    from quanta.bench.quality_data import CHAT_QUESTIONS
+    from quanta_lab.bench.quality_data import CHAT_QUESTIONS
 
     setup = setup_for(model_dir, tmp_path, chat_prompts=True, num_requests=30)
     first, again = workload_for(setup, 1.0), workload_for(setup, 2.0)
@@ -327,7 +327,7 @@ def test_quantized_engine_figures_come_from_the_quantized_engine(model_dir, tmp_
     """``--quantization``: Quanta's engine-only row is timed on the quantized engine (the
     servers and vLLM keep the float checkpoint), and the row names its kernel."""
     from quanta.bench import engine
-    from quanta.bench.peer import checkpoint
+    from quanta_lab.bench.peer import checkpoint
 
     timed: list[Path] = []
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quanta.bench.speculative import EDIT_INSTRUCTION, decode_rate, edit_prompts, misspell
+from quanta_lab.bench.speculative import EDIT_INSTRUCTION, decode_rate, edit_prompts, misspell
 
 
 def test_misspelling_swaps_two_letters_of_every_ninth_long_word() -> None:

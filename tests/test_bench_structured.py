@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from quanta.bench.structured import (
+from quanta_lab.bench.structured import (
     ANSWERS,
     REQUESTS,
     TOOL_CALL,

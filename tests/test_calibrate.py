@@ -9,9 +9,9 @@ import pytest
 from quanta.core.clock import VirtualClock
 from quanta.core.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 from quanta.costmodel import PRESETS
-from quanta.sim.calibrate import fit_steps, predict, report, rescale
 from quanta.sim.driver import StepSample, time_runner
-from quanta.sim.validate import spread
+from quanta_lab.sim.calibrate import fit_steps, predict, report, rescale
+from quanta_lab.sim.validate import spread
 
 TRUTH = PRESETS["a100-opt13b"].model_copy(
     update={

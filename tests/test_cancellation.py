@@ -4,7 +4,7 @@ keep the response path busy (it used to run on for about 100 tokens at 50 stream
 from __future__ import annotations
 
 import pytest
-from quanta.bench.cancel import tokens_after_disconnect
+from quanta_lab.bench.cancel import tokens_after_disconnect
 
 pytestmark = pytest.mark.live
 

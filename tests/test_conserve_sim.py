@@ -14,10 +14,10 @@ from quanta.core.request import Request, SamplingParams
 from quanta.core.safepoint import AbortSignal, StepAborted
 from quanta.costmodel import PRESETS
 from quanta.sim import SimRunner, SimSetup, simulate, summarize
-from quanta.sim.conserve_repro import CONSERVE_SCHEDULER, CONSERVE_SLO, conserve_profile
 from quanta.sim.interactions import Replay
-from quanta.sim.safepoint_repro import head_of_line_waits
 from quanta.workloads import WorkloadRequest, save_workload
+from quanta_lab.sim.conserve_repro import CONSERVE_SCHEDULER, CONSERVE_SLO, conserve_profile
+from quanta_lab.sim.safepoint_repro import head_of_line_waits
 from typer.testing import CliRunner
 
 COST = PRESETS["a100-llama7b"]

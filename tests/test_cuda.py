@@ -127,7 +127,7 @@ def test_structured_output_masks_the_gpus_logits(model_dir):
 
 
 def _logprobs(llm: quanta.LLM) -> torch.Tensor:
-    from quanta.bench.quality import quanta_token_logprobs
+    from quanta_lab.bench.quality import quanta_token_logprobs
 
     ids = [(7 * i + 3) % 200 + 1 for i in range(40)]
     return torch.tensor(quanta_token_logprobs(llm, ids))

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from quanta import LLM
-from quanta.bench.decode_profile import _Seq  # a PagedSeq: tokens at a position over blocks
 from quanta.build.checkpoint import make_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.core.request import SamplingParams
 from quanta.core.safepoint import StepAborted
 from quanta.runner import ModelRunner, decode_chain, panel_linear
 from quanta.runner.models.safepoints import Safepoints
+from quanta_lab.bench.decode_profile import _Seq  # a PagedSeq: tokens at a position over blocks
 
 pytestmark = [
     pytest.mark.engine,

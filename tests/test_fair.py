@@ -257,7 +257,7 @@ def test_a_benign_tenant_receives_its_fair_share_of_service_while_an_abuser_floo
 def test_interaction_fields_arrive_over_triton_and_the_openai_gateway():
     import numpy as np
     from quanta.frontends.openai.protocol import CompletionRequest
-    from quanta.frontends.triton.tensors import parse_request
+    from quanta.frontends.triton.inputs import parse_request
 
     arrays = {
         "text_input": np.array([b"hi"], dtype=np.object_),
@@ -380,9 +380,9 @@ def test_per_tenant_series_cap_their_label_cardinality():
 
 # -- simulator-wide: no waste, no throttling without overload ----------------------------------
 def _agents_run(policy: str, rate: float, **options: object) -> dict:
-    from quanta.sim.fair_repro import FAIR_SCHEDULER
     from quanta.sim.metrics import summarize
     from quanta.workloads import make_workload
+    from quanta_lab.sim.fair_repro import FAIR_SCHEDULER
 
     trace = make_workload("agents", 300, rate, seed=1, num_users=12, abusers=2)
     setup = SimSetup(
@@ -424,9 +424,9 @@ def test_cli_repro_fair(tmp_path):
 
 
 def test_the_gateway_counts_system_messages_as_system_tokens(opt_tiny):
-    from quanta.frontends.openai.chat import ChatTemplate
     from quanta.frontends.openai.protocol import ChatMessage
-    from quanta.frontends.tokenizer import load_tokenizer
+    from quanta.text.chat_template import ChatTemplate
+    from quanta.text.tokenizer import load_tokenizer
 
     messages = [
         ChatMessage(role="system", content="You are terse."),
@@ -449,6 +449,6 @@ def test_the_gateway_counts_system_messages_as_system_tokens(opt_tiny):
 
 
 def test_every_scheduling_field_is_a_triton_input():
-    from quanta.frontends.triton.tensors import INPUTS
+    from quanta.frontends.triton.inputs import INPUTS
 
-    assert set(RequestMetadata.model_fields) <= {name for name, _, _ in INPUTS}
+    assert set(RequestMetadata.model_fields) <= {spec.name for spec in INPUTS}

@@ -192,7 +192,7 @@ def test_a_cached_prefix_changes_no_logprob_of_a_bf16_engine(tmp_path: Path):
 
 
 def test_bench_shapes_parse_and_each_variant_gets_its_own_ids():
-    from quanta.bench.prefix_prefill import parse_shapes, token_pairs
+    from quanta_lab.bench.prefix_prefill import parse_shapes, token_pairs
 
     assert parse_shapes("460:335, 0:8") == [(460, 335), (0, 8)]
     for bad in ("460", "5:0", "a:3", "3:-1"):
@@ -206,9 +206,9 @@ def test_bench_shapes_parse_and_each_variant_gets_its_own_ids():
 
 @pytest.mark.engine
 def test_bench_prefix_prefill_times_each_path(tmp_path: Path):
-    from quanta.bench.prefix_prefill import run_prefix_prefill
     from quanta.build.checkpoint import make_checkpoint
     from quanta.build.presets import get_preset
+    from quanta_lab.bench.prefix_prefill import run_prefix_prefill
 
     preset = get_preset("llama-tiny").model_copy(update={"name": "llama-h32", "hidden_size": 128})
     path = make_checkpoint(preset, tmp_path / "llama", seed=5)

@@ -34,14 +34,15 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_the_wheel_holds_the_backend_build_scripts_and_no_tests(wheel):
+def test_the_wheel_holds_the_backend_the_build_steps_and_no_tests(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in (
         "quanta/frontends/triton/backend_model.py",
         "quanta/build/engine_build.py",
         "quanta/frontends/openai/static/chat.html",
-        "build_scripts/opt.py",
-        "build_scripts/llama.py",
+        "quanta/build/steps/opt.py",
+        "quanta/build/steps/llama.py",
+        "quanta_lab/cli.py",  # the lab's commands, named by the quanta.commands entry point
     ):
         assert needed in names, needed
     assert not any(n.startswith("tests/") for n in names)
@@ -60,7 +61,7 @@ def test_an_installed_wheel_serves_the_demo(wheel, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONUNBUFFERED": "1"}
     where = subprocess.run(
-        [sys.executable, "-c", "import quanta, build_scripts; print(quanta.__file__)"],
+        [sys.executable, "-c", "import quanta, quanta.build.steps; print(quanta.__file__)"],
         env=env,
         capture_output=True,
         text=True,

@@ -22,13 +22,12 @@ from quanta.build.gguf_import import gguf_to_checkpoint
 from quanta.build.gguf_kept import kept_weight
 from quanta.build.manifest import EngineManifestError, apply_manifest, read_manifest
 from quanta.build.quantization import write_dequantized
+from quanta.build.steps import BuildError
 from quanta.core.config import EngineConfig
 from quanta.core.request import SamplingParams
 from quanta.runner import panel_linear, quantized
 from quanta.runner.quantized import QuantizedLinear, QuantizedWeight, concat, quantize
 from safetensors.torch import load_file
-
-from build_scripts import BuildError
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["Hello, world!", "The quick brown fox 12345"]
@@ -346,8 +345,8 @@ def _answers(engine: Path, dtype: str) -> list[list[int]]:
 
 
 def _logprobs(engine: Path, dtype: str) -> torch.Tensor:
-    from quanta.bench.quality import quanta_token_logprobs
     from quanta.frontends.offline import LLM
+    from quanta_lab.bench.quality import quanta_token_logprobs
 
     ids = [(7 * i + 3) % 200 + 1 for i in range(40)]
     return torch.tensor(quanta_token_logprobs(LLM(str(engine), dtype=dtype), ids))

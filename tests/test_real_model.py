@@ -16,12 +16,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from quanta.bench import quality
-from quanta.bench.quality_data import CHAT_QUESTIONS, PERPLEXITY_TEXT
 from quanta.build.engine_cache import engine_for_gguf
 from quanta.build.fetch import DEFAULT_MODEL, FetchError, fetch_gguf
 from quanta.frontends.triton.launcher import free_port
 from quanta.runner.models.config import load_model_config
+from quanta_lab.bench import quality
+from quanta_lab.bench.quality_data import CHAT_QUESTIONS, PERPLEXITY_TEXT
 from serving import Background
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -25,7 +25,6 @@ from quanta.sim import (
     summarize,
 )
 from quanta.sim.metrics import percentile, request_metrics
-from quanta.sim.report import write_sections
 from quanta.workloads import (
     WorkloadRequest,
     arrival_times,
@@ -33,6 +32,7 @@ from quanta.workloads import (
     make_workload,
     save_workload,
 )
+from quanta_lab.sim.report import write_sections
 from typer.testing import CliRunner
 
 COST = PRESETS["a100-opt13b"]
@@ -367,7 +367,7 @@ def test_cli_bench_schedule_step_times_the_loop_with_caching_off_and_on():
 
 
 def test_schedule_step_timing_keeps_the_queue_and_finds_warm_prompts_cached():
-    from quanta.sim.step_time import time_steps, workload_prompts
+    from quanta_lab.sim.step_time import time_steps, workload_prompts
 
     prompts = workload_prompts("chat", 30)
     off = time_steps(prompts, "fcfs", prefix_caching=False, max_num_seqs=4, steps=3)
@@ -473,7 +473,7 @@ def test_simulate_reports_the_prefix_cache_hit_rate_and_can_turn_it_off(tmp_path
 
 
 def test_validate_error_is_relative_and_nan_without_a_measurement():
-    from quanta.sim.validate import error
+    from quanta_lab.sim.validate import error
 
     assert error(1.1, 1.0) == pytest.approx(0.1)
     assert math.isnan(error(1.0, 0.0)) and math.isnan(error(float("nan"), 1.0))

@@ -20,19 +20,19 @@ import pytest
 from quanta.cli import app
 from quanta.core.config import SchedulerConfig
 from quanta.costmodel import PRESETS
-from quanta.sim.bench import AgentUsers, EngineBench
-from quanta.sim.calibrate import rescale
 from quanta.sim.driver import SimSetup, simulate
-from quanta.sim.engine_replay import EngineRun
-from quanta.sim.validate import parse_entry, table, validate
-from quanta.sim.validate_scenarios import (
+from quanta.workloads import WorkloadRequest
+from quanta_lab.sim.bench import AgentUsers, EngineBench
+from quanta_lab.sim.calibrate import rescale
+from quanta_lab.sim.engine_replay import EngineRun
+from quanta_lab.sim.validate import parse_entry, table, validate
+from quanta_lab.sim.validate_scenarios import (
     COSERVE_FIGURES,
     FAIR_FIGURES,
     SLO_FIGURES,
     engine_slo,
     with_backlog,
 )
-from quanta.workloads import WorkloadRequest
 from typer.testing import CliRunner
 
 COST = PRESETS["a100-opt13b"].model_copy(update={"max_model_len": 512})

@@ -295,7 +295,7 @@ def test_bench_serve_options_reach_the_workload(azure_csv):
 
 def test_the_policies_bench_trace_is_sharegpt_scaled():
     """``quanta bench policies`` shrinks ShareGPT-like lengths for a small CPU model."""
-    from quanta.sim.engine_replay import bench_trace
+    from quanta_lab.sim.engine_replay import bench_trace
 
     base = make_workload("sharegpt", 20, 1.0, seed=3)
     small = bench_trace(20, 2048, 3, 0.25)

@@ -1,12 +1,15 @@
 """The ``quanta`` command line (Typer).
 
 Commands that need torch import it inside the command, so ``quanta --help`` stays fast.
-Sub-systems register their own commands through a ``register(app)`` function.
+Sub-systems register their own commands through a ``register(app)`` function; other
+packages (the lab, ``quanta_lab``) add theirs through the ``quanta.commands`` entry point.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -162,53 +165,9 @@ def bench_engine(
         raise typer.Exit(1) from exc
 
 
-@bench_app.command("decode-profile")
-def bench_decode_profile(
-    model: Annotated[Path, typer.Option(help="checkpoint or engine dir")],
-    dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16")] = None,
-    context: Annotated[int, typer.Option(min=1, help="tokens of context before the step")] = 96,
-    repeat: Annotated[int, typer.Option(min=1, help="runs per timing; the best counts")] = 20,
-    linear_kernel: Annotated[
-        LinearKernelOpt, typer.Option(help="projections: auto, native, onednn or torch")
-    ] = LinearKernelOpt.auto,
-) -> None:
-    """Where a batch-1 decode step's time goes, per layer, against the bandwidth bound."""
-    from quanta.bench.decode_profile import print_profile, profile_decode
-
-    print_profile(profile_decode(model, dtype or "auto", context, repeat, linear_kernel.value))
-
-
-@bench_app.command("loop")
-def bench_loop(
-    model: Annotated[Path, typer.Option(help="checkpoint dir (its tokenizer detokenizes)")],
-    batch: Annotated[int, typer.Option(min=1, help="requests decoding together")] = 32,
-    prompt_len: Annotated[int, typer.Option(min=1, help="prompt tokens per request")] = 128,
-    gen_len: Annotated[int, typer.Option(min=4, help="generated tokens per request")] = 256,
-    policy: Annotated[str, typer.Option(help="scheduling policy")] = "fcfs",
-) -> None:
-    """The loop's own time per decode step, with a runner that does no math."""
-    from quanta.bench.loop_overhead import measure_loop_overhead
-
-    r = measure_loop_overhead(model, batch, prompt_len, gen_len, policy)
-    typer.echo(
-        f"loop overhead, batch {r.batch}, policy {r.policy}, {r.decode_steps} decode steps: "
-        f"median {r.step_us_median:.0f} us/step (p90 {r.step_us_p90:.0f}), "
-        f"{r.per_request_us:.1f} us per request per step"
-    )
-
-
 def _register_subcommands() -> None:
     """Each sub-system adds its own commands; their heavy imports happen inside them."""
-    from quanta.bench import (
-        load_cli,
-        prefix_prefill_cli,
-        quality_cli,
-        safepoints,
-        serve_cli,
-        speculative_cli,
-        structured_cli,
-    )
-    from quanta.bench.peer import cli as peer_cli
+    from quanta.bench import load_cli, serve_cli
     from quanta.build import cli as build_cli
     from quanta.frontends.openai import batch_cli
     from quanta.frontends.openai import cli as openai_cli
@@ -222,18 +181,27 @@ def _register_subcommands() -> None:
         batch_cli,
         serve_cli,
         load_cli,
-        peer_cli,
         sim_cli,
-        safepoints,
-        quality_cli,
-        structured_cli,
-        speculative_cli,
-        prefix_prefill_cli,
     ):
         module.register(app, bench_app)
 
 
+def _register_plugins() -> None:
+    """Commands other packages add, each through a ``quanta.commands`` entry point whose
+    ``register(app)`` attaches them (the lab's ``simulate repro``, ``bench peer``, ...): the
+    serving package never imports them. One that fails to load is named in a warning and
+    the rest of the CLI works without it."""
+    for entry in importlib.metadata.entry_points(group="quanta.commands"):
+        try:
+            entry.load()(app)
+        except Exception as exc:  # NOTE: a broken plugin must not take `quanta serve` down
+            logging.getLogger(__name__).warning(
+                "quanta: the %r commands (%s) are not available: %s", entry.name, entry.value, exc
+            )
+
+
 _register_subcommands()
+_register_plugins()
 
 if __name__ == "__main__":
     app()

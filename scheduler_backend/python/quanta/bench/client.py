@@ -330,7 +330,7 @@ def triton_inputs(
     says not to; JSON-able, so also the body of an HTTP ``generate_stream`` call. ``ids``:
     as in ``prompt_value``."""
     from quanta.core.request import RequestMetadata, SamplingParams
-    from quanta.frontends.triton.client import request_inputs
+    from quanta.frontends.triton.inputs import request_inputs
 
     params = SamplingParams(
         max_tokens=request.max_tokens,

@@ -1,8 +1,9 @@
 """The simulator: the real loop and policies on a virtual clock, step times from a cost model.
 
-Pure Python like ``quanta.policies`` (no torch); only ``quanta.sim.profile`` and the real-engine
-benchmarks in ``quanta.sim.bench`` load the PyTorch engine, inside their functions. Traces
-come from ``quanta.workloads`` (``make_workload``), the same requests a live benchmark sends.
+Pure Python like ``quanta.policies`` (no torch). Traces come from ``quanta.workloads``
+(``make_workload``), the same requests a live benchmark sends. What is measured with it (the
+papers' figures, its validation against the real engine, the profiler that fits a cost model)
+is the lab's, ``quanta_lab.sim``.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class SimStats:
     abort_end_wait_s: float = 0.0  # ... and to the end the step would have had without it
     # (start, end, preemptible) of every step, a stopped one ending at its safepoint: what an
     # arrival inside it waited for before the loop could take it, and whether it could have
-    # stopped the step (``quanta.sim.safepoint_repro.head_of_line_waits``)
+    # stopped the step (``quanta_lab.sim.safepoint_repro.head_of_line_waits``)
     spans: list[tuple[float, float, bool]] = field(default_factory=list)
     stall_by_request: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
