@@ -61,10 +61,9 @@ RUN python3 -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb")
         pip uninstall -y triton; fi
 COPY README.md ./
 COPY scheduler_backend ./scheduler_backend
-COPY build_scripts ./build_scripts
 # Quanta itself; the sources go once installed.
 RUN pip install --no-deps . \
-    && rm -rf scheduler_backend build_scripts build ./*.egg-info
+    && rm -rf scheduler_backend build ./*.egg-info
 
 COPY triton_models ./triton_models
 RUN useradd --create-home quanta && mkdir -p engines && chown quanta engines

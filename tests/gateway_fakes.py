@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from quanta.frontends.openai.app import GatewaySettings
-from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.server import GatewayServer
 from quanta.frontends.triton.launcher import free_port
+from quanta.text.chat_template import ChatTemplate
 
 MODEL = "quanta"
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from quanta.build.checkpoint import PRESET_FILE, ensure_checkpoint, make_checkpoint, tensor_specs
 from quanta.build.presets import PRESETS, TINY_VOCAB_SIZE, ModelPreset, get_preset
 from quanta.build.tokenizer import TOKENIZER_VOCAB_TARGET, build_tokenizer
-from quanta.frontends.tokenizer import load_tokenizer
+from quanta.text.tokenizer import load_tokenizer
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -227,7 +227,7 @@ def test_building_does_not_import_transformers() -> None:
     code = (
         "import sys, tempfile, pathlib;"
         "from quanta.build.checkpoint import make_checkpoint;"
-        "from quanta.frontends.tokenizer import load_tokenizer;"
+        "from quanta.text.tokenizer import load_tokenizer;"
         "d = pathlib.Path(tempfile.mkdtemp()) / 'c';"
         "load_tokenizer(make_checkpoint('opt-tiny', d));"
         "print('transformers' in sys.modules)"
@@ -239,7 +239,7 @@ def test_building_does_not_import_transformers() -> None:
 
 
 def test_load_tokenizer_does_not_import_torch() -> None:
-    code = "import sys; import quanta.frontends.tokenizer; print('torch' in sys.modules)"
+    code = "import sys; import quanta.text.tokenizer; print('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )

@@ -17,12 +17,11 @@ from quanta.build.checkpoint import make_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.build.manifest import MANIFEST_FILE, EngineManifestError, read_manifest
 from quanta.build.presets import get_preset
+from quanta.build.steps import BuildError, FamilyBuilder, builder_for, builders
 from quanta.cli import app
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
-
-from build_scripts import BuildError, FamilyBuilder, builder_for, builders
 
 SMALL = {"kv_cache_memory": 1 << 22, "host_cache_memory": 1 << 20}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -285,7 +284,7 @@ def test_an_existing_engine_is_replaced_only_with_overwrite(checkpoints, tmp_pat
     assert m.model.family == "llama" and read_manifest(out) == m
 
 
-# -- build_scripts -------------------------------------------------------------------------------
+# -- build steps ---------------------------------------------------------------------------------
 def test_each_family_has_a_cpu_and_a_cuda_builder():
     for family in ("opt", "llama"):
         for device in ("cpu", "cuda"):
@@ -297,17 +296,17 @@ def test_each_family_has_a_cpu_and_a_cuda_builder():
 def test_a_builder_added_beside_the_others_is_used_without_touching_the_cli(
     tmp_path, monkeypatch, checkpoints
 ):
-    import build_scripts
+    from quanta.build import steps
 
     (tmp_path / "opt_gpu.py").write_text(
-        "from build_scripts.base import FamilyBuilder\n"
+        "from quanta.build.steps.base import FamilyBuilder\n"
         "class FastOPT(FamilyBuilder):\n"
         "    family = 'opt'\n"
         "    devices = ('cpu',)\n"
         "    priority = 10\n"
         "BUILDERS = [FastOPT()]\n"
     )
-    monkeypatch.setattr(build_scripts, "__path__", [*build_scripts.__path__, str(tmp_path)])
+    monkeypatch.setattr(steps, "__path__", [*steps.__path__, str(tmp_path)])
     assert any(type(b).__name__ == "FastOPT" for b in builders())
     chosen = builder_for("opt", "cpu")
     assert isinstance(chosen, FamilyBuilder) and type(chosen).__name__ == "FastOPT"

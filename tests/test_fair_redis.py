@@ -17,7 +17,8 @@ from quanta.core.config import SchedulerConfig
 from quanta.costmodel import load_profile
 from quanta.frontends.triton.launcher import free_port
 from quanta.policies.fair_redis import RedisState
-from quanta.policies.fair_state import ServiceCounters, fairness_state, forget_state
+from quanta.policies.fair_state import ServiceCounters
+from quanta.policies.fair_stores import fairness_state, forget_state
 from quanta.sim import SimSetup
 from quanta.sim.replicas import simulate_replicas
 from serving import wait_for

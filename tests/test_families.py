@@ -17,12 +17,11 @@ import pytest
 from pydantic import ValidationError
 from quanta.build.checkpoint import hf_config, tensor_specs
 from quanta.build.presets import PRESETS, ModelPreset
+from quanta.build.steps import FamilyBuilder, builder_for, builders
 from quanta.build.tokenizer import build_tokenizer, special_token_ids
 from quanta.families import FAMILIES, family_names, get_family
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import parse_model_config
-
-from build_scripts import FamilyBuilder, builder_for
 
 NAMES = family_names()
 
@@ -99,11 +98,14 @@ def test_the_stored_tensors_are_what_the_model_and_builder_take(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_builder_is_the_family_s_own(name):
-    cls = get_family(name).builder_class()
-    assert issubclass(cls, FamilyBuilder) and cls.family == name
+def test_every_family_has_its_own_builder_on_each_device(name):
     for device in ("cpu", "cuda"):
-        assert isinstance(builder_for(name, device), cls)
+        builder = builder_for(name, device)
+        assert isinstance(builder, FamilyBuilder) and builder.family == name
+
+
+def test_every_builder_builds_a_registered_family():
+    assert {b.family for b in builders()} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -122,7 +124,7 @@ def test_reading_configs_and_presets_loads_no_model_code():
     code = (
         "import json, sys\n"
         "import quanta.families, quanta.build.presets, quanta.build.tokenizer\n"
-        "import quanta.frontends.tokenizer, quanta.build.manifest\n"
+        "import quanta.text.tokenizer, quanta.build.manifest\n"
         "light = 'torch' not in sys.modules\n"
         "from quanta.build.presets import PRESETS\n"
         "from quanta.runner.models.config import parse_model_config\n"

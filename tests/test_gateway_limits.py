@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from gateway_fakes import MODEL, RecordingTriton, serve
-from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.limits import PromptLimit, longest_token_bytes, prompt_limit
+from quanta.text.chat_template import ChatTemplate
 
 openai = pytest.importorskip("openai")
 

@@ -19,14 +19,13 @@ from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.build.gguf_export import permute_rope_rows, write_gguf
 from quanta.build.gguf_import import gguf_to_checkpoint, unpermute_rope_rows
 from quanta.build.manifest import read_manifest
+from quanta.build.steps import BuildError
 from quanta.core.request import SamplingParams
 from quanta.frontends.offline import LLM
-from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.protocol import ChatMessage
-from quanta.frontends.tokenizer import load_tokenizer
+from quanta.text.chat_template import ChatTemplate
+from quanta.text.tokenizer import load_tokenizer
 from safetensors.numpy import load_file
-
-from build_scripts import BuildError
 
 Q = gguf.GGMLQuantizationType
 TEMPLATE = (

@@ -591,8 +591,8 @@ def test_disconnect_while_waiting_cancels(live):
 
 # -- pieces that need no server --------------------------------------------------------------
 def test_jinja_chat_template_from_tokenizer_config(tmp_path):
-    from quanta.frontends.openai.chat import ChatTemplate
     from quanta.frontends.openai.protocol import ChatMessage
+    from quanta.text.chat_template import ChatTemplate
 
     template = (
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"

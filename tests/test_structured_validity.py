@@ -229,8 +229,8 @@ def test_response_format_answers_through_the_gateway_parse_and_fit(triton):
 # -- the grammar alone: random walks through its masks ------------------------------------------
 @pytest.fixture(scope="module")
 def grammars(tiny_checkpoint):
-    from quanta.frontends.tokenizer import load_tokenizer
     from quanta.structured import Grammars
+    from quanta.text.tokenizer import load_tokenizer
 
     model_dir = tiny_checkpoint("opt-tiny")
     config = json.loads((model_dir / "config.json").read_text())
@@ -353,8 +353,8 @@ def test_each_tokens_bytes_are_what_decode_writes(grammars):
 
 
 def test_added_tokens_are_what_decode_writes_and_special_ones_never_allowed(tiny_checkpoint):
-    from quanta.frontends.tokenizer import Tokenizer, load_tokenizer
     from quanta.structured import Grammars
+    from quanta.text.tokenizer import Tokenizer, load_tokenizer
 
     base = load_tokenizer(tiny_checkpoint("opt-tiny"))
     backend = base.backend
@@ -418,7 +418,7 @@ def test_a_schema_the_grammar_cannot_enforce_is_refused_naming_the_keyword(
     from quanta.core.errors import InvalidRequestError
     from quanta.frontends.openai.errors import OpenAIError
     from quanta.frontends.openai.protocol import ChatCompletionRequest
-    from quanta.frontends.triton.tensors import parse_request
+    from quanta.frontends.triton.inputs import parse_request
 
     named = f"'{keyword}' at {where} cannot be used"
     with pytest.raises(ValidationError, match=re.escape(named)):

@@ -19,7 +19,7 @@ import pytest
 from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.costmodel import PRESETS
-from quanta.policies import fair_state, make_policy
+from quanta.policies import fair_state, fair_stores, make_policy
 from quanta.policies.fair import POOL, VTCOrder
 from quanta.policies.fair_state import ServiceCounters
 from quanta.sim import SimSetup, simulate
@@ -151,7 +151,7 @@ def test_only_the_server_sets_tenant_authenticated():
     from pydantic import ValidationError
     from quanta.frontends.openai.protocol import CompletionRequest
     from quanta.frontends.triton.client import request_inputs
-    from quanta.frontends.triton.tensors import parse_request
+    from quanta.frontends.triton.inputs import parse_request
 
     arrays = {
         "text_input": np.array([b"hi"], dtype=np.object_),
@@ -298,7 +298,7 @@ def test_replicas_charge_unauthenticated_requests_to_the_pool(redis_url):
         order.on_admit(r, view(r))
     a.service.sync()
     assert a.service.of(POOL) == 60 and a.service.of("sybil-1") == 0.0
-    fair_state.forget_state(url)
+    fair_stores.forget_state(url)
 
 
 # -- the attack on a live server --------------------------------------------------------------

@@ -103,8 +103,8 @@ def build(
     from pydantic import ValidationError
     from rich.progress import MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from build_scripts import BuildError
     from quanta.build.engine_build import BuildOptions, build_engine_dir
+    from quanta.build.steps import BuildError
 
     try:
         options = BuildOptions(
@@ -254,8 +254,8 @@ def engine_from_gguf(
     from rich.console import Console
     from rich.progress import Progress
 
-    from build_scripts import BuildError
     from quanta.build.engine_cache import engine_for_gguf
+    from quanta.build.steps import BuildError
 
     with Progress(console=Console(stderr=True), transient=True) as bars:
 

@@ -27,7 +27,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 
-from build_scripts import BuildError, FamilyBuilder, builder_for
 from quanta.build.checkpoint import PRESET_FILE, move_into_place
 from quanta.build.gguf_kept import GgufKept
 from quanta.build.manifest import (
@@ -51,8 +50,9 @@ from quanta.build.quantization import (
 )
 from quanta.build.shape import model_shape
 from quanta.build.shards import name_shards, shard_writer
+from quanta.build.steps import BuildError, FamilyBuilder, builder_for
 from quanta.core.output import RunnerCapabilities
-from quanta.frontends.devices import device_memory_bytes
+from quanta.runner.devices import device_memory_bytes
 from quanta.runner.model_runner import ModelRunner, offers_hidden_cache, resolve_dtype
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
@@ -380,9 +380,8 @@ def _device_memory(device: str) -> int:
 def _check_tokenizer(checkpoint: Path, config: ModelConfig) -> bool:
     """The tokenizer loads and fits the model; a chat template compiles and renders.
     Returns whether the checkpoint has its own chat template."""
-    from quanta.frontends.openai.chat import ChatTemplate
-    from quanta.frontends.openai.protocol import ChatMessage
-    from quanta.frontends.tokenizer import load_tokenizer
+    from quanta.text.chat_template import ChatTemplate, Turn
+    from quanta.text.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(checkpoint)
@@ -399,10 +398,7 @@ def _check_tokenizer(checkpoint: Path, config: ModelConfig) -> bool:
         raise BuildError(f"{checkpoint}: eos_token_id {bad_eos} is outside the vocabulary")
     try:
         template = ChatTemplate.from_model_dir(checkpoint)
-        messages = [
-            ChatMessage(role="system", content="You are terse."),
-            ChatMessage(role="user", content="Hello"),
-        ]
+        messages = [Turn("system", "You are terse."), Turn("user", "Hello")]
         template.render(messages)
     except Exception as exc:  # jinja syntax or a template that raises on a plain chat
         raise BuildError(f"{checkpoint}: the chat template does not render: {exc}") from None

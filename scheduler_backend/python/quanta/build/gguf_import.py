@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from build_scripts.base import BuildError
 from quanta.build.gguf_kept import GgufKept, kept_weight
+from quanta.build.steps.base import BuildError
 
 # llama.cpp's token types (llama_token_type): 3 control (special), 4 user-defined (added).
 _CONTROL, _USER_DEFINED = 3, 4

@@ -229,7 +229,7 @@ def quant_plan(
     """What the build quantizes: every linear not stored quantized already (``prequantized``,
     a GGUF's kept weights) for int8 and int4, or nothing more than the GGUF kept (keep, or no
     ``--quantization`` on a kept GGUF)."""
-    from build_scripts import BuildError
+    from quanta.build.steps import BuildError
     from quanta.runner.models import build_model_skeleton
 
     mode = options.quantization

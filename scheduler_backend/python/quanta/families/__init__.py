@@ -1,9 +1,9 @@
 """The model families Quanta serves, one ``FamilySpec`` each, keyed by HF ``model_type``.
 
-Adding a family: its model module under ``quanta/runner/models/`` and a spec module here
-(parser, special tokens, preset check, checkpoint layout, builder), listed in ``FAMILIES``;
-``tests/test_families.py`` then checks the spec's parts against each other. Pure Python: no
-torch until a spec's ``model_class()`` or ``builder_class()`` is called.
+Adding a family: its model module under ``quanta/runner/models/``, a spec module here
+(parser, special tokens, preset check, checkpoint layout), listed in ``FAMILIES``, and its
+build steps under ``quanta/build/steps/``; ``tests/test_families.py`` then checks the parts
+against each other. Pure Python: no torch until a spec's ``model_class()`` is called.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from quanta.shape import ModelShape
+
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
@@ -57,6 +59,21 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
+
+    @property
+    def shape(self) -> ModelShape:
+        """The sizes, in the terms every other layer uses (``quanta.shape``)."""
+        return ModelShape(
+            family=self.family,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_model_len,
+        )
 
 
 def common_fields(raw: dict[str, Any], generation: dict[str, Any] | None) -> dict[str, Any]:

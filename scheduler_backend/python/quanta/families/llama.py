@@ -122,7 +122,6 @@ LLAMA = FamilySpec(
     name="llama",
     architecture="LlamaForCausalLM",
     model="quanta.runner.models.llama:LlamaForCausalLM",
-    builder="build_scripts.llama:LlamaBuilder",
     parse_config=parse_config,
     tokens=SpecialTokens(tokens=("<unk>", "<s>", "</s>"), bos="<s>", pad=None),
     check_preset=check_preset,

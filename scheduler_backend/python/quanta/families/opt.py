@@ -90,7 +90,6 @@ OPT = FamilySpec(
     name="opt",
     architecture="OPTForCausalLM",
     model="quanta.runner.models.opt:OPTForCausalLM",
-    builder="build_scripts.opt:OPTBuilder",
     parse_config=parse_config,
     # HF's OPT tokenizer prepends `</s>` (id 2) as BOS, not `<s>`.
     tokens=SpecialTokens(

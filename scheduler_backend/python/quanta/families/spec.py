@@ -1,12 +1,13 @@
 """What a model family supplies, as one record: ``FamilySpec``.
 
 Why one record: every place that once asked ``family == "opt"`` (reading ``config.json``,
-the tokenizer's BOS rules, preset checks, random-weight checkpoints, the engine builder, the
-model class) now asks the family's spec, so a further family is a model file and a spec, and
-the tests that walk the registry check its parts against each other.
+the tokenizer's BOS rules, preset checks, random-weight checkpoints, the model class) now asks
+the family's spec, so a further family is a model file, a spec and its build steps, and the
+tests that walk the registry check its parts against each other.
 
-Nothing here imports torch: the model and builder classes are named by import path and loaded
-only when a model is built, so reading a config, a preset or a tokenizer stays light.
+Nothing here imports torch: the model class is named by import path and loaded only when a
+model is built, so reading a config, a preset or a tokenizer stays light. The engine builders
+name their family instead (``quanta.build.steps``), so this layer knows nothing of building.
 """
 
 from __future__ import annotations
@@ -57,11 +58,10 @@ class SpecialTokens:
 class FamilySpec:
     """One decoder-only model family, keyed by its HF ``model_type`` (``name``).
 
-    ``model`` and ``builder`` are ``"module:Class"`` paths: the runner's ``nn.Module`` (built
-    from a ``ModelConfig``) and the ``build_scripts.base.FamilyBuilder`` subclass that
-    ``quanta build`` uses by default. ``parse_config(raw, common)`` turns ``config.json`` plus
-    the fields every family shares (``families.config.common_fields``) into a ``ModelConfig``
-    and raises ValueError/NotImplementedError on what the runner cannot serve.
+    ``model`` is a ``"module:Class"`` path: the runner's ``nn.Module``, built from a
+    ``ModelConfig``. ``parse_config(raw, common)`` turns ``config.json`` plus the fields every
+    family shares (``families.config.common_fields``) into a ``ModelConfig`` and raises
+    ValueError/NotImplementedError on what the runner cannot serve.
     ``check_preset`` raises ValueError on a preset the family's config could not express;
     ``hf_config`` and ``tensor_specs`` give the family's own ``config.json`` keys and stored
     tensors for a random-weight checkpoint of a preset. ``pad_embedding`` names the embedding
@@ -71,7 +71,6 @@ class FamilySpec:
     name: str
     architecture: str
     model: str
-    builder: str
     parse_config: Callable[[dict[str, Any], dict[str, Any]], ModelConfig]
     tokens: SpecialTokens
     check_preset: Callable[[ModelPreset], None]
@@ -82,10 +81,6 @@ class FamilySpec:
     def model_class(self) -> type[Any]:
         """The runner's model class, imported now (this is where torch gets loaded)."""
         return _load(self.model)
-
-    def builder_class(self) -> type[Any]:
-        """The family's default engine builder class, imported now."""
-        return _load(self.builder)
 
 
 def linear(prefix: str, rows: int, cols: int, *, bias: bool = False) -> list[TensorSpec]:

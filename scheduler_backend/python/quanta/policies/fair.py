@@ -41,7 +41,8 @@ from quanta.core.output import RunnerOutput
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.policies.common import QUEUE_RANK
-from quanta.policies.fair_state import Counters, Lift, fairness_state
+from quanta.policies.fair_state import Counters, Lift
+from quanta.policies.fair_stores import fairness_state
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.memory_share import hold_back
 from quanta.policies.stages import Ordering, Ranking

@@ -13,7 +13,8 @@ VTC paper leaves it as future work. Here the fair policies (``fair``, ``wsc``, `
 - ``redis://HOST:PORT/DB``: a Redis server shared by every replica (``fair_redis.py``),
   updated atomically by Lua scripts.
 
-Pure Python: the Redis client is imported only when a Redis URL is named.
+This module holds what every store shares (the protocols, the local state) and the URL check;
+``fair_stores.py`` picks the store a URL names, so the Redis store can build on the local one.
 """
 
 from __future__ import annotations
@@ -222,37 +223,8 @@ class LocalState:
         return self._interactions.setdefault(idle_timeout_s, LocalInteractions(idle_timeout_s))
 
 
-_SHARED: dict[str, FairnessState] = {}
-
-
-def fairness_state(url: str | None) -> FairnessState:
-    """The state ``url`` names: a fresh local one for None, else the one this process holds
-    for the URL (created on first use)."""
-    if url is None:
-        return LocalState()
-    if url not in _SHARED:
-        check_state_url(url)
-        if url.startswith("memory://"):
-            _SHARED[url] = LocalState()
-        else:
-            from quanta.policies.fair_redis import RedisState
-
-            _SHARED[url] = RedisState(url)
-    return _SHARED[url]
-
-
-def state_errors() -> int:
-    """Operations of this process's shared states that failed open (Redis unreachable)."""
-    return sum(s.errors for s in _SHARED.values())
-
-
-def forget_state(url: str) -> None:
-    """Drop this process's handle on ``url`` (a simulated run's memory state, once done)."""
-    _SHARED.pop(url, None)
-
-
 def check_state_url(url: str | None) -> str | None:
-    """A pydantic validator's body: the URL's scheme is one this module serves."""
+    """A pydantic validator's body: the URL's scheme is one ``fair_stores.py`` serves."""
     if url is not None and not url.startswith(("memory://", "redis://", "rediss://", "unix://")):
         raise ValueError(f"state_url must be memory://NAME or redis://HOST:PORT/DB, got {url!r}")
     return url

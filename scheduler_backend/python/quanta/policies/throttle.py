@@ -20,7 +20,8 @@ from pydantic import Field
 from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
-from quanta.policies.fair_state import SlidingWindows, Windows, fairness_state
+from quanta.policies.fair_state import SlidingWindows, Windows
+from quanta.policies.fair_stores import fairness_state
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.stages import Admission
 from quanta.policies.systems import SharedStateOptions, Stages, System

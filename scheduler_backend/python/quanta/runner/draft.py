@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from quanta.core.output import SchedulerOutput
 from quanta.runner.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from quanta.runner.model_runner import ModelRunner
 
 
 class _Step:
@@ -41,13 +45,11 @@ class _Step:
 class DraftModel:
     """The draft's weights and caches, driven by the target's runner each step."""
 
-    def __init__(self, model_dir: str | Path, target: ModelConfig, **runner_args: object) -> None:
-        """``runner_args`` are the target runner's (blocks, block size, dtype, device,
-        kernels), so both caches have the same blocks."""
-        from quanta.runner.model_runner import ModelRunner
-
-        self.runner = ModelRunner(model_dir, **runner_args)  # type: ignore[arg-type]
-        config = self.runner.model_config
+    def __init__(self, model_dir: str | Path, runner: ModelRunner, target: ModelConfig) -> None:
+        """``runner`` runs the draft's weights over the target runner's blocks (same block
+        count, block size, dtype, device and kernels), so both caches have the same blocks."""
+        self.runner = runner
+        config = runner.model_config
         if config.vocab_size > target.vocab_size:
             raise ValueError(
                 f"draft model {model_dir}: vocabulary of {config.vocab_size} tokens, more "

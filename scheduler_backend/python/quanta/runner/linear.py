@@ -35,6 +35,7 @@ from torch import nn
 
 from quanta.core.config import LinearKernel
 from quanta.runner import panel_linear
+from quanta.runner.projection import Projection
 
 # Activations a product can apply as a oneDNN post-op, bit-identical to the eager op in fp32.
 _FUSABLE_ACTIVATIONS = ("none", "relu")
@@ -70,18 +71,6 @@ def resolve_kernel(kernel: LinearKernel, dtype: torch.dtype, device: torch.devic
             return "native"
         return "onednn" if supported else "torch"
     return kernel
-
-
-class Projection(nn.Module):
-    """``y = act(x W^T + b)``, and ``add(x, r) = x W^T + b + r`` (the residual add fused where
-    the kernel can); ``x`` is ``[rows, in_features]``."""
-
-    in_features: int
-    out_features: int
-    activation: str
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class TorchLinear(Projection):

@@ -243,9 +243,9 @@ class ModelRunner:
         )
         self.draft: DraftModel | None = None
         if draft_model is not None:
-            self.draft = DraftModel(
+            # The draft's own runner, over the same blocks, so both caches move together.
+            draft_runner = ModelRunner(
                 draft_model,
-                cfg,
                 num_device_blocks=num_device_blocks,
                 num_host_blocks=num_host_blocks,
                 block_size=block_size,
@@ -254,6 +254,7 @@ class ModelRunner:
                 linear_kernel=linear_kernel,
                 attention_kernel=attention_kernel,
             )
+            self.draft = DraftModel(draft_model, draft_runner, cfg)
 
     @staticmethod
     def hidden_blocks_ratio(config: ModelConfig) -> float:

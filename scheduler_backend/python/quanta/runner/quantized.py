@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.runner import panel_linear
-from quanta.runner.linear import Projection
+from quanta.runner.projection import Projection
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from quanta.core.request import Request
 from quanta.core.stream import RequestOutput
 from quanta.metrics import SLO
 from quanta.policies import parse_policy
-from quanta.policies.fair_state import forget_state
+from quanta.policies.fair_stores import forget_state
 from quanta.sim.driver import SimResult, SimSetup, build_requests, make_sim_policy, replay_of
 from quanta.sim.interactions import Replay
 from quanta.sim.metrics import summarize

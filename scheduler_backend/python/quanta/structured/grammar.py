@@ -21,7 +21,7 @@ from quanta.structured.utf8 import Utf8Guard
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-    from quanta.frontends.tokenizer import Tokenizer
+    from quanta.text.tokenizer import Tokenizer
 
 
 class XGrammarConstraint:

@@ -9,15 +9,14 @@ still reaches ``quanta serve``, which stops the gateway and then Triton.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from quanta.frontends.openai.app import GatewaySettings, auth_warning, create_app
-from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.upstream import TritonGrpc
+from quanta.text.chat_template import ChatTemplate
 
 
 class GatewayError(RuntimeError):
@@ -84,22 +83,6 @@ class GatewayServer:
             self._server.run()
         except BaseException as exc:  # SystemExit when the port is taken
             self._error = exc
-
-
-def model_dir_from_repository(repository: Path, model_name: str) -> Path | None:
-    """The ``model_dir`` parameter of ``<repository>/<model_name>/config.pbtxt``, if any.
-
-    Only to find the checkpoint's chat template; a relative path is taken as Triton takes it,
-    from the current directory.
-    """
-    config = Path(repository) / model_name / "config.pbtxt"
-    if not config.is_file():
-        return None
-    text = config.read_text(encoding="utf-8")
-    found = re.search(
-        r'key:\s*"model_dir"\s*,?\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', text
-    )
-    return Path(found.group(1).replace('\\"', '"').replace("\\\\", "\\")) if found else None
 
 
 def start_gateway(

@@ -16,7 +16,7 @@ from typing import Any
 
 from quanta.core.loop import LoopHealth, LoopStats
 from quanta.core.stream import RequestMetrics
-from quanta.policies.fair_state import state_errors
+from quanta.policies.fair_stores import state_errors
 
 # fmt: off
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

@@ -7,6 +7,7 @@ the same text (a test keeps them equal).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "quanta"
@@ -60,3 +61,19 @@ def write_model_repository(
     (model / "1").mkdir(parents=True, exist_ok=True)
     (model / "config.pbtxt").write_text(render_config(params, instance_count=instance_count))
     return Path(root)
+
+
+def model_dir_from_repository(repository: Path, model_name: str) -> Path | None:
+    """The ``model_dir`` parameter of ``<repository>/<model_name>/config.pbtxt``, if any.
+
+    Where a chat template is looked up for a repository given without a model; a relative
+    path is taken as Triton takes it, from the current directory.
+    """
+    config = Path(repository) / model_name / "config.pbtxt"
+    if not config.is_file():
+        return None
+    text = config.read_text(encoding="utf-8")
+    found = re.search(
+        r'key:\s*"model_dir"\s*,?\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', text
+    )
+    return Path(found.group(1).replace('\\"', '"').replace("\\\\", "\\")) if found else None

@@ -21,9 +21,10 @@ from torch import nn
 from quanta.runner.attention import AttentionMetadata, paged_attention
 from quanta.runner.decode_chain import DecodeChain
 from quanta.runner.layer_ops import TorchLayerOps
-from quanta.runner.linear import Projection, ProjectionFactory
+from quanta.runner.linear import ProjectionFactory
 from quanta.runner.models.config import ModelConfig
 from quanta.runner.models.safepoints import Safepoints, walk_layers
+from quanta.runner.projection import Projection
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

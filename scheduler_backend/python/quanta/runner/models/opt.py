@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
-from quanta.runner.linear import Projection, ProjectionFactory, fusable_activation
+from quanta.runner.linear import ProjectionFactory, fusable_activation
 from quanta.runner.models.config import ModelConfig
 from quanta.runner.models.safepoints import Safepoints, walk_layers
+from quanta.runner.projection import Projection
 
 POSITION_OFFSET = 2  # OPT's learned positions are stored shifted by two (a fairseq legacy)
 

@@ -1,4 +1,4 @@
-"""Text <-> token ids for the frontends, from a checkpoint directory.
+"""Text <-> token ids, from a checkpoint directory.
 
 Why a wrapper and not transformers' AutoTokenizer: the serving path must not depend on
 transformers (a test-only package here), and it needs only encode, decode and a few special ids.

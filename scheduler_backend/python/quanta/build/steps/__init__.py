@@ -1,10 +1,9 @@
 """Engine build steps behind ``quanta build``, one module per model family (and device).
 
-Each family's spec (``quanta.families``) names its default ``FamilyBuilder`` (``opt.py``,
-``llama.py`` here). A module here may add builders in a ``BUILDERS`` list, a GPU builder for
-an existing family say; they are found by scanning this package, so neither the CLI nor the
-build driver changes. When two builders claim the same (family, device), the one with the
-higher ``priority`` wins.
+Each module here lists its builders in ``BUILDERS`` (``opt.py``, ``llama.py``); they are found
+by scanning this package, so a new family, or a GPU builder for an existing one, is a module
+added here and neither the CLI, the build driver nor the family's spec changes. When two
+builders claim the same (family, device), the one with the higher ``priority`` wins.
 """
 
 from __future__ import annotations
@@ -12,16 +11,14 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from quanta.families import FAMILIES
-
-from build_scripts.base import BuildError, FamilyBuilder
+from quanta.build.steps.base import BuildError, FamilyBuilder
 
 __all__ = ["BuildError", "FamilyBuilder", "builder_for", "builders"]
 
 
 def builders() -> list[FamilyBuilder]:
-    """Each family's default builder, then every builder the modules of this package add."""
-    found = [_default_builder(spec.builder_class()) for spec in FAMILIES.values()]
+    """Every builder the modules of this package list."""
+    found: list[FamilyBuilder] = []
     for info in pkgutil.iter_modules(__path__):
         if info.name == "base" or info.name.startswith("_"):
             continue
@@ -37,10 +34,3 @@ def builder_for(family: str, device: str) -> FamilyBuilder:
         known = sorted({f"{b.family}/{d}" for b in builders() for d in b.devices})
         raise BuildError(f"no engine builder for {family} on {device}; builders: {known}")
     return max(matching, key=lambda b: b.priority)
-
-
-def _default_builder(cls: type) -> FamilyBuilder:
-    """An instance of the class a spec names, refused early if it is not a builder."""
-    if not issubclass(cls, FamilyBuilder):
-        raise TypeError(f"{cls.__module__}.{cls.__name__} is not a FamilyBuilder")
-    return cls()

@@ -1,7 +1,7 @@
 """Chat messages -> one prompt string.
 
-Why two ways: Quanta's tiny checkpoints (and OPT) ship no chat template, so the gateway has a
-plain documented default; checkpoints that do ship one (``chat_template`` in
+Why two ways: Quanta's tiny checkpoints (and OPT) ship no chat template, so there is a plain
+documented default; checkpoints that do ship one (``chat_template`` in
 ``tokenizer_config.json``, as HF writes it) get theirs, rendered with jinja2's sandbox the way
 HF's ``apply_chat_template`` does (``messages``, ``add_generation_prompt=True``, ``bos_token``,
 ``eos_token``, ``raise_exception``). jinja2 is imported only when such a template is used.
@@ -12,20 +12,47 @@ The default template writes one ``<role>: <content>`` line per message and ends 
     system: You are terse.
     user: Hi!
     assistant:
+
+Messages are anything with a ``role`` and a ``text()`` (``ChatTurn``): the gateway passes its
+request's messages, ``quanta build`` and the command-line tools pass ``Turn``s.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from quanta.frontends.openai.errors import invalid
-from quanta.frontends.openai.protocol import ChatMessage
+from quanta.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from quanta.frontends.tokenizer import Tokenizer
+    from quanta.text.tokenizer import Tokenizer
+
+
+class ChatTurn(Protocol):
+    """One message of a conversation, as a template reads it."""
+
+    @property
+    def role(self) -> str: ...
+
+    def text(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A plain-text message, for callers that hold no request of their own."""
+
+    role: str
+    content: str
+
+    def text(self) -> str:
+        return self.content
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The template refused the conversation (``raise_exception``: roles must alternate...)."""
 
 
 class ChatTemplate:
@@ -48,7 +75,7 @@ class ChatTemplate:
         # token and its context length.
         self.tokenizer = tokenizer
         self.model_dir = model_dir
-        # The checkpoint's tokenizer as the gateway needs it: token counts of system
+        # The checkpoint's tokenizer as a gateway needs it: token counts of system
         # messages, the text of each token that logprobs name, and the text of a prompt given
         # as token ids that ``echo`` repeats.
         self.count_tokens = count_tokens
@@ -103,21 +130,20 @@ class ChatTemplate:
         """False when this is the plain default (the checkpoint ships no template)."""
         return self._template is not None
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+    def render(self, messages: Sequence[ChatTurn]) -> str:
+        """The prompt, ending where the assistant's reply starts; raises ``ChatTemplateError``
+        when the template refuses the conversation."""
         if self._template is None:
             lines = [f"{m.role}: {m.text()}\n" for m in messages]
             return "".join(lines) + "assistant:"
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
-            return str(
-                self._template.render(
-                    messages=conversation, add_generation_prompt=True, **self._special
-                )
+        return str(
+            self._template.render(
+                messages=conversation, add_generation_prompt=True, **self._special
             )
-        except _TemplateError as exc:
-            raise invalid(f"chat template: {exc}", "messages") from None
+        )
 
-    def system_tokens(self, messages: Sequence[ChatMessage]) -> int | None:
+    def system_tokens(self, messages: Sequence[ChatTurn]) -> int | None:
         """Tokens of the rendered prompt that come from its leading system messages (what
         FairServe weighs as system prompt), or None when they cannot be told apart: no
         tokenizer, or a template whose system part is not a prefix of the prompt."""
@@ -136,17 +162,14 @@ class ChatTemplate:
                         messages=system, add_generation_prompt=False, **self._special
                     )
                 )
-            except _TemplateError:
+            except ChatTemplateError:
                 return None
         return self.count_tokens(prefix) if self.render(messages).startswith(prefix) else None
 
 
-class _TemplateError(Exception):
-    """``raise_exception(...)`` called by a chat template (e.g. roles must alternate)."""
-
-
 def _raise(message: str) -> None:
-    raise _TemplateError(message)
+    """``raise_exception(...)`` as HF's templates call it."""
+    raise ChatTemplateError(message)
 
 
 def _token(config: dict[str, Any], key: str) -> str:
@@ -158,7 +181,7 @@ def _token(config: dict[str, Any], key: str) -> str:
 
 def _tokenizer(model_dir: Path) -> Tokenizer | None:
     """The checkpoint's own tokenizer, when the directory has one."""
-    from quanta.frontends.tokenizer import load_tokenizer
+    from quanta.text.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(model_dir)

@@ -1,15 +1,11 @@
-"""LLaMA 1/2/3 and lookalikes: RoPE (default, linear, llama3 scaling), RMSNorm, SwiGLU, GQA.
-
-LLaMA's spec (``quanta.families.llama``) names this class as the family's builder.
-"""
+"""LLaMA 1/2/3 and lookalikes: RoPE (default, linear, llama3 scaling), RMSNorm, SwiGLU, GQA."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from quanta.build.steps.base import BuildError, FamilyBuilder
 from quanta.runner.models.config import ModelConfig
-
-from build_scripts.base import BuildError, FamilyBuilder
 
 
 class LlamaBuilder(FamilyBuilder):
@@ -24,3 +20,6 @@ class LlamaBuilder(FamilyBuilder):
             )
         if raw.get("sliding_window"):
             raise BuildError("sliding-window attention is not served (a Mistral checkpoint?)")
+
+
+BUILDERS = [LlamaBuilder()]

@@ -13,6 +13,7 @@ from collections.abc import Collection
 from typing import Any, ClassVar
 
 import torch
+
 from quanta.runner.models.config import ModelConfig
 from quanta.runner.models.loader import resolve_name
 
