@@ -16,7 +16,7 @@ from quanta.core.errors import InvalidRequestError
 from quanta.frontends.openai.errors import OpenAIError
 from quanta.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest
 from quanta.frontends.triton.client import request_inputs
-from quanta.frontends.triton.tensors import parse_request
+from quanta.frontends.triton.inputs import parse_request
 from quanta.structured.grammar import choice_regex
 
 # Every output this schema allows is short (enums, a bounded integer, a boolean), so even a

@@ -19,6 +19,7 @@ from quanta.core.errors import (
 )
 from quanta.core.output import TokenLogprob
 from quanta.core.stream import RequestOutput
+from quanta.frontends.triton.inputs import is_reset_request, parse_request
 from quanta.frontends.triton.repository import DEFAULT_PARAMETERS, render_config
 from quanta.frontends.triton.responder import (
     InflightRequest,
@@ -27,7 +28,7 @@ from quanta.frontends.triton.responder import (
     SequenceGroupSender,
 )
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
-from quanta.frontends.triton.tensors import is_reset_request, output_arrays, parse_request
+from quanta.frontends.triton.tensors import output_arrays
 from serving import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from quanta.shape import PUBLISHED, ModelShape
+
 GB = 1_000_000_000
 
 
@@ -239,22 +241,21 @@ _PCIE = 25e9
 
 def _preset(
     name: str,
+    shape: ModelShape,
     *,
     params: float,
-    layers: int,
-    hidden: int,
     gpus_per_stage: int,
     stages: int = 1,
     overhead_s: float,
     swap_bandwidth: float,
     device_kv_bytes: int,
     source: str,
-    max_model_len: int = 2048,
 ) -> CostModel:
-    """A dense fp16 multi-head-attention model (OPT; LLaMA-1/2 7B and 13B) whose critical
-    path crosses ``gpus_per_stage`` tensor-parallel GPUs per pipeline stage; pipeline stages
-    run one after the other for a single iteration."""
-    kv_per_token = 4 * layers * hidden
+    """A dense fp16 model of ``shape`` (``params``: its published parameter count) whose
+    critical path crosses ``gpus_per_stage`` tensor-parallel GPUs per pipeline stage; pipeline
+    stages run one after the other for a single iteration."""
+    layers, hidden = shape.num_layers, shape.hidden_size
+    kv_per_token = shape.kv_bytes_per_token(2)
     bw, flops = _HBM * gpus_per_stage, _FLOPS * gpus_per_stage
     return CostModel(
         name=name,
@@ -270,7 +271,7 @@ def _preset(
         device_kv_bytes=device_kv_bytes,
         # Swap space: 32 GB per GPU, as FastServe's public artifact scripts (--swap-space 32).
         host_kv_bytes=32 * GB * gpus_per_stage * stages,
-        max_model_len=max_model_len,
+        max_model_len=shape.max_position_embeddings,
         num_layers=layers,
     )
 
@@ -285,9 +286,8 @@ PRESETS: dict[str, CostModel] = {
         # a 13B model on an A100-40GB. Host link: one PCIe 4.0 x16.
         _preset(
             "a100-opt13b",
+            PUBLISHED["opt-13b"],
             params=12.85e9,
-            layers=40,
-            hidden=5120,
             gpus_per_stage=1,
             overhead_s=2e-3,
             swap_bandwidth=_PCIE,
@@ -301,9 +301,8 @@ PRESETS: dict[str, CostModel] = {
         # GPUs reach the host over two x16 links.
         _preset(
             "a100x4-opt66b",
+            PUBLISHED["opt-66b"],
             params=65.7e9,
-            layers=64,
-            hidden=9216,
             gpus_per_stage=4,
             overhead_s=5e-3,
             swap_bandwidth=2 * _PCIE,
@@ -319,9 +318,8 @@ PRESETS: dict[str, CostModel] = {
         # KV: 640 GB - 350 GB - 16 x 2 GB.
         _preset(
             "a100x16-opt175b",
+            PUBLISHED["opt-175b"],
             params=175e9,
-            layers=96,
-            hidden=12288,
             gpus_per_stage=8,
             stages=2,
             overhead_s=20e-3,
@@ -336,14 +334,12 @@ PRESETS: dict[str, CostModel] = {
         # 13.5 GB of weights and ~2.5 GB of activations/workspace, ~20 GB (~40k tokens).
         _preset(
             "a100-llama7b",
+            PUBLISHED["llama-2-7b"],
             params=6.74e9,
-            layers=32,
-            hidden=4096,
             gpus_per_stage=1,
             overhead_s=2e-3,
             swap_bandwidth=_PCIE,
             device_kv_bytes=20 * GB,
-            max_model_len=4096,
             source="LLaMA-2-7B, 1x A100-40GB (ConServe Sec. 6.1): roofline as a100-opt13b, "
             "Llama 2 paper shapes, vLLM's 0.9 memory utilization, PCIe 4.0 x16 ~25 GB/s",
         ),

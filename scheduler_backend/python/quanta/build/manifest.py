@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quanta.families import known_family
+from quanta.shape import ModelShape
 
 MANIFEST_FILE = "quanta_engine.json"
 ENGINE_FORMAT = 1
@@ -35,19 +36,12 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ModelShape(_Frozen):
-    """The architecture, as the runner reads it from ``config.json``."""
+class EngineModel(ModelShape):
+    """The model an engine holds: its shape, as the runner reads it from ``config.json``, of a
+    registered family, and the HF architecture class it names."""
 
     family: Annotated[str, AfterValidator(known_family)]
     architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
 
 
 class Limits(_Frozen):
@@ -123,7 +117,7 @@ class EngineManifest(_Frozen):
     quanta_version: str
     builder: str
     created: str
-    model: ModelShape
+    model: EngineModel
     num_parameters: int
     dtype: Dtype
     device: DeviceKind
@@ -180,13 +174,13 @@ def sha256_file(path: Path, advance: Callable[[int], None] | None = None) -> str
     return digest.hexdigest()
 
 
-def check_files(manifest: EngineManifest, engine_dir: Path, shape: ModelShape) -> None:
+def check_files(manifest: EngineManifest, engine_dir: Path, shape: EngineModel) -> None:
     """The directory holds what the manifest lists: same shape in config.json, every weight
     file present with its recorded size (digests are checked by ``check-config --verify``)."""
     if shape != manifest.model:
         diff = [
             f"{k} {getattr(manifest.model, k)} -> {getattr(shape, k)}"
-            for k in ModelShape.model_fields
+            for k in EngineModel.model_fields
             if getattr(shape, k) != getattr(manifest.model, k)
         ]
         raise EngineManifestError(

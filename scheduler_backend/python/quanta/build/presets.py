@@ -15,6 +15,7 @@ from typing import Annotated, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from quanta.families import get_family, known_family
+from quanta.shape import ModelShape
 
 # NOTE: the size the tokenizer trainer reaches with TOKENIZER_VOCAB_TARGET on the embedded corpus
 # (tests assert this). Tiny presets use it so that every model row is a real token.
@@ -52,6 +53,21 @@ class ModelPreset(BaseModel):
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
         get_family(self.family).check_preset(self)
         return self
+
+    @property
+    def shape(self) -> ModelShape:
+        """The preset's sizes in the terms the manifest, the runner and the cost model use."""
+        return ModelShape(
+            family=self.family,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_hidden_layers,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_position_embeddings,
+        )
 
     @property
     def head_dim(self) -> int:

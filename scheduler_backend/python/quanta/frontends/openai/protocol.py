@@ -28,7 +28,7 @@ from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.structured import StructuredOutput
 from quanta.frontends.openai.auth import Principal
 from quanta.frontends.openai.errors import OpenAIError, invalid
-from quanta.frontends.triton.tensors import validation_message
+from quanta.frontends.triton.inputs import validation_message
 
 # Triton finish reasons -> OpenAI's; anything else ("abort", "error") arrives as an error.
 FINISH_REASONS = {"stop": "stop", "length": "length"}

@@ -28,6 +28,7 @@ from quanta.core.loop import LoopHealth
 from quanta.core.stream import RequestOutput
 from quanta.core.watchdog import Watchdog
 from quanta.frontends.triton.drain import DrainWatch, drain_dir_from_env
+from quanta.frontends.triton.inputs import HEALTH_INPUT, INPUTS, is_reset_request, parse_request
 from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
 from quanta.frontends.triton.responder import (
     InflightRequest,
@@ -40,18 +41,9 @@ from quanta.frontends.triton.settings import (
     parameters_from_model_config,
     parse_parameters,
 )
-from quanta.frontends.triton.tensors import (
-    INPUTS,
-    OUTPUTS,
-    TRTLLM_MAX_BATCH,
-    TRTLLM_OUTPUTS,
-    is_reset_request,
-    parse_request,
-)
+from quanta.frontends.triton.tensors import OUTPUTS, TRTLLM_MAX_BATCH, TRTLLM_OUTPUTS
 
 log = logging.getLogger(__name__)
-
-HEALTH_INPUT = "health_check"  # the control input of a health check (tensors.INPUTS)
 
 _ERROR_CODES = {
     "invalid_argument": "INVALID_ARG",
@@ -136,9 +128,16 @@ class TritonPythonModel:
         cfg.set_model_transaction_policy({"decoupled": True})
         have_in = {t["name"] for t in current.get("input", [])}
         have_out = {t["name"] for t in current.get("output", [])}
-        for name, dtype, dims in INPUTS:
-            if name not in have_in:
-                cfg.add_input({"name": name, "data_type": dtype, "dims": dims, "optional": True})
+        for spec in INPUTS:
+            if spec.name not in have_in:
+                cfg.add_input(
+                    {
+                        "name": spec.name,
+                        "data_type": spec.dtype,
+                        "dims": spec.dims,
+                        "optional": True,
+                    }
+                )
         extra = TRTLLM_OUTPUTS if _layout(current) == "tensorrt_llm" else ()
         for name, dtype, dims in (*OUTPUTS, *extra):
             if name not in have_out:

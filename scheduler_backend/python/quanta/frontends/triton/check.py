@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from quanta.frontends.triton.inputs import INPUTS
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
-from quanta.frontends.triton.tensors import INPUTS, OUTPUTS, TRTLLM_MAX_BATCH, TRTLLM_OUTPUTS
+from quanta.frontends.triton.tensors import OUTPUTS, TRTLLM_MAX_BATCH, TRTLLM_OUTPUTS
 
 Severity = Literal["error", "warning"]
 BACKEND = "quanta"
@@ -109,10 +110,10 @@ def check_model(
 
 def _check_tensors(config: Any, pb: Any, error: Any) -> None:
     """Hand-declared tensors must be the backend's (auto-complete adds the rest)."""
-    outputs = (*OUTPUTS, *TRTLLM_OUTPUTS)
-    pairs = ((config.input, INPUTS, "input"), (config.output, outputs, "output"))
-    for declared, spec, kind in pairs:
-        known = {name: dtype for name, dtype, _ in spec}
+    inputs = {spec.name: spec.dtype for spec in INPUTS}
+    outputs = {name: dtype for name, dtype, _ in (*OUTPUTS, *TRTLLM_OUTPUTS)}
+    pairs = ((config.input, inputs, "input"), (config.output, outputs, "output"))
+    for declared, known, kind in pairs:
         for tensor in declared:
             if tensor.name not in known:
                 error(

@@ -18,79 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from quanta.core.request import RequestMetadata, SamplingParams
-from quanta.frontends.triton.tensors import GUIDE_TYPES, INPUTS, OUTPUTS
+from quanta.core.request import SamplingParams
+from quanta.frontends.triton.inputs import BY_NAME, TYPES, request_inputs
+from quanta.frontends.triton.tensors import OUTPUTS
 
-_NUMPY = {
-    "TYPE_STRING": (np.object_, "BYTES"),
-    "TYPE_INT32": (np.int32, "INT32"),
-    "TYPE_UINT64": (np.uint64, "UINT64"),
-    "TYPE_FP32": (np.float32, "FP32"),
-    "TYPE_BOOL": (np.bool_, "BOOL"),
-}
-_TYPES = {name: (dtype, dims) for name, dtype, dims in INPUTS}
 _LIST_OUTPUTS = frozenset(name for name, _, dims in OUTPUTS if dims == [-1])
 
 
 class GenerateError(RuntimeError):
     """The server refused or failed a request; the message is the server's."""
-
-
-def request_inputs(
-    prompt: str | list[int],
-    params: SamplingParams,
-    *,
-    stream: bool,
-    metadata: RequestMetadata | None = None,
-) -> dict[str, Any]:
-    """The model inputs for one request, as JSON-able values keyed by tensor name."""
-    inputs: dict[str, Any] = (
-        {"input_ids": list(prompt)} if isinstance(prompt, list) else {"text_input": prompt}
-    )
-    inputs.update(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        stream=stream,
-        # the answer only, also from a model in the tensorrt_llm layout (which echoes)
-        exclude_input_in_output=True,
-    )
-    if params.seed is not None:
-        inputs["seed"] = params.seed
-    if params.stop:
-        inputs["stop_words"] = list(params.stop)
-    if len(params.stop_token_ids) == 1:
-        inputs["end_id"] = params.stop_token_ids[0]
-    elif params.stop_token_ids:
-        raise ValueError("the Triton frontend takes one stop token id (end_id)")
-    if params.ignore_eos:
-        inputs["ignore_eos"] = True
-    defaults = SamplingParams()
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens"):
-        if getattr(params, name) != getattr(defaults, name):
-            inputs[name] = getattr(params, name)
-    if params.logprobs is not None:
-        inputs["return_log_probs"] = True
-    if params.prompt_logprobs is not None:
-        inputs["return_prompt_log_probs"] = True
-    top = {params.logprobs or 0, params.prompt_logprobs or 0} - {0}
-    if len(top) > 1:
-        raise ValueError("the Triton frontend takes one top_log_probs for output and prompt")
-    if top:
-        inputs["top_log_probs"] = top.pop()
-    if params.bad_words_ids:
-        raise ValueError("the Triton frontend takes bad words as text (the bad_words input)")
-    guided = params.structured_output
-    if guided is not None:
-        inputs["guided_decoding_guide_type"] = next(
-            name for name, kind in GUIDE_TYPES.items() if kind == guided.kind
-        )
-        if guided.kind != "json_object":
-            inputs["guided_decoding_guide"] = guided.guide
-    if metadata is not None:
-        inputs.update(metadata.model_dump(exclude_none=True))
-    return inputs
 
 
 def http_events(
@@ -179,16 +115,16 @@ def grpc_inputs(inputs: dict[str, Any], *, batch_dim: bool = False) -> list[Any]
 
     tensors = []
     for name, value in inputs.items():
-        dtype, dims = _TYPES[name]
-        np_type, triton_type = _NUMPY[dtype]
-        values = value if dims == [-1] else [value]
-        if np_type is np.object_:
+        spec = BY_NAME[name]
+        dtype = TYPES[spec.dtype]
+        values = value if spec.many else [value]
+        if dtype.numpy is np.object_:
             array = np.array([str(v).encode() for v in values], dtype=np.object_)
         else:
-            array = np.array(values, dtype=np_type)
+            array = np.array(values, dtype=dtype.numpy)
         if batch_dim:
             array = array[None, ...]
-        tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype.wire)
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
     return tensors
