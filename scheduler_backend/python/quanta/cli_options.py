@@ -60,17 +60,12 @@ LinearKernelOpt = _choices("LinearKernelOpt", LinearKernel)
 AttentionKernelOpt = _choices("AttentionKernelOpt", AttentionKernel)
 
 # vLLM's flag pair for automatic prefix caching (``EngineConfig.enable_prefix_caching``, on by
-# default). The override form is None when not given, for a command that must tell that from
-# an explicit choice (``quanta serve`` refuses flags next to a model repository).
+# default); ``quanta serve`` takes it from ``quanta.config.EngineArgs``.
 _PREFIX_CACHING = "--enable-prefix-caching/--no-enable-prefix-caching"
 _PREFIX_CACHING_HELP = (
     "share the KV of identical prompt prefixes between requests (vLLM's automatic prefix caching)"
 )
 PrefixCachingOpt = Annotated[bool, typer.Option(_PREFIX_CACHING, help=_PREFIX_CACHING_HELP)]
-PrefixCachingOverrideOpt = Annotated[
-    bool | None,
-    typer.Option(_PREFIX_CACHING, help=f"{_PREFIX_CACHING_HELP}; default: on", show_default=False),
-]
 
 # vLLM's speculative decoding flag: a JSON object (``core/speculative.SpeculativeConfig``).
 SpeculativeConfigOpt = Annotated[
@@ -89,17 +84,6 @@ def tensor_parallel_option(help: str, *more: str, **kwargs: Any) -> Any:
     spelling; ``more``: further names (trtllm-build's ``--tp_size``)."""
     return typer.Option("--tensor-parallel-size", "--tp-size", *more, min=1, help=help, **kwargs)
 
-
-TensorParallelOpt = Annotated[
-    int | None,
-    tensor_parallel_option(
-        "split the model and its KV cache over this many ranks (worker processes, "
-        "torch.distributed gloo on CPU); cache sizes are per rank (default: 1)",
-        "--tp_size",
-        "-tp",
-        show_default=False,
-    ),
-]
 
 # Apt-Serve's SLO attainment (``quanta.slo``): the TBT limit and the named presets.
 TbtSloOpt = Annotated[
@@ -143,52 +127,6 @@ def check_state_policy(policy: str | None, options: dict[str, Any]) -> None:
         raise typer.BadParameter(
             f"policy {policy!r} keeps no fairness state to share", param_hint="--state-url"
         )
-
-
-# The OpenAI gateway's security and limits (``quanta openai`` and ``quanta serve``).
-ApiKeyOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--api-key",
-        envvar="QUANTA_API_KEY",
-        help="require this key as 'Authorization: Bearer KEY' (vLLM's flag); repeat for "
-        "several; tenant 'default' (default: none, every client is served)",
-        show_default=False,
-    ),
-]
-ApiKeyFileOpt = Annotated[
-    Path | None,
-    typer.Option(
-        help="YAML or JSON file: API key -> {tenant, weight, priority_class, "
-        "requests_per_minute, tokens_per_minute}; the tenant comes from the key",
-        show_default=False,
-    ),
-]
-MaxRequestBytesOpt = Annotated[
-    int,
-    typer.Option(min=1, help="largest request body in bytes (413 before it is read)"),
-]
-MaxFileBytesOpt = Annotated[
-    int, typer.Option(min=1, help="largest Batch API file upload in bytes (413)")
-]
-MaxPromptBytesOpt = Annotated[
-    int | None,
-    typer.Option(
-        min=1,
-        help="longest text prompt in UTF-8 bytes (400, before tokenizing; default: the "
-        "context length times the tokenizer's longest token)",
-        show_default=False,
-    ),
-]
-AllowedHostsOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--allowed-hosts",
-        help="serve only requests whose Host header is this (repeat; '*.example.com' "
-        "matches subdomains; default: any)",
-        show_default=False,
-    ),
-]
 
 
 def api_key_policies(keys: list[str] | None, key_file: Path | None) -> dict[str, Any]:

@@ -24,14 +24,14 @@ from quanta.core.errors import InvalidRequestError
 from quanta.core.loop import EngineLoop
 from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.core.sizes import format_size
-from quanta.frontends.devices import device_memory_bytes
-from quanta.frontends.tokenizer import Tokenizer, load_tokenizer
 from quanta.policies import make_policy
 from quanta.runner import ModelRunner, load_model_config
 from quanta.runner.cpu import cpu_isa
+from quanta.runner.devices import device_memory_bytes
 from quanta.runner.model_runner import resolve_dtype
 from quanta.runner.models.config import ModelConfig
 from quanta.structured import Grammars
+from quanta.text.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
+from quanta.config.models import offline_options
 from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quanta.core.errors import QuantaError
 from quanta.core.output import TokenLogprob
@@ -17,6 +20,8 @@ from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.speculative import SpeculativeConfig
 from quanta.core.stream import RequestMetrics, RequestStream
 from quanta.frontends.engine import Engine, build_engine
+
+Config = TypeVar("Config", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +55,24 @@ class LLM:
         enable_prefix_caching: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         tensor_parallel_size: int | None = None,
+        **options: Any,
     ) -> None:
         """``tensor_parallel_size``: ranks to split the model over (default: an engine
-        directory's ``--tp_size``, else 1)."""
+        directory's ``--tp_size``, else 1). ``options``: the engine, cache and scheduler
+        options of the commands that size and run the engine, by name (``max_num_seqs=8``,
+        ``kv_cache_memory="1GiB"``, ``attention_kernel="eager"``; the list:
+        ``quanta.config.models.OFFLINE_OPTIONS``), checked by the same models; they go over
+        ``cache=`` and ``scheduler=``."""
+        engine, cache_args, scheduler_args = offline_options(options)
         config = EngineConfig(
             model=str(model),
             policy=policy,
             policy_options=policy_options or {},
             dtype=dtype,
             device=device,
-            cache=cache or CacheConfig(),
-            scheduler=scheduler or SchedulerConfig(),
+            cache=_with(cache, CacheConfig, cache_args.runtime()),
+            scheduler=_with(scheduler, SchedulerConfig, scheduler_args.runtime()),
+            **engine.runtime(),
             enable_prefix_caching=enable_prefix_caching,
             speculative_config=(
                 SpeculativeConfig.model_validate(speculative_config)
@@ -126,6 +138,14 @@ class LLM:
                 )
             )
         return results
+
+
+def _with(
+    given: BaseModel | dict[str, Any] | None, kind: type[Config], options: dict[str, Any]
+) -> Config:
+    """``cache=``/``scheduler=`` as given, with the options' fields over it."""
+    base = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else given
+    return kind.model_validate({**(base or {}), **options})
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from quanta.config.models import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 from quanta.core.request import SamplingParams
 from quanta.frontends.openai.auth import (
     DEFAULT_TENANT,
@@ -36,15 +37,8 @@ from quanta.frontends.openai.auth import (
 )
 from quanta.frontends.openai.batch_routes import BatchService
 from quanta.frontends.openai.body_limit import BodyLimit, BodyTooLarge
-from quanta.frontends.openai.chat import ChatTemplate
 from quanta.frontends.openai.errors import OpenAIError, classify, invalid
-from quanta.frontends.openai.limits import (
-    DEFAULT_MAX_FILE_BYTES,
-    DEFAULT_MAX_REQUEST_BYTES,
-    prompt_limit,
-    token_counter,
-    too_large,
-)
+from quanta.frontends.openai.limits import prompt_limit, token_counter, too_large
 from quanta.frontends.openai.logprobs import output_logprobs, prompt_logprobs
 from quanta.frontends.openai.page import router as chat_page
 from quanta.frontends.openai.protocol import (
@@ -63,8 +57,9 @@ from quanta.frontends.openai.protocol import (
 from quanta.frontends.openai.router import ReplicaRouter, RoutedStream, make_upstream
 from quanta.frontends.openai.sse import DisconnectWatcher, event_stream, interleave
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
-from quanta.frontends.triton.client import request_inputs
+from quanta.frontends.triton.inputs import request_inputs
 from quanta.frontends.triton.supervisor_state import metrics_text as supervisor_metrics_text
+from quanta.text.chat_template import ChatTemplate, ChatTemplateError
 
 Body = CompletionRequest | ChatCompletionRequest
 Stream = GenerationStream | RoutedStream
@@ -316,7 +311,10 @@ class Gateway:
         count = self.count_tokens
         if isinstance(body, ChatCompletionRequest):
             params = body.sampling_params(self.settings.default_chat_max_tokens)
-            prompt = self.template.render(body.messages)
+            try:
+                prompt = self.template.render(body.messages)
+            except ChatTemplateError as exc:
+                raise invalid(f"chat template: {exc}", "messages") from None
             self.prompt_limit.check_tokens(prompt, count, "messages")
             return prompt, params, self.template.system_tokens(body.messages)
         prompt = body.single_prompt()

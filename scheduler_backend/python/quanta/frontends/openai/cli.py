@@ -11,29 +11,36 @@ from typing import Annotated
 
 import typer
 
-from quanta.cli_options import (
-    AllowedHostsOpt,
-    ApiKeyFileOpt,
-    ApiKeyOpt,
-    MaxFileBytesOpt,
-    MaxPromptBytesOpt,
-    MaxRequestBytesOpt,
-    RouterOpt,
-    api_key_policies,
-)
-from quanta.frontends.openai.limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_REQUEST_BYTES
+from quanta.cli_options import api_key_policies
+from quanta.config.cli import env_prefix, options_from
+from quanta.config.models import ServingArgs
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     """Add ``openai`` to the main app."""
-    app.command("openai")(openai)
+    app.command("openai", context_settings=env_prefix("openai"))(openai)
 
 
+@options_from(
+    serving=ServingArgs,
+    only={
+        "serving": (
+            "host",
+            "state_dir",
+            "router",
+            "api_key",
+            "api_key_file",
+            "max_request_bytes",
+            "max_file_bytes",
+            "max_prompt_bytes",
+            "allowed_hosts",
+        )
+    },
+)
 def openai(
     triton_grpc_url: Annotated[
         str, typer.Option(help="Triton's gRPC endpoint, host:port")
     ] = "127.0.0.1:8001",
-    host: Annotated[str, typer.Option(help="address the gateway binds to")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gateway HTTP port")] = 9000,
     model_name: Annotated[
         str, typer.Option(help="model name clients use (and Triton's)")
@@ -54,9 +61,6 @@ def openai(
     request_timeout: Annotated[
         float | None, typer.Option(help="seconds a request may take in Triton")
     ] = None,
-    state_dir: Annotated[
-        Path, typer.Option(help="where Batch API files and batches are kept (survive restarts)")
-    ] = Path("quanta-state"),
     batch_concurrency: Annotated[
         int, typer.Option(min=1, help="batch requests in flight at once, over all batches")
     ] = 64,
@@ -67,13 +71,6 @@ def openai(
             "--triton-grpc-url; docs/scale-out.md)"
         ),
     ] = None,
-    router: Annotated[
-        RouterOpt, typer.Option(help="how requests pick a replica (with --upstream)")
-    ] = RouterOpt.least_outstanding,
-    api_key: ApiKeyOpt = None,
-    api_key_file: ApiKeyFileOpt = None,
-    max_request_bytes: MaxRequestBytesOpt = DEFAULT_MAX_REQUEST_BYTES,
-    max_file_bytes: MaxFileBytesOpt = DEFAULT_MAX_FILE_BYTES,
     max_model_len: Annotated[
         int | None,
         typer.Option(
@@ -83,17 +80,17 @@ def openai(
             show_default=False,
         ),
     ] = None,
-    max_prompt_bytes: MaxPromptBytesOpt = None,
-    allowed_hosts: AllowedHostsOpt = None,
+    *,
+    serving: ServingArgs,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and the Batch API (/v1/files,
     /v1/batches), forwarding to Triton gRPC; with --api-key or --api-key-file every route but
     /health and /metrics needs a key."""
     from quanta.frontends.openai.app import GatewaySettings
-    from quanta.frontends.openai.chat import ChatTemplate
     from quanta.frontends.openai.server import GatewayServer
+    from quanta.text.chat_template import ChatTemplate
 
-    keys = api_key_policies(api_key, api_key_file)
+    keys = api_key_policies(serving.api_key, serving.api_key_file)
     template = (
         ChatTemplate.from_file(chat_template)
         if chat_template is not None
@@ -105,19 +102,19 @@ def openai(
         triton_model=triton_model,
         default_chat_max_tokens=default_chat_max_tokens,
         request_timeout_s=request_timeout,
-        state_dir=state_dir,
+        state_dir=serving.state_dir,
         batch_concurrency=batch_concurrency,
         upstreams=tuple(upstream or ()),
-        router=router.value,
+        router=serving.router,
         api_keys=keys,
-        max_request_bytes=max_request_bytes,
-        max_file_bytes=max_file_bytes,
+        max_request_bytes=serving.max_request_bytes,
+        max_file_bytes=serving.max_file_bytes,
         max_model_len=max_model_len,
-        max_prompt_bytes=max_prompt_bytes,
-        allowed_hosts=tuple(allowed_hosts or ()),
+        max_prompt_bytes=serving.max_prompt_bytes,
+        allowed_hosts=tuple(serving.allowed_hosts or ()),
     )
-    target = ", ".join(upstream) + f" ({router.value})" if upstream else triton_grpc_url
-    typer.echo(f"OpenAI  http://{host}:{port}/v1 -> Triton gRPC {target}")
+    target = ", ".join(upstream) + f" ({serving.router})" if upstream else triton_grpc_url
+    typer.echo(f"OpenAI  http://{serving.host}:{port}/v1 -> Triton gRPC {target}")
     if keys:
         tenants = sorted({p.tenant for p in keys.values()})
         typer.echo(f"API keys: {len(keys)}, tenants: {', '.join(tenants)}")
@@ -126,4 +123,6 @@ def openai(
                 "note: key weights reach a running Triton only through its model's policy "
                 "options (weights for vtc, priorities for fair/wsc); quanta serve sets them"
             )
-    GatewayServer(settings, host=host, port=port, chat_template=template, log_level="info").run()
+    GatewayServer(
+        settings, host=serving.host, port=port, chat_template=template, log_level="info"
+    ).run()

@@ -34,14 +34,11 @@ from typing import TYPE_CHECKING
 from quanta.frontends.openai.errors import OpenAIError, invalid
 
 if TYPE_CHECKING:
-    from quanta.frontends.tokenizer import Tokenizer
+    from quanta.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 _SPECIALS = 8  # tokens a tokenizer may add around a text (BOS, EOS, ...), at most
-DEFAULT_MAX_REQUEST_BYTES = 4 * MiB  # a 128K-token prompt as JSON text or ids fits
-DEFAULT_MAX_FILE_BYTES = 200 * MiB  # OpenAI's limit on a batch input file
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from quanta.core.config import (
     LinearKernel,
     SchedulerConfig,
 )
-from quanta.frontends.devices import device_memory_bytes
+from quanta.runner.devices import device_memory_bytes
 
 
 class ConfigParameterError(ValueError):
