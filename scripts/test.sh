@@ -3,7 +3,7 @@
 # not marked live (a running tritonserver), engine (a real forward pass or HF transformers) or
 # slow (opt-125m, Locust, packaging, supervision) or docker (the container image). `--all`
 # runs the whole suite, as CI does.
-# Other arguments go to pytest (`bash scripts/test.sh tests/test_sim.py -k repro`).
+# Other arguments go to pytest (`bash scripts/test.sh tests/sim/test_sim.py -k repro`).
 #
 # A whole tier runs on QUANTA_TEST_WORKERS pytest-xdist workers (default 3 on the 2-core CI
 # machine; 0 runs in this process): most live and engine tests wait on servers and

@@ -129,11 +129,11 @@ def heaviest_first(items: list[pytest.Item]) -> None:
 def shared_server_modules(tests: Path) -> set[str]:
     """Test modules (as node ids name them) with a test or fixture taking ``triton``."""
     found = set()
-    for path in tests.glob("test_*.py"):
+    for path in tests.rglob("test_*.py"):
         tree = ast.parse(path.read_text())
         functions = (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
         if any(arg.arg == "triton" for f in functions for arg in f.args.args):
-            found.add(f"{tests.name}/{path.name}")
+            found.add(path.relative_to(tests.parent).as_posix())
     return found
 
 

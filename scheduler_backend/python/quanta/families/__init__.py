@@ -2,7 +2,7 @@
 
 Adding a family: its model module under ``quanta/runner/models/``, a spec module here
 (parser, special tokens, preset check, checkpoint layout), listed in ``FAMILIES``, and its
-build steps under ``quanta/build/steps/``; ``tests/test_families.py`` then checks the parts
+build steps under ``quanta/build/steps/``; ``tests/build/test_families.py`` then checks the parts
 against each other. Pure Python: no torch until a spec's ``model_class()`` is called.
 """
 

@@ -10,7 +10,7 @@ linear ``X``, in place of ``X.weight``), groups running along the input dimensio
 
 The weight is ``q * scale`` (int8) and ``(q - 8) * scale + zero`` (int4). The int4 form is
 torch's own ``_weight_int4pack_mm_for_cpu`` convention (checked numerically in
-``tests/test_quantized.py``), so llama.cpp's Q4_0 (``d * (q - 8)``) is ``zero = 0`` and Q4_1
+``tests/runner/test_quantized.py``), so llama.cpp's Q4_0 (``d * (q - 8)``) is ``zero = 0`` and Q4_1
 (``d * q + m``) is ``zero = m + 8d``: both are kept exactly, without a round trip through bf16.
 
 Kernels, chosen at load (``kernel`` names the one that runs):
@@ -220,7 +220,7 @@ class QuantizedLinear(Projection):
         elif self.kernel == "int8pack":
             # NOTE: a fresh (64-byte aligned) copy: torch 2.13's int8pack kernel crashes
             # (SIGSEGV) at 2+ rows on a weight whose data is not aligned, as a tensor read from
-            # a safetensors file can be (tests/test_quantized.py holds the case).
+            # a safetensors file can be (tests/runner/test_quantized.py holds the case).
             self.register_buffer("qweight", torch.empty_like(weight.qweight).copy_(weight.qweight))
             self.register_buffer("scales", weight.scales.view(-1).to(dtype))
         elif self.kernel == "int4pack":

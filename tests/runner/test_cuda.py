@@ -2,7 +2,7 @@
 weights, both KV tiers' copies, the samplers and the kernels live on a GPU.
 
 Skipped where torch sees no GPU (the CI machine has none). On a GPU machine:
-``python -m pytest -p no:xdist -m gpu tests/test_cuda.py``. fp32 is compared token for token
+``python -m pytest -p no:xdist -m gpu tests/runner/test_cuda.py``. fp32 is compared token for token
 (HF transformers on the same device, and the engine against itself across preemption);
 fp16 and bf16, whose roundings differ between any two implementations, by log-probabilities.
 """

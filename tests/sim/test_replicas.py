@@ -13,9 +13,9 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request, SamplingParams
 from quanta.costmodel import load_profile
 from quanta.sim import SimSetup, simulate
-from quanta.sim.driver import build_requests
 from quanta.sim.replicas import Router, simulate_replicas
-from quanta.workloads import WorkloadRequest, make_workload
+from quanta.workloads import make_workload
+from replica_workloads import two_tenants
 from typer.testing import CliRunner
 
 COST = load_profile("a100-opt13b")
@@ -62,36 +62,9 @@ def test_every_request_is_served_once_across_replicas():
         assert min(p["routed"] for p in run.per_replica) > 0 or router == "prefix-affinity"
 
 
-def _two_tenants(replicas: int) -> list[WorkloadRequest]:
-    """Both tenants backlogged from the start: "wide" on every replica (no shared prefix),
-    "narrow" on half of them (its calls share one of a few prefixes, which the sticky
-    prefix-affinity router keeps on their replicas)."""
-    router = Router("prefix-affinity", replicas, 16)
-
-    def row(i: int, tenant: str, group: str | None) -> WorkloadRequest:
-        return WorkloadRequest(
-            i * 1e-3,
-            256,
-            64,
-            request_id=f"{tenant}{i}",
-            tenant=tenant,
-            prefix_group=group,
-            prefix_tokens=32 if group else 0,
-        )
-
-    homes: dict[int, str] = {}
-    for g in range(64):
-        homes.setdefault(router.home(build_requests([row(0, "narrow", f"g{g}")])[0]), f"g{g}")
-    groups = [homes[k] for k in sorted(homes)][: replicas // 2]
-    assert len(groups) == replicas // 2
-    wide = [row(i, "wide", None) for i in range(1500)]
-    narrow = [row(i, "narrow", groups[i % len(groups)]) for i in range(1500)]
-    return sorted(wide + narrow, key=lambda r: r.arrival_time)
-
-
 def _service(shared: bool, policy: str = "wsc") -> dict[str, float]:
     run = simulate_replicas(
-        _two_tenants(4),
+        two_tenants(4),
         SimSetup(policy, COST, SCHED),
         4,
         router="prefix-affinity",

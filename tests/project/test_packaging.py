@@ -2,7 +2,7 @@
 backend and the build scripts and serves the demo; the Dockerfile's steps match the project.
 
 These are the image's steps, run in a scratch install without a container engine;
-tests/test_container.py (the docker tier) builds and runs the image itself."""
+tests/project/test_container.py (the docker tier) builds and runs the image itself."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from quanta.frontends.triton.launcher import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from quanta.config.docs import DOC, render_doc
 from typer.main import get_command
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Every option `quanta serve` took before its options were derived from the models: the
 # names, their spellings and their defaults are a public interface.

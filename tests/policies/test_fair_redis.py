@@ -21,8 +21,8 @@ from quanta.policies.fair_state import ServiceCounters
 from quanta.policies.fair_stores import fairness_state, forget_state
 from quanta.sim import SimSetup
 from quanta.sim.replicas import simulate_replicas
+from replica_workloads import two_tenants
 from serving import wait_for
-from test_replicas import _two_tenants
 
 pytest.importorskip("redis")
 pytestmark = pytest.mark.skipif(
@@ -177,11 +177,11 @@ def test_an_outage_fails_open_and_the_service_catches_up(server):
 
 
 def test_policies_share_a_redis_state_and_keep_fair_shares(url):
-    """The simulator's two-tenant case (tests/test_replicas.py) with every replica's policy on
+    """The simulator's two-tenant case (tests/sim/test_replicas.py) with every replica's policy on
     the Redis state instead of a shared in-process one: the shares even out as well."""
     try:
         run = simulate_replicas(
-            _two_tenants(4),
+            two_tenants(4),
             SimSetup(
                 "wsc",
                 load_profile("a100-opt13b"),

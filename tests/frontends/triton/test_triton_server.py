@@ -40,7 +40,7 @@ from serving import wait_for
 
 pytestmark = pytest.mark.live
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = "quanta"
 MODES = ["http-stream", "http", "grpc-stream", "grpc"]
 

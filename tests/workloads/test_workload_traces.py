@@ -27,7 +27,7 @@ WIDE = {"COLUMNS": "1000"}  # error boxes unwrapped, so messages can be matched 
 # The Azure Public Dataset (AzureLLMInferenceDataset2023), CC BY 4.0; Patel et al., Splitwise,
 # ISCA 2024. Shared beside the repository, not in it: tests that read it skip without it.
 SHARED_AZURE = (
-    Path(__file__).resolve().parents[1]
+    Path(__file__).resolve().parents[2]
     / ".."
     / "shared"
     / "data"
@@ -315,7 +315,7 @@ def test_a_missing_workload_file_is_one_clear_error_everywhere(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(WorkloadError, match="no such workload file"):
         load_workload(missing)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     locust = Path(sys.executable).parent / "locust"
     cmd = [str(locust), "-f", str(root / "loadtests" / "locustfile.py"), "--headless"]
     cmd += ["-u", "1", "-r", "1", "--run-time", "2s", "-H", "http://127.0.0.1:9"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "scheduler_backend" / "python" / "quanta"
 LAB = PACKAGE.parent  # the lab's paths start at quanta_lab/, beside the package
 DOC = ROOT / "docs" / "architecture.md"

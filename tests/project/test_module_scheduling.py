@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # module_scheduling.py lives at the top of tests/
 
 CONFTEST = """
 from module_scheduling import ModuleScheduling

@@ -38,17 +38,19 @@ NOT_RUN = {
     "bash scripts/test.sh": "the test suite itself: CI runs it (.ci/run)",
     "source .venv/bin/activate": "a shell built-in; these tests already run inside the venv",
     "bench/peer/setup_vllm.sh": "installs vLLM's CPU build (GBs from the network), by hand",
-    "quanta bench peer": "needs the vLLM venv above; tests/test_bench_peer.py covers the harness",
+    "quanta bench peer": "needs the vLLM venv above; tests/lab/test_bench_peer.py covers the "
+    "harness",
     "bench/lm_eval/run.sh": "installs lm-evaluation-harness (network) and evaluates a real "
-    "model twice (minutes); tests/test_bench_lm_eval.py covers its data and report",
-    "docker ": "builds and runs the image: tests/test_container.py (the docker tier) does",
-    "bash scripts/docker-base.sh": "debootstraps Debian (root, minutes): tests/test_container.py "
-    "runs it",
+    "model twice (minutes); tests/lab/test_bench_lm_eval.py covers its data and report",
+    "docker ": "builds and runs the image: tests/project/test_container.py (the docker tier) "
+    "does",
+    "bash scripts/docker-base.sh": "debootstraps Debian (root, minutes): "
+    "tests/project/test_container.py runs it",
     "python loadtests/fair_replicas.py": "starts two replicas (and Redis) for each mode and "
-    "loads them for a minute each; tests/test_openai_gateway.py runs --replicas 2 behind the "
-    "gateway and tests/test_fair_redis.py the shared state",
+    "loads them for a minute each; tests/frontends/openai/test_openai_gateway.py runs "
+    "--replicas 2 behind the gateway and tests/policies/test_fair_redis.py the shared state",
     "bash loadtests/genai_perf.sh": "installs genai-perf and perf_analyzer's libraries (network); "
-    "tests/test_trtllm_layout.py sends TensorRT-LLM-shaped requests",
+    "tests/build/test_trtllm_layout.py sends TensorRT-LLM-shaped requests",
 }
 # Inline mentions that name a flag rather than show a whole command.
 FRAGMENTS = {

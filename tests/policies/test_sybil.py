@@ -34,7 +34,7 @@ from quanta.workloads import (
 )
 from test_fair import view
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def req(rid: str, tenant: str, *, authenticated: bool = False, t: float = 0.0) -> Request:

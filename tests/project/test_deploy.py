@@ -16,7 +16,7 @@ from quanta.cli import app
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-DEPLOY = Path(__file__).parent.parent / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 
 
 def _docs() -> dict[tuple[str, str], dict[str, Any]]:

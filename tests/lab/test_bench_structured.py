@@ -1,5 +1,5 @@
 """``quanta bench structured``'s pure pieces: the TPOT window and what counts as a valid call
-(no model; the command itself runs in tests/test_documented_commands.py)."""
+(no model; the command itself runs in tests/project/test_documented_commands.py)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from serving import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A cold build pulls torch and the dependencies from the index: minutes, not seconds.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(2400)]
 

@@ -31,7 +31,7 @@ from quanta.frontends.triton.settings import ConfigParameterError, parse_paramet
 from quanta.frontends.triton.tensors import output_arrays
 from serving import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "scheduler_backend" / "python" / "quanta"
 
 

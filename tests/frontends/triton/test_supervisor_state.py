@@ -1,8 +1,8 @@
 """The supervisor never gives up unless told to, and says what it is doing: the backoff, the
 restart loop on a fake server, the state the gateway reads, and the gateway's 503 with
 Retry-After while Triton is down (a gateway in front of a port nobody serves, or of a server
-its supervisor knows is down). No tritonserver is started here; tests/test_supervision.py
-kills real ones."""
+its supervisor knows is down). No tritonserver is started here;
+tests/frontends/triton/test_supervision.py kills real ones."""
 
 from __future__ import annotations
 

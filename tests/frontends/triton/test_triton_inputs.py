@@ -22,7 +22,7 @@ from quanta.frontends.triton.inputs import (
     request_inputs,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_docs_input_table_is_the_backends():

@@ -17,7 +17,7 @@ from quanta.frontends.triton.repository import render_config, write_model_reposi
 from quanta.frontends.triton.settings import ConfigParameterError, parse_parameters
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

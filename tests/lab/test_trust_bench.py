@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from serving import LiveServe, start_serve, stop_serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "bench" / "trust" / "README.md"
 CLASSES = ("2xx", "4xx", "5xx", "hang", "crash", "error")
 
