@@ -1,5 +1,5 @@
 """A model's shape is declared once (``quanta.shape``): the manifest stores it, the runner's
-config and the build presets report it, the cost model's presets are made of it."""
+config and the build presets hold it, the cost model's presets are made of it."""
 
 from __future__ import annotations
 
@@ -50,19 +50,9 @@ def _as_preset(shape: ModelShape) -> ModelPreset:
     extra: dict[str, object] = (
         {"word_embed_proj_dim": shape.hidden_size}
         if shape.family == "opt"
-        else {"num_key_value_heads": shape.num_kv_heads, "rope_theta": 1e4, "rms_norm_eps": 1e-5}
+        else {"rope_theta": 1e4, "rms_norm_eps": 1e-5}
     )
-    return ModelPreset(
-        name="published",
-        family=shape.family,
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        intermediate_size=shape.intermediate_size,
-        max_position_embeddings=shape.max_position_embeddings,
-        **extra,
-    )
+    return ModelPreset(name="published", shape=shape, **extra)
 
 
 @pytest.mark.parametrize(

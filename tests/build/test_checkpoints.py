@@ -79,11 +79,11 @@ def test_every_preset_builds_with_the_shape_it_implies(checkpoint: Checkpoint, n
     total = sum(torch.Size(s).numel() for s in shapes.values())
     assert total == preset.num_parameters()
     config = _read_json(out / "config.json")
-    assert config["vocab_size"] == preset.vocab_size
-    assert config["num_hidden_layers"] == preset.num_hidden_layers
+    assert config["vocab_size"] == preset.shape.vocab_size
+    assert config["num_hidden_layers"] == preset.shape.num_layers
     if preset.family == "opt":
         rows = shapes["model.decoder.embed_positions.weight"][0]
-        assert rows == preset.max_position_embeddings + 2
+        assert rows == preset.shape.max_position_embeddings + 2
 
 
 def test_big_presets_have_the_expected_sizes() -> None:
@@ -95,7 +95,7 @@ def test_big_presets_have_the_expected_sizes() -> None:
 def test_tiny_vocab_is_the_tokenizer_vocab(checkpoint: Checkpoint, name: str) -> None:
     family = PRESETS[name].family
     assert build_tokenizer(family).get_vocab_size() == TOKENIZER_VOCAB_TARGET == TINY_VOCAB_SIZE
-    assert load_tokenizer(checkpoint(name)).vocab_size == PRESETS[name].vocab_size
+    assert load_tokenizer(checkpoint(name)).vocab_size == PRESETS[name].shape.vocab_size
 
 
 def test_config_json_matches_the_families(checkpoint: Checkpoint) -> None:
@@ -133,8 +133,9 @@ def test_weights_follow_hf_init(checkpoint: Checkpoint) -> None:
 def test_unknown_preset_and_bad_shapes_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"known presets: .*opt-tiny"):
         get_preset("gpt-5")
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        ModelPreset.model_validate(PRESETS["llama-tiny"].model_dump() | {"num_key_value_heads": 3})
+    llama = PRESETS["llama-tiny"].model_dump()
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelPreset.model_validate(llama | {"shape": llama["shape"] | {"num_kv_heads": 3}})
     with pytest.raises(ValueError, match="dtype"):
         make_checkpoint("opt-tiny", tmp_path / "x", dtype="int8")
 
@@ -194,7 +195,9 @@ def test_empty_dir_is_filled_and_a_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path: Path) -> None:
-    too_small = PRESETS["opt-tiny"].model_copy(update={"name": "too-small", "vocab_size": 100})
+    opt = PRESETS["opt-tiny"]
+    shape = opt.shape.model_copy(update={"vocab_size": 100})
+    too_small = opt.model_copy(update={"name": "too-small", "shape": shape})
     with pytest.raises(ValueError, match="vocab_size 100"):
         make_checkpoint(too_small, tmp_path / "bad")
     assert list(tmp_path.iterdir()) == []
@@ -215,9 +218,44 @@ def test_ensure_checkpoint_builds_once_and_checks_provenance(tmp_path: Path) -> 
         ensure_checkpoint("opt-tiny", tmp_path / "other")
 
 
+# quanta_preset.json as checkpoints built before presets held a shape wrote it: the sizes
+# flat, in HF's config.json names.
+OLD_PROVENANCE = {
+    "preset": "llama-tiny",
+    "seed": 0,
+    "dtype": "float32",
+    "spec": {
+        "name": "llama-tiny",
+        "family": "llama",
+        "vocab_size": TINY_VOCAB_SIZE,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 176,
+        "max_position_embeddings": 512,
+        "num_key_value_heads": 2,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "word_embed_proj_dim": None,
+    },
+}
+
+
+def test_a_checkpoint_built_before_presets_held_a_shape_still_matches(tmp_path: Path) -> None:
+    out = make_checkpoint("llama-tiny", tmp_path / "ckpt")
+    (out / PRESET_FILE).write_text(json.dumps(OLD_PROVENANCE), encoding="utf-8")
+    assert ensure_checkpoint("llama-tiny", out) == out
+    assert ModelPreset.model_validate(OLD_PROVENANCE["spec"]) == PRESETS["llama-tiny"]
+    with pytest.raises(ValueError, match="different checkpoint"):
+        ensure_checkpoint("llama-tiny-mha", out)  # the old form still tells presets apart
+    with pytest.raises(ValueError, match="different checkpoint"):
+        ensure_checkpoint("llama-tiny", out, seed=1)
+
+
 def test_custom_preset_objects_are_accepted(tmp_path: Path) -> None:
+    llama = PRESETS["llama-tiny"].model_dump()
     small = ModelPreset.model_validate(
-        PRESETS["llama-tiny"].model_dump() | {"name": "llama-mini", "num_hidden_layers": 1}
+        llama | {"name": "llama-mini", "shape": llama["shape"] | {"num_layers": 1}}
     )
     out = ensure_checkpoint(small, tmp_path / "mini")
     assert _read_json(out / "config.json")["num_hidden_layers"] == 1
@@ -267,7 +305,7 @@ def test_transformers_loads_tiny_checkpoints_exactly(checkpoint: Checkpoint, nam
     ids = torch.tensor([load_tokenizer(out).encode("Hello there")])
     with torch.no_grad():
         logits = model(ids).logits
-    assert logits.shape == (1, ids.shape[1], PRESETS[name].vocab_size)
+    assert logits.shape == (1, ids.shape[1], PRESETS[name].shape.vocab_size)
 
 
 @pytest.mark.engine

@@ -63,7 +63,7 @@ def test_manifest_records_the_shape_limits_sizing_and_digests(engine, checkpoint
         2048,
         256,
     )
-    per_block = spec.num_hidden_layers * 2 * 16 * spec.hidden_size * 4  # K and V, fp32
+    per_block = spec.shape.num_layers * 2 * 16 * spec.shape.hidden_size * 4  # K and V, fp32
     assert m.cache.kv_bytes_per_block == per_block
     assert m.cache.num_device_blocks == (1 << 22) // per_block
     assert m.cache.max_cached_tokens == m.cache.num_device_blocks * 16

@@ -175,7 +175,9 @@ def test_a_cached_prefix_changes_no_logprob_of_a_bf16_engine(tmp_path: Path):
     from quanta.build.presets import get_preset
 
     # llama-tiny with heads of 32 columns (its own have 16, which the kernel does not serve)
-    preset = get_preset("llama-tiny").model_copy(update={"name": "llama-h32", "hidden_size": 128})
+    tiny = get_preset("llama-tiny")
+    shape = tiny.shape.model_copy(update={"hidden_size": 128, "head_dim": 32})
+    preset = tiny.model_copy(update={"name": "llama-h32", "shape": shape})
     path = make_checkpoint(preset, tmp_path / "llama", seed=5)
     prefix = [(11 * j) % 400 + 4 for j in range(96)]
     prompt = prefix + [(5 * j) % 300 + 7 for j in range(40)]
@@ -210,7 +212,9 @@ def test_bench_prefix_prefill_times_each_path(tmp_path: Path):
     from quanta.build.presets import get_preset
     from quanta_lab.bench.prefix_prefill import run_prefix_prefill
 
-    preset = get_preset("llama-tiny").model_copy(update={"name": "llama-h32", "hidden_size": 128})
+    tiny = get_preset("llama-tiny")
+    shape = tiny.shape.model_copy(update={"hidden_size": 128, "head_dim": 32})
+    preset = tiny.model_copy(update={"name": "llama-h32", "shape": shape})
     path = make_checkpoint(preset, tmp_path / "llama", seed=5)
     rows, meta = run_prefix_prefill(path, "bfloat16", [(64, 16), (0, 20)], repeats=2)
     assert [(r.prefix, r.new) for r in rows] == [(64, 16), (0, 20)]

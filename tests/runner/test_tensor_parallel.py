@@ -155,7 +155,12 @@ def test_splits_that_cannot_run_are_refused_by_name(llama_tiny):
         check_tensor_parallel(config, 4, torch.device("cpu"), None)
     with pytest.raises(ValueError, match="num_attention_heads"):
         check_tensor_parallel(
-            replace(config, num_kv_heads=3, num_heads=3), 2, torch.device("cpu"), None
+            replace(
+                config, shape=config.shape.model_copy(update={"num_kv_heads": 3, "num_heads": 3})
+            ),
+            2,
+            torch.device("cpu"),
+            None,
         )
     with pytest.raises(ValueError, match="NCCL"):
         check_tensor_parallel(config, 2, torch.device("cuda"), None)

@@ -1,8 +1,9 @@
 """A decoder-only model's shape, declared once for every layer that reasons about one.
 
-The engine manifest stores it, the runner's ``ModelConfig`` reports it, the build presets and
-the cost model's presets are made from it. It sits below all of them and imports nothing of
-Quanta (pydantic only, no torch), so the cost model and the simulator can take it too.
+The engine manifest stores it, the runner's ``ModelConfig`` and the build presets hold it (with
+their family's facts beside it), the cost model's presets are made from it. It sits below all
+of them and imports nothing of Quanta (pydantic only, no torch), so the cost model and the
+simulator can take it too.
 Field names are the manifest's (``quanta_engine.json``'s ``model`` object), which engines on
 disk already hold.
 """

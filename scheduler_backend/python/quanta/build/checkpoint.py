@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from quanta.build.presets import ModelPreset, get_preset
@@ -102,14 +103,14 @@ def hf_config(spec: ModelPreset, dtype: str = "float32") -> dict[str, object]:
     """config.json as HF writes it for the family's *ForCausalLM class."""
     common: dict[str, object] = special_token_ids(spec.family) | {
         "attention_dropout": 0.0,
-        "hidden_size": spec.hidden_size,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_hidden_layers": spec.num_hidden_layers,
+        "hidden_size": spec.shape.hidden_size,
+        "max_position_embeddings": spec.shape.max_position_embeddings,
+        "num_attention_heads": spec.shape.num_heads,
+        "num_hidden_layers": spec.shape.num_layers,
         "torch_dtype": dtype,
         "transformers_version": HF_LAYOUT_VERSION,
         "use_cache": True,
-        "vocab_size": spec.vocab_size,
+        "vocab_size": spec.shape.vocab_size,
     }
     return common | get_family(spec.family).hf_config(spec)
 
@@ -145,10 +146,11 @@ def random_weights(spec: ModelPreset, seed: int, dtype: str = "float32") -> dict
 
 
 def _write_checkpoint(spec: ModelPreset, out: Path, *, seed: int, dtype: str) -> None:
-    tokenizer = write_tokenizer(spec.family, out, model_max_length=spec.max_position_embeddings)
-    if tokenizer.get_vocab_size() > spec.vocab_size:
+    shape = spec.shape
+    tokenizer = write_tokenizer(spec.family, out, model_max_length=shape.max_position_embeddings)
+    if tokenizer.get_vocab_size() > shape.vocab_size:
         raise ValueError(
-            f"preset {spec.name!r} has vocab_size {spec.vocab_size} but its tokenizer has "
+            f"preset {spec.name!r} has vocab_size {shape.vocab_size} but its tokenizer has "
             f"{tokenizer.get_vocab_size()} tokens; the model must cover every token id"
         )
     config = hf_config(spec, dtype)
@@ -173,13 +175,22 @@ def _check_provenance(out_dir: Path, expected: dict[str, object]) -> None:
             f"{out_dir} is not empty and was not built by quanta (no {path.name})"
         )
     found = json.loads(path.read_text(encoding="utf-8"))
-    if found != expected:
+    if _as_read(found) != _as_read(expected):
         raise ValueError(
             f"{out_dir} holds a different checkpoint (preset {found.get('preset')!r}, seed "
             f"{found.get('seed')}, dtype {found.get('dtype')!r}) than requested (preset "
             f"{expected['preset']!r}, seed {expected['seed']}, dtype {expected['dtype']!r}); "
             "remove it or use make_checkpoint(..., overwrite=True)"
         )
+
+
+def _as_read(provenance: dict[str, object]) -> dict[str, object]:
+    """A provenance with its preset read as a ``ModelPreset``, so one written before presets
+    held a shape (its sizes in HF's flat names) matches the same preset written now."""
+    try:
+        return {**provenance, "spec": ModelPreset.model_validate(provenance.get("spec"))}
+    except ValidationError:
+        return provenance  # not a preset this version can read: it matches nothing
 
 
 def move_into_place(tmp: Path, out_dir: Path) -> None:

@@ -10,12 +10,12 @@ memory footprint of real models for benchmarks.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Self
+from typing import Any, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from quanta.families import get_family, known_family
-from quanta.shape import ModelShape
+from quanta.shape import PUBLISHED, ModelShape
 
 # NOTE: the size the tokenizer trainer reaches with TOKENIZER_VOCAB_TARGET on the embedded corpus
 # (tests assert this). Tiny presets use it so that every model row is a real token.
@@ -23,60 +23,59 @@ TINY_VOCAB_SIZE = 512
 
 
 class ModelPreset(BaseModel):
-    """One decoder-only model shape, in family-neutral names.
+    """One model to build with random weights: its shape (``quanta.shape``, the sizes every
+    layer reasons about) and the facts of its family's HF config a shape does not hold.
 
-    `intermediate_size` is OPT's `ffn_dim` or LLaMA's `intermediate_size`. Fields that only one
-    family has are `None` for the other (its spec's `check_preset` says so), so a preset cannot
-    describe a shape the family's HF config could not express.
+    Fields that only one family has are ``None`` for the other (its spec's ``check_preset``
+    says so), so a preset cannot describe a model the family's HF config could not express.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    family: Annotated[str, AfterValidator(known_family)]
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    max_position_embeddings: int = Field(gt=0)
-    # LLaMA only: grouped-query attention, RoPE and RMSNorm.
-    num_key_value_heads: int | None = None
+    shape: ModelShape
+    # LLaMA only: RoPE and RMSNorm.
     rope_theta: float | None = None
     rms_norm_eps: float | None = None
     # OPT only: embedding width (project_in/project_out exist when it differs from hidden_size).
     word_embed_proj_dim: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_named(cls, data: Any) -> Any:
+        """A preset as ``quanta_preset.json`` held it before presets had a shape: its sizes
+        flat, in HF's ``config.json`` names. Read as the same preset, so the checkpoints on
+        disk keep matching the preset they were built from."""
+        if not isinstance(data, dict) or "shape" in data or "num_hidden_layers" not in data:
+            return data
+        rest = dict(data)
+        heads = rest.pop("num_attention_heads")
+        kv_heads = rest.pop("num_key_value_heads", None)
+        shape = {
+            "family": rest.pop("family"),
+            "vocab_size": rest.pop("vocab_size"),
+            "hidden_size": rest["hidden_size"],
+            "num_layers": rest.pop("num_hidden_layers"),
+            "num_heads": heads,
+            "num_kv_heads": kv_heads or heads,
+            "head_dim": rest.pop("hidden_size") // heads,
+            "intermediate_size": rest.pop("intermediate_size"),
+            "max_position_embeddings": rest.pop("max_position_embeddings"),
+        }
+        return {**rest, "shape": shape}
+
     @model_validator(mode="after")
     def _check_shape(self) -> Self:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        known_family(self.shape.family)
+        if self.shape.num_heads * self.shape.head_dim != self.shape.hidden_size:
+            # NOTE: the families' HF configs derive head_dim from these two
+            raise ValueError("hidden_size must be num_heads * head_dim")
         get_family(self.family).check_preset(self)
         return self
 
     @property
-    def shape(self) -> ModelShape:
-        """The preset's sizes in the terms the manifest, the runner and the cost model use."""
-        return ModelShape(
-            family=self.family,
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_hidden_layers,
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size,
-            max_position_embeddings=self.max_position_embeddings,
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """KV heads per layer (OPT is multi-head: one KV head per query head)."""
-        return self.num_key_value_heads or self.num_attention_heads
+    def family(self) -> str:
+        return self.shape.family
 
     def num_parameters(self) -> int:
         """Parameters the shape implies: the family's stored tensors, so a tied LM head
@@ -84,30 +83,41 @@ class ModelPreset(BaseModel):
         return sum(math.prod(shape) for _, shape, _ in get_family(self.family).tensor_specs(self))
 
 
+def _shape(
+    family: str,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    context: int,
+) -> ModelShape:
+    """A preset's shape: head_dim is hidden / heads, as the families' HF configs derive it."""
+    return ModelShape(
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate_size=ffn,
+        max_position_embeddings=context,
+    )
+
+
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
         ModelPreset(
             name="opt-tiny",
-            family="opt",
-            vocab_size=TINY_VOCAB_SIZE,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=256,
-            max_position_embeddings=512,
+            shape=_shape("opt", TINY_VOCAB_SIZE, 64, 2, 4, 4, 256, 512),
             word_embed_proj_dim=64,
         ),
         ModelPreset(
             name="llama-tiny",
-            family="llama",
-            vocab_size=TINY_VOCAB_SIZE,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=176,
-            max_position_embeddings=512,
+            shape=_shape("llama", TINY_VOCAB_SIZE, 64, 2, 4, 2, 176, 512),
             rope_theta=10000.0,
             rms_norm_eps=1e-6,
         ),
@@ -115,46 +125,42 @@ PRESETS: dict[str, ModelPreset] = {
         # query head, so it is offered the hidden cache, which grouped-query llama-tiny is not.
         ModelPreset(
             name="llama-tiny-mha",
-            family="llama",
-            vocab_size=TINY_VOCAB_SIZE,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            intermediate_size=176,
-            max_position_embeddings=512,
+            shape=_shape("llama", TINY_VOCAB_SIZE, 64, 2, 4, 4, 176, 512),
             rope_theta=10000.0,
             rms_norm_eps=1e-6,
         ),
         # The real facebook/opt-125m shape (125,239,296 parameters).
-        ModelPreset(
-            name="opt-125m",
-            family="opt",
-            vocab_size=50272,
-            hidden_size=768,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            intermediate_size=3072,
-            max_position_embeddings=2048,
-            word_embed_proj_dim=768,
-        ),
+        ModelPreset(name="opt-125m", shape=PUBLISHED["opt-125m"], word_embed_proj_dim=768),
         # A ~100M LLaMA-2-style shape with grouped-query attention. Eight layers, because the
         # untied 32000-row embedding and LM head already hold 49M parameters.
         ModelPreset(
             name="llama-100m",
-            family="llama",
-            vocab_size=32000,
-            hidden_size=768,
-            num_hidden_layers=8,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            intermediate_size=2048,
-            max_position_embeddings=2048,
+            shape=_shape("llama", 32000, 768, 8, 12, 4, 2048, 2048),
             rope_theta=10000.0,
             rms_norm_eps=1e-5,
         ),
     )
 }
+# The layer kit's families: a tiny preset each for tests, and the published shape of one
+# real model each (its config.json's sizes) for the simulator, cost model and benchmarks.
+_KIT_SHAPES = {
+    "qwen2": ("qwen2-tiny", "qwen2.5-0.5b", (151936, 896, 24, 14, 2, 4864, 32768), 1e-6, 1e6),
+    "qwen3": ("qwen3-tiny", "qwen3-8b", (151936, 4096, 36, 32, 8, 12288, 40960), 1e-6, 1e6),
+    "mistral": ("mistral-tiny", "mistral-7b", (32000, 4096, 32, 32, 8, 14336, 32768), 1e-5, 1e6),
+    "phi3": ("phi3-tiny", "phi3-mini", (32064, 3072, 32, 32, 32, 8192, 4096), 1e-5, 1e4),
+    "gemma2": ("gemma2-tiny", None, (), 1e-6, 1e4),
+}
+for _family, (_tiny, _real, _sizes, _eps, _theta) in _KIT_SHAPES.items():
+    PRESETS[_tiny] = ModelPreset(
+        name=_tiny,
+        shape=_shape(_family, TINY_VOCAB_SIZE, 64, 2, 4, 2, 176, 512),
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    )
+    if _real is not None:
+        PRESETS[_real] = ModelPreset(
+            name=_real, shape=_shape(_family, *_sizes), rope_theta=_theta, rms_norm_eps=_eps
+        )
 
 
 def get_preset(preset: str | ModelPreset) -> ModelPreset:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from quanta.families.config import ModelConfig, RopeScaling
+from quanta.families.config import ModelConfig, RopeScaling, model_config
 from quanta.families.spec import INIT_STD, FamilySpec, SpecialTokens, TensorSpec, linear
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ def parse_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     if hidden_act != "silu":
         raise NotImplementedError(f"LLaMA hidden_act {hidden_act!r} is not supported (only silu)")
     rope_theta, rope_scaling = _parse_rope(raw)
-    return ModelConfig(
+    return model_config(
         family="llama",
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or common["hidden_size"] // heads),
@@ -67,13 +67,11 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def check_preset(preset: ModelPreset) -> None:
-    """A LLaMA preset states its KV heads, RoPE base and RMSNorm epsilon, and no OPT field."""
-    if preset.num_key_value_heads is None or preset.rope_theta is None:
-        raise ValueError("llama presets need num_key_value_heads and rope_theta")
+    """A LLaMA preset states its RoPE base and RMSNorm epsilon, and no OPT field."""
+    if preset.rope_theta is None:
+        raise ValueError("llama presets need rope_theta")
     if preset.rms_norm_eps is None:
         raise ValueError("llama presets need rms_norm_eps")
-    if preset.num_attention_heads % preset.num_key_value_heads:
-        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if preset.word_embed_proj_dim is not None:
         raise ValueError("word_embed_proj_dim is an OPT field")
 
@@ -83,13 +81,13 @@ def hf_config(preset: ModelPreset) -> dict[str, object]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
-        "head_dim": preset.head_dim,
+        "head_dim": preset.shape.head_dim,
         "hidden_act": "silu",
         "initializer_range": INIT_STD,
-        "intermediate_size": preset.intermediate_size,
+        "intermediate_size": preset.shape.intermediate_size,
         "mlp_bias": False,
         "model_type": "llama",
-        "num_key_value_heads": preset.num_key_value_heads,
+        "num_key_value_heads": preset.shape.num_kv_heads,
         "pretraining_tp": 1,
         "rms_norm_eps": preset.rms_norm_eps,
         "rope_scaling": None,
@@ -100,10 +98,11 @@ def hf_config(preset: ModelPreset) -> dict[str, object]:
 
 def tensor_specs(preset: ModelPreset) -> list[TensorSpec]:
     """Stored tensors in HF order: no biases, RMSNorm weights of one, an untied lm_head."""
-    h, f, v = preset.hidden_size, preset.intermediate_size, preset.vocab_size
-    kv = preset.kv_heads * preset.head_dim
+    shape = preset.shape
+    h, f, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    kv = shape.num_kv_heads * shape.head_dim
     out: list[TensorSpec] = [("model.embed_tokens.weight", (v, h), "normal")]
-    for i in range(preset.num_hidden_layers):
+    for i in range(shape.num_layers):
         lp = f"model.layers.{i}."
         out += linear(lp + "self_attn.q_proj", h, h)
         out += linear(lp + "self_attn.k_proj", kv, h)

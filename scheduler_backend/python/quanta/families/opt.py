@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from quanta.families.config import ModelConfig
+from quanta.families.config import ModelConfig, model_config
 from quanta.families.spec import INIT_STD, FamilySpec, SpecialTokens, TensorSpec, layer_norm, linear
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ def parse_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     heads = common["num_heads"]
     if hidden % heads:
         raise ValueError(f"OPT hidden_size {hidden} is not divisible by num_heads {heads}")
-    return ModelConfig(
+    return model_config(
         family="opt",
         num_kv_heads=heads,
         head_dim=hidden // heads,
@@ -35,11 +35,13 @@ def parse_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
 
 
 def check_preset(preset: ModelPreset) -> None:
-    """An OPT preset states its embedding width and none of LLaMA's fields."""
+    """An OPT preset is multi-head, states its embedding width and none of LLaMA's fields."""
     if preset.word_embed_proj_dim is None:
         raise ValueError("opt presets need word_embed_proj_dim")
-    if (preset.num_key_value_heads, preset.rope_theta, preset.rms_norm_eps) != (None,) * 3:
-        raise ValueError("num_key_value_heads, rope_theta, rms_norm_eps are LLaMA fields")
+    if preset.shape.num_kv_heads != preset.shape.num_heads:
+        raise ValueError("opt is multi-head attention: num_kv_heads must equal num_heads")
+    if (preset.rope_theta, preset.rms_norm_eps) != (None, None):
+        raise ValueError("rope_theta and rms_norm_eps are LLaMA fields")
 
 
 def hf_config(preset: ModelPreset) -> dict[str, object]:
@@ -52,7 +54,7 @@ def hf_config(preset: ModelPreset) -> dict[str, object]:
         "do_layer_norm_before": True,
         "dropout": 0.1,
         "enable_bias": True,
-        "ffn_dim": preset.intermediate_size,
+        "ffn_dim": preset.shape.intermediate_size,
         "init_std": INIT_STD,
         "layer_norm_elementwise_affine": True,
         "layerdrop": 0.0,
@@ -65,16 +67,17 @@ def hf_config(preset: ModelPreset) -> dict[str, object]:
 
 def tensor_specs(preset: ModelPreset) -> list[TensorSpec]:
     """Stored tensors in HF order; the tied lm_head is not stored (as ``save_pretrained``)."""
-    h, f, v = preset.hidden_size, preset.intermediate_size, preset.vocab_size
+    shape = preset.shape
+    h, f, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     e = preset.word_embed_proj_dim or h
     p = "model.decoder."
     out: list[TensorSpec] = [(p + "embed_tokens.weight", (v, e), "normal")]
     # OPT's learned positions are offset by 2, so the table has 2 extra rows.
-    out += [(p + "embed_positions.weight", (preset.max_position_embeddings + 2, h), "normal")]
+    out += [(p + "embed_positions.weight", (shape.max_position_embeddings + 2, h), "normal")]
     if e != h:
         out += [(p + "project_in.weight", (h, e), "normal")]
         out += [(p + "project_out.weight", (e, h), "normal")]
-    for i in range(preset.num_hidden_layers):
+    for i in range(shape.num_layers):
         lp = f"{p}layers.{i}."
         for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):
             out += linear(f"{lp}self_attn.{proj}", h, h, bias=True)

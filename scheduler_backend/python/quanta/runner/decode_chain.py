@@ -1,4 +1,5 @@
-"""A decode step's LLaMA decoder layers in one C call (``decode_chain.c``).
+"""A decode step's decoder layers in one C call (``decode_chain.c``), for every layer of
+the kit (``quanta.runner.layers``) that declares itself LLaMA's (``decode_chain_blocker``).
 
 Once the panel kernel streamed a batch-1 step's weights near memory speed, what was left of
 the step was Python: each of SmolLM2-135M's 30 layers dispatched some 27 torch operators and
@@ -172,7 +173,7 @@ def layer_by_layer(model: nn.Module) -> Iterator[None]:
 
 
 def build(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) -> DecodeChain | None:
-    """The chain of a loaded, fused LLaMA ``model``, or None (with the reason at debug
+    """The chain of a loaded, fused kit ``model``, or None (with the reason at debug
     level) where some part runs a kernel the chain does not call."""
     reason = _unsupported(model, ops, attention_kernel)
     if reason:
@@ -224,10 +225,13 @@ def _unsupported(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) ->
     if not isinstance(ops, NativeLayerOps) or ops.addresses is None:
         return "the layer ops are torch's"
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if not layers or not all(hasattr(layer, "mlp") for layer in layers):
-        return "not a LLaMA decoder"
+    if not layers or not all(hasattr(layer, "decode_chain_blocker") for layer in layers):
+        return "not a decoder of the layer kit"
     config = model.config  # type: ignore[union-attr]
     for i, layer in enumerate(layers):
+        blocker = layer.decode_chain_blocker()
+        if blocker:
+            return f"layer {i}: {blocker}"
         attn, mlp = layer.self_attn, layer.mlp
         if layer.input_layernorm.weight.dtype != torch.bfloat16:
             return f"layer {i} is {layer.input_layernorm.weight.dtype}, not bf16"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.runner.attention import AttentionMetadata, paged_attention
+from quanta.runner.layers.parallel import Split
 from quanta.runner.linear import ProjectionFactory, fusable_activation
 from quanta.runner.models.config import ModelConfig
 from quanta.runner.models.safepoints import Safepoints, walk_layers
@@ -44,6 +45,16 @@ class OPTAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim, bias=bias)
         self.out_proj: nn.Module = nn.Linear(dim, dim, bias=bias)
         self.qkv_proj: Projection | None = None
+
+    def tensor_parallel(self) -> dict[str, Split]:
+        """Heads by columns, the output projection by rows."""
+        width = self.num_heads * self.head_dim
+        return {
+            "q_proj": Split.columns(width),
+            "k_proj": Split.columns(width),
+            "v_proj": Split.columns(width),
+            "out_proj": Split.rows(width),
+        }
 
     def fuse(self, make: ProjectionFactory) -> int:
         self.qkv_proj = make([self.q_proj, self.k_proj, self.v_proj])
@@ -103,6 +114,11 @@ class OPTDecoderLayer(nn.Module):
         self.fc1: nn.Module = nn.Linear(dim, config.intermediate_size, bias=config.enable_bias)
         self.fc2: nn.Module = nn.Linear(config.intermediate_size, dim, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
+        self.inner = config.intermediate_size
+
+    def tensor_parallel(self) -> dict[str, Split]:
+        """The MLP: fc1 by columns, fc2 by rows (the attention declares its own)."""
+        return {"fc1": Split.columns(self.inner), "fc2": Split.rows(self.inner)}
 
     def fuse(self, make: ProjectionFactory) -> int:
         post_op = fusable_activation(self.activation_name)
@@ -175,6 +191,9 @@ class OPTModel(nn.Module):
 class OPTForCausalLM(nn.Module):
     """``forward`` returns hidden states ``[T, word_embed_proj_dim]``; logits are computed
     separately so the runner projects only the rows it samples."""
+
+    # Where tensor parallelism finds the token embedding (``quanta.runner.tensor_parallel``).
+    embedding = "model.decoder.embed_tokens"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

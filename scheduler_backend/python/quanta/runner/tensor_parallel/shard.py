@@ -1,4 +1,5 @@
-"""Megatron-style sharding of a loaded OPT or LLaMA model for one tensor-parallel rank.
+"""Megatron-style sharding of a loaded model for one tensor-parallel rank, as its layers
+declare their splits (``tensor_parallel()``, ``quanta.runner.layers.parallel``).
 
 Every rank loads the checkpoint, then keeps its share (``shard_model``) before the projections
 are fused: attention heads (for grouped-query models whole KV groups, so each rank's query
@@ -57,23 +58,32 @@ def check_divisible(config: ModelConfig, world: int) -> None:
 
 def rank_config(config: ModelConfig, rank: Rank) -> ModelConfig:
     """What one rank's KV cache and attention kernels see: its heads only."""
-    return dataclasses.replace(
-        config,
-        num_heads=config.num_heads // rank.world,
-        num_kv_heads=config.num_kv_heads // rank.world,
-        intermediate_size=config.intermediate_size // rank.world,
+    shape = config.shape.model_copy(
+        update={
+            "num_heads": config.num_heads // rank.world,
+            "num_kv_heads": config.num_kv_heads // rank.world,
+            "intermediate_size": config.intermediate_size // rank.world,
+        }
     )
+    return dataclasses.replace(config, shape=shape)
 
 
 def _keep(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(tensor.contiguous(), requires_grad=False))
 
 
-def _columns(linear: nn.Linear, rows: slice) -> None:
-    """Column-parallel: keep the output features ``rows`` (weight rows, bias entries)."""
-    _keep(linear, "weight", linear.weight[rows])
+def _columns(linear: nn.Linear, segments: tuple[int, ...], rank: Rank) -> None:
+    """Column-parallel: keep this rank's share of each segment of the output features
+    (weight rows, bias entries); a fused product's parts are split each on its own."""
+    rows, start = [], 0
+    for width in segments:
+        share = rank.span(width)
+        rows.append(torch.arange(start + share.start, start + share.stop))
+        start += width
+    index = torch.cat(rows)
+    _keep(linear, "weight", linear.weight[index])
     if linear.bias is not None:
-        _keep(linear, "bias", linear.bias[rows])
+        _keep(linear, "bias", linear.bias[index])
     linear.out_features = linear.weight.shape[0]
 
 
@@ -161,34 +171,25 @@ def shard_model(
     rank's config (its heads). Call ``wrap_row_parallel`` after fusing."""
     check_divisible(config, rank.world)
     local = rank_config(config, rank)
-    heads = rank.span(config.num_heads * config.head_dim)
-    kv = rank.span(config.num_kv_heads * config.head_dim)
-    inner = rank.span(config.intermediate_size)
-    if config.family == "llama":
-        layers = model.model.layers
-        embed_owner, embed_name = model.model, "embed_tokens"
-    elif config.family == "opt":
-        layers = model.model.decoder.layers
-        embed_owner, embed_name = model.model.decoder, "embed_tokens"
-    else:
+    for module in list(model.modules()):
+        plan = getattr(module, "tensor_parallel", None)
+        if plan is None:
+            continue
+        for name, split in plan().items():
+            linear = getattr(module, name)
+            if split.kind == "columns":
+                _columns(linear, split.segments, rank)
+            else:
+                _rows(linear, rank.span(split.segments[0]), rank)
+        if hasattr(module, "num_heads"):
+            module.num_heads = local.num_heads
+        if hasattr(module, "num_kv_heads"):
+            module.num_kv_heads = local.num_kv_heads
+    embedding_path = getattr(model, "embedding", None)
+    if embedding_path is None:
         raise ValueError(f"tensor parallelism is not implemented for {config.family!r} models")
-    for layer in layers:
-        attn = layer.self_attn
-        _columns(attn.q_proj, heads)
-        _columns(attn.k_proj, kv)
-        _columns(attn.v_proj, kv)
-        attn.num_heads = local.num_heads
-        if hasattr(attn, "num_kv_heads"):
-            attn.num_kv_heads = local.num_kv_heads
-        if config.family == "llama":
-            _rows(attn.o_proj, heads, rank)
-            _columns(layer.mlp.gate_proj, inner)
-            _columns(layer.mlp.up_proj, inner)
-            _rows(layer.mlp.down_proj, inner, rank)
-        else:
-            _rows(attn.out_proj, heads, rank)
-            _columns(layer.fc1, inner)
-            _rows(layer.fc2, inner, rank)
+    embed_owner_name, _, embed_name = embedding_path.rpartition(".")
+    embed_owner = model.get_submodule(embed_owner_name)
     table: torch.Tensor = getattr(embed_owner, embed_name).weight
     shard, start = _vocab_shard(table, rank)
     embedding = VocabParallelEmbedding(shard, start, config.vocab_size)
@@ -204,12 +205,11 @@ def shard_model(
 
 def wrap_row_parallel(model: nn.Module, config: ModelConfig) -> None:
     """Put the all-reduce after each row-parallel product (once fused: the fused modules
-    replaced the ``nn.Linear``s ``shard_model`` cut)."""
-    if config.family == "llama":
-        for layer in model.model.layers:
-            layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj)
-            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj)
-    else:
-        for layer in model.model.decoder.layers:
-            layer.self_attn.out_proj = RowParallel(layer.self_attn.out_proj)
-            layer.fc2 = RowParallel(layer.fc2)
+    replaced the ``nn.Linear``s ``shard_model`` cut), as each layer declares them."""
+    for module in list(model.modules()):
+        plan = getattr(module, "tensor_parallel", None)
+        if plan is None:
+            continue
+        for name, split in plan().items():
+            if split.kind == "rows":
+                setattr(module, name, RowParallel(getattr(module, name)))
