@@ -15,6 +15,7 @@ from quanta.cli import app
 from quanta.config import CacheArgs, EngineArgs, SchedulerArgs, ServingArgs
 from quanta.config.cli import env_prefix, options_from
 from quanta.config.docs import DOC, render_doc
+from quanta.config.pbtxt import ConfigParameterError, parameters, parse
 from typer.main import get_command
 from typer.testing import CliRunner
 
@@ -70,6 +71,8 @@ SERVE_OPTIONS = {
     "--max-restart-delay": 30.0,
     "--replicas": 1,
     "--router": "least-outstanding",
+    "--tool-call-parser": None,
+    "--pooler-config": None,
     "--config": None,
 }
 OPENAI_OPTIONS = {
@@ -93,6 +96,8 @@ OPENAI_OPTIONS = {
     "--max-model-len": None,
     "--max-prompt-bytes": None,
     "--allowed-hosts": None,
+    "--tool-call-parser": None,
+    "--pooler-config": None,
     "--config": None,
 }
 
@@ -236,7 +241,6 @@ def test_every_option_serve_writes_is_a_config_pbtxt_parameter():
     """``quanta serve MODEL`` hands its options to the model as ``config.pbtxt`` parameters,
     which the backend parses: each one it can write must be one the backend knows."""
     from quanta.frontends.triton.model_entry import served_parameters
-    from quanta.frontends.triton.settings import _Parameters
 
     engine = EngineArgs(
         dtype="float32",
@@ -250,7 +254,7 @@ def test_every_option_serve_writes_is_a_config_pbtxt_parameter():
         tensor_parallel_size=1,
         torch_threads=1,
     )
-    cache = CacheArgs(block_size=8, kv_cache_memory="1MiB", host_cache_memory="0")
+    cache = CacheArgs(block_size=8, kv_cache_memory="1MiB", host_blocks=4)
     written = served_parameters(
         **engine.model_dump(exclude_none=True),
         **cache.model_dump(exclude_none=True),
@@ -259,8 +263,61 @@ def test_every_option_serve_writes_is_a_config_pbtxt_parameter():
         max_num_batched_tokens=64,
         io_layout="quanta",
     )
-    assert set(written) <= set(_Parameters.model_fields)
+    assert set(written) <= set(parameters())
     assert written["device_bytes"] == str(1 << 20)
+    assert written["num_host_blocks"] == "4"
+
+
+# The config.pbtxt parameter names: a public interface, whatever fields they map to.
+PBTXT_KEYS = {
+    "model_dir", "preset", "preset_seed", "policy", "policy_options", "dtype", "quantization",
+    "device", "linear_kernel", "attention_kernel", "safepoint_interval", "max_seq_len",
+    "enable_prefix_caching", "speculative_config", "tensor_parallel_size", "block_size",
+    "num_device_blocks", "device_bytes", "device_memory_fraction", "num_host_blocks",
+    "host_bytes", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+    "torch_threads", "metrics_interval_ms", "max_tenant_labels", "cancel_check_interval_ms",
+    "stall_timeout_s", "unhealthy_exit_s", "fault_injection", "io_layout",
+}  # fmt: skip
+
+
+def test_the_config_pbtxt_parameters_are_the_models_marked_fields():
+    found = parameters()
+    assert set(found) == PBTXT_KEYS
+    assert (found["device_bytes"].model, found["device_bytes"].field) == (
+        CacheArgs,
+        "kv_cache_memory",
+    )
+    assert found["policy_options"].field == "policy_option"
+    for key, param in found.items():
+        assert param.description, f"config.pbtxt parameter {key} has no description"
+
+
+def test_a_config_pbtxt_reads_into_the_models_the_commands_use():
+    given = parse(
+        {
+            "model_dir": "engines/x",
+            "num_device_blocks": "64",
+            "device_bytes": "",  # an empty value is not given
+            "policy_options": '{"starve_limit": 2, "memory": "reactive"}',
+            "enable_prefix_caching": "false",
+            "io_layout": "tensorrt_llm",
+        }
+    )
+    assert given.cache == CacheArgs(device_blocks=64)
+    assert given.scheduler.policy_options() == {"starve_limit": 2, "memory": "reactive"}
+    assert given.engine == EngineArgs(enable_prefix_caching=False)
+    assert given.serving.io_layout == "tensorrt_llm"
+    assert given.backend.model_dir == "engines/x"
+    with pytest.raises(ConfigParameterError, match="parameter 'num_device_blocks': Input"):
+        parse({"model_dir": "x", "num_device_blocks": "none"})
+
+
+def test_policy_options_are_the_same_as_pairs_or_a_mapping():
+    pairs = SchedulerArgs(policy_option=["starve_limit=2", "memory=reactive"])
+    mapping = SchedulerArgs(policy_option={"starve_limit": 2, "memory": "reactive"})
+    assert pairs.policy_options() == mapping.policy_options()
+    with pytest.raises(ValidationError, match="expected KEY=VALUE"):
+        SchedulerArgs(policy_option=["starve_limit"])
 
 
 def test_the_offline_options_are_checked_by_the_same_models():

@@ -99,8 +99,10 @@ def test_only_plain_decodes_speculate_and_never_past_max_tokens() -> None:
         SamplingParams(logprobs=0),
         SamplingParams(repetition_penalty=1.2),
         SamplingParams(min_tokens=5),
+        SamplingParams(logit_bias={3: 1.0}),
     ):
         assert not speculates(_decoding(params, tokens))
+    assert speculates(_decoding(SamplingParams(max_tokens=3, min_p=0.2), tokens))
     crowded = _decoding(SamplingParams(max_tokens=30), tokens)
     Proposer(SPEC.model_copy(update={"disable_by_batch_size": 2}), 64).propose([crowded], 3)
     assert crowded.draft_token_ids == ()
@@ -221,12 +223,20 @@ def test_a_short_token_budget_verifies_fewer_drafts(make_loop) -> None:
 
 
 class _Row:
-    def __init__(self, temperature: float, seed: int, top_k: int = 0, top_p: float = 1.0):
+    def __init__(
+        self,
+        temperature: float,
+        seed: int,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+    ):
         self.temperature, self.seed, self.top_k, self.top_p = temperature, seed, top_k, top_p
+        self.min_p = min_p
         self.output_index = 3
 
     def at(self, index: int) -> _Row:
-        row = _Row(self.temperature, self.seed, self.top_k, self.top_p)
+        row = _Row(self.temperature, self.seed, self.top_k, self.top_p, self.min_p)
         row.output_index = index
         return row
 
@@ -266,13 +276,10 @@ def test_verification_draws_what_plain_sampling_draws() -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 11)
     for seed in range(50):
-        row = _Row(0.7, seed, top_p=0.9)
-        plain = [
-            sample_row(logits[i], _Row(0.7, seed, top_p=0.9).at(row.output_index + i))
-            for i in range(4)
-        ]
-        n, token = verify(logits, (*plain[:2], (plain[2] + 1) % 11), row)
-        assert (n, token) == (2, plain[2])
+        for row in (_Row(0.7, seed, top_p=0.9), _Row(1.5, seed, min_p=0.3)):
+            plain = [sample_row(logits[i], row.at(row.output_index + i)) for i in range(4)]
+            n, token = verify(logits, (*plain[:2], (plain[2] + 1) % 11), row)
+            assert (n, token) == (2, plain[2])
 
 
 # -- the real engine ---------------------------------------------------------------------------

@@ -22,10 +22,10 @@ from quanta.core.config import SchedulerConfig
 from quanta.costmodel import PRESETS
 from quanta.sim.driver import SimSetup, simulate
 from quanta.workloads import WorkloadRequest
-from quanta_lab.sim.bench import AgentUsers, EngineBench
+from quanta_lab.sim.bench import AgentUsers, EngineBench, parse_entry
 from quanta_lab.sim.calibrate import rescale
 from quanta_lab.sim.engine_replay import EngineRun
-from quanta_lab.sim.validate import parse_entry, table, validate
+from quanta_lab.sim.validate import table, validate
 from quanta_lab.sim.validate_scenarios import (
     COSERVE_FIGURES,
     FAIR_FIGURES,

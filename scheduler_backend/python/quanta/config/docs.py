@@ -1,8 +1,10 @@
 """The docs' option tables, rendered from the config models.
 
 ``docs/serving.md`` holds one table per model between ``<!-- options:NAME -->`` and
-``<!-- /options:NAME -->``; ``python -m quanta.config.docs`` rewrites them from the models'
-fields, and ``--check`` only reports whether they are current (a test runs that check).
+``<!-- /options:NAME -->``, and the ``config.pbtxt`` parameters' table (the fields marked
+``Pbtxt``) between ``<!-- parameters:config.pbtxt -->`` and its closing marker;
+``python -m quanta.config.docs`` rewrites them from the models' fields, and ``--check`` only
+reports whether they are current (a test runs that check).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from quanta.config.cli import field_envvar, field_flags, split_default
-from quanta.config.models import GROUPS
+from quanta.config.models import GROUPS, BackendArgs
+from quanta.config.pbtxt import parameters
 
 DOC = Path("docs/serving.md")
 
@@ -40,6 +43,23 @@ def render_table(model: type[BaseModel]) -> str:
     return "\n".join(rows)
 
 
+def render_parameters() -> str:
+    """A markdown table of the ``config.pbtxt`` parameters: key, default, meaning, and the
+    command-line option of the same field (none for ``BackendArgs``)."""
+    rows = ["| parameter | default | meaning | option |", "|---|---|---|---|"]
+    for key, param in parameters().items():
+        if param.info.is_required():
+            shown, meaning = "required", split_default(param.description)[0]
+        else:
+            default = None if param.info.default == "" else param.info.default
+            shown, meaning = _default(default, param.description)
+        meaning = meaning.replace("|", "\\|")
+        flag = field_flags(param.field, param.info)[0].split("/")[0]
+        option = f"`{flag}`" if param.model is not BackendArgs else ""
+        rows.append(f"| `{key}` | {shown} | {meaning} | {option} |")
+    return "\n".join(rows)
+
+
 def _default(default: object, description: str) -> tuple[str, str]:
     """The default column and the meaning: an option that is unset by default says in its
     description what applies then (``... (default: 128)``), which moves to the column."""
@@ -51,14 +71,14 @@ def _default(default: object, description: str) -> tuple[str, str]:
 
 def render_doc(text: str) -> str:
     """``text`` with every marked table replaced by the one the models give now."""
-    for model in GROUPS:
-        name = table_name(model)
+    tables = {f"options:{table_name(model)}": render_table(model) for model in GROUPS}
+    tables["parameters:config.pbtxt"] = render_parameters()
+    for name, table in tables.items():
         pattern = re.compile(
-            rf"(<!-- options:{name} -->\n)(?:.*?\n)?(<!-- /options:{name} -->)", re.DOTALL
+            rf"(<!-- {re.escape(name)} -->\n)(?:.*?\n)?(<!-- /{re.escape(name)} -->)", re.DOTALL
         )
         if not pattern.search(text):
-            raise ValueError(f"no <!-- options:{name} --> markers")
-        table = render_table(model)
+            raise ValueError(f"no <!-- {name} --> markers")
         text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
 

@@ -1,12 +1,13 @@
 """What a user sets to start Quanta, grouped as engine, cache, scheduler and serving options.
 
 These models are the one place that says what each option means: the command-line options of
-``quanta serve``, ``quanta openai`` and ``quanta simulate`` are derived from their fields
-(``quanta.config.cli``), a ``--config`` YAML file names them, and the docs' option tables are
-rendered from them (``quanta.config.docs``). A field's flag is ``--`` and its name with dashes;
-``Flag`` adds other spellings. ``None`` means "not given": the engine's manifest, the model's
-``config.pbtxt`` or the runtime config (``quanta.core.config``) supplies the value, which the
-description names.
+``quanta serve``, ``quanta openai``, ``quanta simulate``, ``quanta build`` and the benchmarks are
+derived from their fields (``quanta.config.cli``), a ``--config`` YAML file names them, a
+model's ``config.pbtxt`` parameters are the fields marked ``Pbtxt`` (``quanta.config.pbtxt``),
+and the docs' option and parameter tables are rendered from them (``quanta.config.docs``). A
+field's flag is ``--`` and its name with dashes; ``Flag`` adds other spellings. ``None`` means
+"not given": the engine's manifest, the model's ``config.pbtxt`` or the runtime config
+(``quanta.core.config``) supplies the value, which the description names.
 
 Pure pydantic, no torch and no Typer, so the frontends and the simulator both import it.
 """
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Json, field_validator
 
 from quanta.core.config import AttentionKernel, LinearKernel
+from quanta.core.pooling import PoolingParams
 from quanta.core.sizes import parse_size
 from quanta.core.speculative import SpeculativeConfig
 
@@ -40,6 +42,18 @@ class Flag:
     envvar: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Pbtxt:
+    """A field that is also a ``config.pbtxt`` parameter: its key there (default: the field's
+    name), and where the file spells the value another way than the command line does, the
+    type its string is read as (``form``, turned into the field's value by the field's own
+    validator) and what the parameter means in that spelling (``description``)."""
+
+    key: str | None = None
+    form: Any = None
+    description: str | None = None
+
+
 class _Options(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -47,49 +61,53 @@ class _Options(BaseModel):
 class EngineArgs(_Options):
     """How the engine runs the model: precision, device, kernels, parallelism, decoding."""
 
-    dtype: str | None = Field(
-        None, description="float32, bfloat16 or float16 (default: the engine's)"
+    dtype: Annotated[str | None, Pbtxt()] = Field(
+        None,
+        description="float32, bfloat16 or float16 (default: the engine's, else the machine's "
+        "fastest)",
     )
-    device: str | None = Field(None, description="cpu, cuda or cuda:N (default: cpu)")
-    linear_kernel: LinearKernel | None = Field(
+    device: Annotated[str | None, Pbtxt()] = Field(
+        None, description="cpu, cuda or cuda:N (default: cpu)"
+    )
+    linear_kernel: Annotated[LinearKernel | None, Pbtxt()] = Field(
         None,
         description="projections: auto, native (bf16 panel kernel), onednn or torch "
         "(default: auto)",
     )
-    attention_kernel: AttentionKernel | None = Field(
+    attention_kernel: Annotated[AttentionKernel | None, Pbtxt()] = Field(
         None,
         description="decode attention: auto, native (C, built at load), compiled or eager "
         "(default: auto)",
     )
-    safepoint_interval: int | None = Field(
+    safepoint_interval: Annotated[int | None, Pbtxt()] = Field(
         None, ge=1, description="layers between abort checks of a preemptible step (default: 8)"
     )
-    max_seq_len: int | None = Field(
+    max_seq_len: Annotated[int | None, Pbtxt()] = Field(
         None,
         ge=1,
         description="longest prompt + output of a request (default: the model's context length)",
     )
-    enable_prefix_caching: bool | None = Field(
+    enable_prefix_caching: Annotated[bool | None, Pbtxt()] = Field(
         None,
         description="share the KV of identical prompt prefixes between requests (vLLM's "
         "automatic prefix caching; default: on)",
     )
-    speculative_config: SpeculativeConfig | None = Field(
+    speculative_config: Annotated[SpeculativeConfig | None, Pbtxt()] = Field(
         None,
         description='speculative decoding as JSON, vLLM\'s spelling: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
         "(prompt lookup; default: off)",
     )
-    tensor_parallel_size: Annotated[int | None, Flag(aliases=("--tp-size", "--tp_size", "-tp"))] = (
-        Field(
-            None,
-            ge=1,
-            description="split the model and its KV cache over this many ranks (worker "
-            "processes, torch.distributed gloo on CPU); cache sizes are per rank (default: the "
-            "engine's, else 1)",
-        )
+    tensor_parallel_size: Annotated[
+        int | None, Flag(aliases=("--tp-size", "--tp_size", "-tp")), Pbtxt()
+    ] = Field(
+        None,
+        ge=1,
+        description="split the model and its KV cache over this many ranks (worker "
+        "processes, torch.distributed gloo on CPU); cache sizes are per rank (default: the "
+        "engine's, else 1)",
     )
-    torch_threads: int | None = Field(
+    torch_threads: Annotated[int | None, Pbtxt()] = Field(
         None, ge=1, description="CPU threads of the engine (default: torch's)"
     )
 
@@ -108,20 +126,23 @@ class EngineArgs(_Options):
 class CacheArgs(_Options):
     """The KV cache: its block size and the size of its device and host tiers."""
 
-    block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: 16)")
-    kv_cache_memory: str | None = Field(
+    block_size: Annotated[int | None, Pbtxt()] = Field(
+        None, ge=1, description="tokens per KV block (default: 16)"
+    )
+    kv_cache_memory: Annotated[str | None, Pbtxt("device_bytes")] = Field(
         None, description="device KV tier, e.g. 4GiB (default: the engine's)"
     )
-    host_cache_memory: str | None = Field(
-        None, description="host (CPU) KV tier for swapped blocks, e.g. 8GiB (default: 2GiB)"
+    host_cache_memory: Annotated[str | None, Pbtxt("host_bytes")] = Field(
+        None,
+        description="host (CPU) KV tier for swapped blocks, e.g. 8GiB; 0: none (default: 2GiB)",
     )
-    device_blocks: int | None = Field(
+    device_blocks: Annotated[int | None, Pbtxt("num_device_blocks")] = Field(
         None,
         ge=1,
         description="device KV tier in blocks, instead of a size (default: from the "
         "size; in the simulator, the cost profile's)",
     )
-    host_blocks: int | None = Field(
+    host_blocks: Annotated[int | None, Pbtxt("num_host_blocks")] = Field(
         None,
         ge=0,
         description="host KV tier in blocks, instead of a size (default: from the size; "
@@ -156,12 +177,19 @@ class CacheArgs(_Options):
 class SchedulerArgs(_Options):
     """Which scheduling system runs, with what options, within what per-step limits."""
 
-    policy: str | None = Field(
+    policy: Annotated[str | None, Pbtxt()] = Field(
         None,
         description="scheduling policy, e.g. fcfs, sj-mlfq, fair+sj-mlfq (docs/policies.md; "
         "default: fcfs)",
     )
-    policy_option: list[str] | None = Field(
+    policy_option: Annotated[
+        list[str] | None,
+        Pbtxt(
+            "policy_options",
+            form=Json[dict[str, Any]],
+            description='keyword options of the policy, as one JSON object ({"starve_limit": 2})',
+        ),
+    ] = Field(
         None,
         description="KEY=VALUE passed to the policy (JSON values); repeat for several",
     )
@@ -170,10 +198,37 @@ class SchedulerArgs(_Options):
         description="redis://HOST:PORT/DB: the fair policies' counters, windows and "
         "interactions shared with every replica naming it (the policy option state_url)",
     )
-    max_num_seqs: int | None = Field(None, ge=1, description="sequences per step (default: 128)")
-    max_num_batched_tokens: int | None = Field(
+    max_num_seqs: Annotated[int | None, Pbtxt()] = Field(
+        None, ge=1, description="sequences per step (default: 128)"
+    )
+    max_num_batched_tokens: Annotated[int | None, Pbtxt()] = Field(
         None, ge=1, description="tokens per step (default: 2048)"
     )
+
+    @field_validator("policy_option", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        """A mapping (``config.pbtxt``'s JSON object, a YAML file's mapping) is the same
+        options as ``KEY=VALUE`` pairs; a pair without ``=`` is refused where it is given."""
+        if isinstance(value, dict):
+            return [f"{key}={json.dumps(raw)}" for key, raw in value.items()]
+        for pair in value or ():
+            key, sep, _ = str(pair).partition("=")
+            if not sep or not key:
+                raise ValueError(f"expected KEY=VALUE, got {pair!r}")
+        return value
+
+    def policy_options(self) -> dict[str, Any]:
+        """The pairs as the policy's keyword options: a value is read as JSON where it parses
+        (``2``, ``false``), else kept as text (``memory=reactive``)."""
+        out: dict[str, Any] = {}
+        for pair in self.policy_option or ():
+            key, _, raw = pair.partition("=")
+            try:
+                out[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                out[key] = raw
+        return out
 
     def runtime(self) -> dict[str, int]:
         """The fields of ``quanta.core.config.SchedulerConfig`` these options set."""
@@ -219,7 +274,7 @@ class ServingArgs(_Options):
         None,
         description="also serve the OpenAI-compatible API on this port (0: any free port)",
     )
-    io_layout: Literal["quanta", "tensorrt_llm"] | None = Field(
+    io_layout: Annotated[Literal["quanta", "tensorrt_llm"] | None, Pbtxt()] = Field(
         None,
         description="quanta (scalars are [1]) or tensorrt_llm (TensorRT-LLM's tensors: a batch "
         "dimension, prompt echo by default; with --served-model-name ensemble, a drop-in) "
@@ -254,6 +309,12 @@ class ServingArgs(_Options):
         description="longest text prompt in UTF-8 bytes (400, before tokenizing; default: the "
         "context length times the tokenizer's longest token)",
     )
+    pooler_config: PoolingParams | None = Field(
+        None,
+        description='how /v1/embeddings pools the final hidden states, as JSON (vLLM\'s flag): '
+        '{"pooling_type": "LAST" or "MEAN", "normalize": true or false} (default: LAST, '
+        "normalized)",
+    )
     allowed_hosts: list[str] | None = Field(
         None,
         description="serve only requests whose Host header is this (repeat; '*.example.com' "
@@ -269,6 +330,12 @@ class ServingArgs(_Options):
         "least-outstanding",
         description="how the OpenAI gateway picks a Triton replica (quanta serve --replicas, "
         "quanta openai --upstream)",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="how the OpenAI gateway reads tool calls from an answer (vLLM's flag): "
+        "hermes (JSON in tool_call tags: Hermes, Qwen2.5, SmolLM2) or llama3_json "
+        "(default: llama3_json for a Llama 3 chat template, else hermes)",
     )
     drain_timeout: float = Field(
         30.0,
@@ -299,6 +366,71 @@ class ServingArgs(_Options):
         None, description="write Triton's log here instead of the terminal"
     )
     log_verbose: int = Field(0, description="Triton --log-verbose level")
+
+
+class BackendArgs(_Options):
+    """What a model's ``config.pbtxt`` sets beyond the options the commands share: the
+    checkpoint, settings of the engine no command takes, and the Triton backend's own
+    intervals and watchdog. Every field is a parameter; no command has them as options."""
+
+    model_dir: Annotated[str, Pbtxt()] = Field(
+        description="engine directory (quanta build: its manifest supplies dtype, limits and "
+        "cache sizes) or HF-layout checkpoint directory; a relative path resolves against the "
+        "server's working directory"
+    )
+    preset: Annotated[str | None, Pbtxt()] = Field(
+        None,
+        description="build this random-weight preset into model_dir when it is missing "
+        "(opt-tiny, llama-tiny, opt-125m, llama-100m)",
+    )
+    preset_seed: Annotated[int, Pbtxt()] = Field(
+        0, ge=0, description="the preset's weights are a function of this seed"
+    )
+    quantization: Annotated[Literal["none", "int8", "int4", "mixed"] | None, Pbtxt()] = Field(
+        None,
+        description="the weight quantization the engine must hold (docs/quantization.md); "
+        "another one is refused at load (default: whatever it holds)",
+    )
+    device_memory_fraction: Annotated[float | None, Pbtxt()] = Field(
+        None,
+        gt=0,
+        le=1,
+        description="device KV tier as a fraction of the device's memory (physical RAM on "
+        "CPU, the GPU's memory on CUDA), instead of device_bytes or num_device_blocks",
+    )
+    enable_chunked_prefill: Annotated[bool | None, Pbtxt()] = Field(
+        None, description="split long prompts over several steps (default: true)"
+    )
+    metrics_interval_ms: Annotated[float, Pbtxt()] = Field(
+        500.0, gt=0, description="how often metrics are pushed to Triton"
+    )
+    max_tenant_labels: Annotated[int, Pbtxt()] = Field(
+        32,
+        ge=0,
+        description="tenants that get their own label in the per-tenant series; later ones "
+        "count as other",
+    )
+    cancel_check_interval_ms: Annotated[float, Pbtxt()] = Field(
+        20.0,
+        gt=0,
+        description="how often a quiet request is asked whether its client cancelled "
+        "(streaming requests are asked at every token)",
+    )
+    stall_timeout_s: Annotated[float, Pbtxt()] = Field(
+        120.0,
+        gt=0,
+        description="the watchdog: no engine step for this long while requests wait or run "
+        "makes the engine unhealthy (every request in flight ends with an error)",
+    )
+    unhealthy_exit_s: Annotated[float, Pbtxt()] = Field(
+        5.0,
+        description="seconds after the engine turns unhealthy that tritonserver is ended, so "
+        "its supervisor restarts it; negative: never",
+    )
+    fault_injection: Annotated[str, Pbtxt()] = Field(
+        "",
+        description="tests only: faults to inject, site:seed,... (quanta.core.faults)",
+    )
 
 
 GROUPS: tuple[type[BaseModel], ...] = (EngineArgs, CacheArgs, SchedulerArgs, ServingArgs)

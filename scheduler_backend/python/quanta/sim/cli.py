@@ -18,7 +18,6 @@ from quanta.cli_options import (
     RouterOpt,
     SloPresetOpt,
     TbtSloOpt,
-    parse_options,
     tensor_parallel_option,
 )
 from quanta.config.cli import env_prefix, options_from
@@ -184,7 +183,7 @@ def simulate_cmd(
     if slo is not None:
         trace = with_slo(trace, slo)
     sched = SchedulerConfig.model_validate(scheduler.model_dump(include=SIM_LIMITS))
-    options = parse_options(scheduler.policy_option)
+    options = scheduler.policy_options()
     policy = scheduler.policy or SIM_DEFAULTS["policy"]
     try:
         parse_policy(policy, options)  # NOTE: names and options fail here, before any run

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from quanta.cli_options import LinearKernelOpt
+from quanta.config.cli import options_from
+from quanta.config.models import EngineArgs, SchedulerArgs
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -20,31 +21,38 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     bench_app.command("loop")(bench_loop)
 
 
+@options_from(
+    engine=EngineArgs,
+    only={"engine": ("dtype", "linear_kernel")},
+    defaults={"linear_kernel": "auto"},
+)
 def bench_decode_profile(
     model: Annotated[Path, typer.Option(help="checkpoint or engine dir")],
-    dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16")] = None,
     context: Annotated[int, typer.Option(min=1, help="tokens of context before the step")] = 96,
     repeat: Annotated[int, typer.Option(min=1, help="runs per timing; the best counts")] = 20,
-    linear_kernel: Annotated[
-        LinearKernelOpt, typer.Option(help="projections: auto, native, onednn or torch")
-    ] = LinearKernelOpt.auto,
+    *,
+    engine: EngineArgs,
 ) -> None:
     """Where a batch-1 decode step's time goes, per layer, against the bandwidth bound."""
     from quanta_lab.bench.decode_profile import print_profile, profile_decode
 
-    print_profile(profile_decode(model, dtype or "auto", context, repeat, linear_kernel.value))
+    kernel = engine.linear_kernel or "auto"
+    print_profile(profile_decode(model, engine.dtype or "auto", context, repeat, kernel))
 
 
+@options_from(scheduler=SchedulerArgs, only={"scheduler": ("policy",)}, defaults={"policy": "fcfs"})
 def bench_loop(
     model: Annotated[Path, typer.Option(help="checkpoint dir (its tokenizer detokenizes)")],
     batch: Annotated[int, typer.Option(min=1, help="requests decoding together")] = 32,
     prompt_len: Annotated[int, typer.Option(min=1, help="prompt tokens per request")] = 128,
     gen_len: Annotated[int, typer.Option(min=4, help="generated tokens per request")] = 256,
-    policy: Annotated[str, typer.Option(help="scheduling policy")] = "fcfs",
+    *,
+    scheduler: SchedulerArgs,
 ) -> None:
     """The loop's own time per decode step, with a runner that does no math."""
     from quanta_lab.bench.loop_overhead import measure_loop_overhead
 
+    policy = scheduler.policy or "fcfs"
     r = measure_loop_overhead(model, batch, prompt_len, gen_len, policy)
     typer.echo(
         f"loop overhead, batch {r.batch}, policy {r.policy}, {r.decode_steps} decode steps: "

@@ -11,6 +11,7 @@ reports 0.3 / 1.0 / 10.8 ms for 50 / 200 / 1600 candidates, GPU-side scheduler i
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import tempfile
@@ -38,6 +39,22 @@ from quanta_lab.sim.engine_replay import EngineRun, bench_trace, pressure_cache,
 from quanta_lab.sim.repro import batched_capacity
 
 APT_SERVE_TABLE6_MS = {50: 0.3, 100: 0.5, 200: 1.0, 400: 2.1, 800: 4.8, 1600: 10.8}
+
+
+def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[:KEY=VALUE...]`` -> (NAME, options); a value is read as JSON where it parses
+    (``2``, ``false``), else kept as text. Raises ``ValueError`` on a malformed option."""
+    name, *pairs = entry.split(":")
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{entry!r}: expected NAME:KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return name, options
 
 
 class AgentUsers(NamedTuple):
@@ -219,8 +236,6 @@ def bench_policies(
         f"{cache.num_device_blocks} "
         f"device blocks, min iteration {1e3 * cost.min_iteration_time:.2f} ms"
     )
-    from quanta_lab.sim.validate import parse_entry  # (validate imports this module)
-
     results: dict[str, dict[str, float]] = {}
     for name in policies:
         policy, options = parse_entry(name)  # a policy or POLICY:KEY=VALUE[:KEY=VALUE]

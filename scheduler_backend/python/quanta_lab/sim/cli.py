@@ -357,8 +357,8 @@ def validate_cmd(
     from quanta.policies import parse_policy
     from quanta.slo import resolve_slo
 
-    from quanta_lab.sim.bench import AgentUsers, EngineBench
-    from quanta_lab.sim.validate import hit_rates, parse_entry, table, validate
+    from quanta_lab.sim.bench import AgentUsers, EngineBench, parse_entry
+    from quanta_lab.sim.validate import hit_rates, table, validate
     from quanta_lab.sim.validate import plot as plot_rows
     from quanta_lab.sim.validate_scenarios import FIGURE_GROUPS
 

@@ -27,7 +27,6 @@ ConServe's on online requests beside an offline backlog, Apt-Serve's SLO attainm
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from quanta.sim.metrics import plot_lines, prefix_cache_figures, request_metrics
 from quanta.slo import describe, with_slo
 from quanta.workloads import WorkloadRequest
 
-from quanta_lab.sim.bench import AgentUsers, EngineBench, with_arrivals
+from quanta_lab.sim.bench import AgentUsers, EngineBench, parse_entry, with_arrivals
 from quanta_lab.sim.calibrate import report, rescale
 from quanta_lab.sim.repro import batched_capacity
 from quanta_lab.sim.validate_scenarios import (
@@ -139,22 +138,6 @@ def validate(
                 + (f"; {_brief(row['error'], extra)}" if extra else "")
             )
     return rows
-
-
-def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
-    """``NAME[:KEY=VALUE...]`` -> (NAME, options); a value is read as JSON where it parses
-    (``2``, ``false``), else kept as text. Raises ``ValueError`` on a malformed option."""
-    name, *pairs = entry.split(":")
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{entry!r}: expected NAME:KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            options[key] = raw
-    return name, options
 
 
 @dataclass(frozen=True)

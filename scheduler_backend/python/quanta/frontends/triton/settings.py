@@ -1,9 +1,10 @@
 """``config.pbtxt`` parameters -> ``EngineConfig`` plus the backend's own settings.
 
-Triton hands every parameter over as a string. They are parsed here (and only here) into the
-pydantic configs, so a bad value stops the model load with a message that names the parameter
-as it is written in ``config.pbtxt``, and an unknown parameter (a typo) is an error too rather
-than a silently ignored setting.
+Triton hands every parameter over as a string. ``quanta.config.pbtxt`` reads them into the
+config models the commands share (the keys are fields of those models), and this module turns
+those into the engine's config, so a bad value stops the model load with a message that names
+the parameter as it is written in ``config.pbtxt``, and an unknown parameter (a typo) is an
+error too rather than a silently ignored setting.
 """
 
 from __future__ import annotations
@@ -12,93 +13,27 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Json, ValidationError
+from pydantic import ValidationError
 
-from quanta.core.config import (
-    AttentionKernel,
-    CacheConfig,
-    EngineConfig,
-    LinearKernel,
-    SchedulerConfig,
-)
+from quanta.config.models import BackendArgs
+from quanta.config.pbtxt import ConfigParameterError, parse
+from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quanta.runner.devices import device_memory_bytes
 
-
-class ConfigParameterError(ValueError):
-    """A ``config.pbtxt`` parameter is missing, unknown or has a bad value."""
-
-
-class BackendSettings(BaseModel):
-    """Settings of the Triton backend that are not part of the engine."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    preset: str | None = None  # build this tiny checkpoint into model_dir when it is missing
-    preset_seed: int = Field(0, ge=0)
-    torch_threads: int | None = Field(None, ge=1)
-    metrics_interval_ms: float = Field(500.0, gt=0)
-    max_tenant_labels: int = Field(32, ge=0)
-    cancel_check_interval_ms: float = Field(20.0, gt=0)
-    # the watchdog: no engine step for this long while requests wait or run is a stall
-    stall_timeout_s: float = Field(120.0, gt=0)
-    # once unhealthy (stalled or dead), tritonserver is ended this many seconds later so its
-    # supervisor restarts it; negative: never (only health checks and metrics say so)
-    unhealthy_exit_s: float = 5.0
-    fault_injection: str = ""  # tests only: faults to inject (quanta.core.faults)
-    # quanta: scalars are [1]; tensorrt_llm: TensorRT-LLM's configs, with a batch dimension
-    # (clients send [1, 1] for a scalar) and responses shaped [1, ...]
-    io_layout: Literal["quanta", "tensorrt_llm"] = "quanta"
-
-
-class _Parameters(BaseModel):
-    """The flat parameter namespace of ``config.pbtxt``; field names are parameter keys."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_dir: str
-    preset: str | None = None
-    preset_seed: int = 0
-    policy: str = "fcfs"
-    policy_options: Json[dict[str, Any]] = Field(default_factory=dict)
-    dtype: str | None = None
-    quantization: Literal["none", "int8", "int4", "mixed"] | None = None
-    device: str = "cpu"
-    linear_kernel: LinearKernel = "auto"
-    attention_kernel: AttentionKernel = "auto"
-    safepoint_interval: int = 8
-    max_seq_len: int | None = None
-    enable_prefix_caching: bool = True
-    speculative_config: Json[dict[str, Any]] | None = None
-    tensor_parallel_size: int = 1
-    block_size: int | None = None
-    num_device_blocks: int | None = None
-    device_bytes: int | None = None
-    device_memory_fraction: float | None = Field(None, gt=0, le=1)
-    num_host_blocks: int | None = None
-    host_bytes: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    enable_chunked_prefill: bool | None = None
-    torch_threads: int | None = None
-    metrics_interval_ms: float = 500.0
-    max_tenant_labels: int = 32
-    cancel_check_interval_ms: float = 20.0
-    stall_timeout_s: float = 120.0
-    unhealthy_exit_s: float = 5.0
-    fault_injection: str = ""
-    io_layout: Literal["quanta", "tensorrt_llm"] = "quanta"
-
-
-_CACHE_KEYS = ("block_size", "num_device_blocks", "device_bytes", "num_host_blocks", "host_bytes")
 _ONE_OF = {
     "device": ("num_device_blocks", "device_bytes", "device_memory_fraction"),
     "host": ("num_host_blocks", "host_bytes"),
 }
-_SCHED_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
 
 
-def _given(p: BaseModel, field: str) -> bool:
-    return field in p.model_fields_set
+class BackendSettings(BackendArgs):
+    """What the Triton backend reads beyond the engine's config: ``BackendArgs``, and of the
+    shared options the process's torch threads and the tensors' layout, resolved."""
+
+    torch_threads: int | None = None
+    # quanta: scalars are [1]; tensorrt_llm: TensorRT-LLM's configs, with a batch dimension
+    # (clients send [1, 1] for a scalar) and responses shaped [1, ...]
+    io_layout: Literal["quanta", "tensorrt_llm"] = "quanta"
 
 
 def parameters_from_model_config(model_config: dict[str, Any]) -> dict[str, str]:
@@ -111,63 +46,44 @@ def parse_parameters(
     params: dict[str, str], *, cwd: Path | None = None
 ) -> tuple[EngineConfig, BackendSettings]:
     """Validate ``params``; relative ``model_dir`` paths are resolved against ``cwd``."""
-    try:
-        p = _Parameters(**{k: v for k, v in params.items() if v != ""})
-    except ValidationError as exc:
-        raise _parameter_error(exc) from None
-    cache = {k: getattr(p, k) for k in _CACHE_KEYS if getattr(p, k) is not None}
+    backend, engine, cache, scheduler, serving = parse(params)
     for tier, keys in _ONE_OF.items():
-        given = [k for k in keys if getattr(p, k) is not None]
+        given = [k for k in keys if params.get(k, "") != ""]
         if len(given) > 1:
             raise ConfigParameterError(
                 f"config.pbtxt parameters {' and '.join(repr(k) for k in given)}: the {tier} "
                 f"tier is sized by one of {', '.join(keys)}, not several"
             )
-    if p.device_memory_fraction is not None:
-        cache["device_bytes"] = int(p.device_memory_fraction * device_memory_bytes(p.device))
-    sched = {k: getattr(p, k) for k in _SCHED_KEYS if getattr(p, k) is not None}
-    model_dir = Path(p.model_dir)
+    sizes = cache.runtime()
+    if backend.device_memory_fraction is not None:
+        device = engine.device or "cpu"
+        sizes["device_bytes"] = int(backend.device_memory_fraction * device_memory_bytes(device))
+    limits: dict[str, Any] = scheduler.runtime()
+    if backend.enable_chunked_prefill is not None:
+        limits["enable_chunked_prefill"] = backend.enable_chunked_prefill
+    model_dir = Path(backend.model_dir)
     if not model_dir.is_absolute():
         model_dir = (cwd or Path.cwd()) / model_dir
     try:
-        engine = EngineConfig(
+        config = EngineConfig(
             model=str(model_dir),
-            policy=p.policy,
-            policy_options=p.policy_options,
-            dtype=p.dtype,
-            quantization=p.quantization,
-            device=p.device,
-            linear_kernel=p.linear_kernel,
-            attention_kernel=p.attention_kernel,
-            safepoint_interval=p.safepoint_interval,
-            max_seq_len=p.max_seq_len,
-            enable_prefix_caching=p.enable_prefix_caching,
-            speculative_config=p.speculative_config,
-            # NOTE: only when given, so an engine's manifest supplies the default
-            **(
-                {"tensor_parallel_size": p.tensor_parallel_size}
-                if _given(p, "tensor_parallel_size")
-                else {}
-            ),
-            cache=CacheConfig(**cache),
-            scheduler=SchedulerConfig(**sched),
+            # NOTE: only what was given, so an engine's manifest supplies the rest
+            **engine.runtime(),
+            **({"policy": scheduler.policy} if scheduler.policy is not None else {}),
+            policy_options=scheduler.policy_options(),
+            quantization=backend.quantization,
+            cache=CacheConfig(**sizes),
+            scheduler=SchedulerConfig(**limits),
         )
         settings = BackendSettings(
-            preset=p.preset,
-            preset_seed=p.preset_seed,
-            torch_threads=p.torch_threads,
-            metrics_interval_ms=p.metrics_interval_ms,
-            max_tenant_labels=p.max_tenant_labels,
-            cancel_check_interval_ms=p.cancel_check_interval_ms,
-            stall_timeout_s=p.stall_timeout_s,
-            unhealthy_exit_s=p.unhealthy_exit_s,
-            fault_injection=p.fault_injection,
-            io_layout=p.io_layout,
+            **backend.model_dump(),
+            torch_threads=engine.torch_threads,
+            io_layout=serving.io_layout or "quanta",
         )
     except ValidationError as exc:
         raise _parameter_error(exc) from None
-    _check_policy(engine)
-    return engine, settings
+    _check_policy(config)
+    return config, settings
 
 
 def _check_policy(engine: EngineConfig) -> None:
