@@ -82,6 +82,20 @@ def test_preemption_invariance_on_real_engine(model_dir, hf_greedy, host_blocks,
         assert r.token_ids == hf_greedy[p]
 
 
+def test_prompts_as_texts_or_token_ids_one_or_a_list(model_dir, hf_greedy):
+    """As vLLM's ``LLM.generate``: one text or one list of ids is one prompt; a list of
+    either is a batch, answered in order."""
+    llm = _llm(model_dir)
+    params = quanta.SamplingParams(max_tokens=8, temperature=0)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    batch = llm.generate(ids, params)
+    assert [r.prompt for r in batch] == ids
+    assert [r.token_ids for r in batch] == [hf_greedy[p][:8] for p in PROMPTS[:2]]
+    [one] = llm.generate(ids[1], params)
+    assert one.prompt == ids[1] and one.token_ids == batch[1].token_ids
+    _assert_no_leak(llm)
+
+
 def test_seeded_sampling_is_reproducible(model_dir):
     llm = _llm(model_dir)
     p = quanta.SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=1234)

@@ -106,3 +106,115 @@ def test_no_triton_port_leaves_the_pod():
             assert {p["port"] for p in doc["spec"]["ports"]} == {gateway_port}, name
     for probe in ("readinessProbe", "livenessProbe"):
         assert "127.0.0.1:" in engine[probe]["exec"]["command"][-1]
+
+
+def test_the_replicas_serve_the_real_model_an_init_container_fetched():
+    """An init container runs `quanta fetch-model NAME` into the models volume; `quanta serve`
+    is given the same catalogue name and cache, so it serves that engine, not the random-weight
+    default."""
+    from quanta.build.fetch import CACHE_ENV, CATALOGUE
+
+    pod = DOCS[("StatefulSet", "quanta")]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][:2] == ["quanta", "fetch-model"]
+    name = init["command"][2]
+    assert name in CATALOGUE
+    engine = _container("StatefulSet", "quanta")
+    assert engine["args"][0] == name  # the model argument of `quanta serve`
+
+    def cache(container: dict[str, Any]) -> str:
+        (env,) = [e["value"] for e in container["env"] if e["name"] == CACHE_ENV]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        return mounts[env]  # the volume mounted where the cache is
+
+    assert cache(init) == cache(engine) == "models"
+    claims = DOCS[("StatefulSet", "quanta")]["spec"]["volumeClaimTemplates"]
+    assert [c["metadata"]["name"] for c in claims] == ["models"]
+    assert pod["securityContext"]["fsGroup"] == 1000  # the image's user, who writes it
+
+
+MONITORING = DEPLOY / "monitoring"
+# The part of the Prometheus Operator's ServiceMonitor schema (monitoring.coreos.com/v1) these
+# manifests use. Why by hand: kubernetes-validate holds the Kubernetes API's own schemas and
+# no custom resource's, and the operator's CRD is not vendored here.
+_SERVICE_MONITOR = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {"type": "object"}},
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["port"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def test_the_service_monitor_scrapes_each_replicas_gateway_metrics():
+    import jsonschema
+
+    kustomization = yaml.safe_load((MONITORING / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["servicemonitor.yaml"]
+    monitor = yaml.safe_load((MONITORING / "servicemonitor.yaml").read_text())
+    jsonschema.validate(monitor, _SERVICE_MONITOR)
+    # it selects the headless Service (one endpoint per pod), not the balancing one
+    selected = [
+        name
+        for (kind, name), doc in DOCS.items()
+        if kind == "Service"
+        and monitor["spec"]["selector"]["matchLabels"].items() <= doc["metadata"]["labels"].items()
+    ]
+    assert selected == ["quanta"]
+    ports = {p["name"] for p in DOCS[("Service", "quanta")]["spec"]["ports"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+    assert int(endpoint["scrapeTimeout"][:-1]) < int(endpoint["interval"][:-1])
+
+
+def test_the_prometheus_config_scrapes_the_gateway_port():
+    config = yaml.safe_load((DEPLOY.parent / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    serve = _flags(_container("StatefulSet", "quanta")["args"])
+    port = serve["--openai-port"][0]
+    assert jobs["quanta"]["static_configs"][0]["targets"] == [f"127.0.0.1:{port}"]
+    pods = jobs["quanta-kubernetes"]
+    kept = {
+        r["source_labels"][0]: r["regex"]
+        for r in pods["relabel_configs"]
+        if r.get("action") == "keep"
+    }
+    http = next(p for p in _container("StatefulSet", "quanta")["ports"] if p["name"] == "http")
+    assert kept["__meta_kubernetes_pod_container_port_name"] == http["name"]
+    name = DOCS[("StatefulSet", "quanta")]["spec"]["template"]["metadata"]["labels"]
+    assert (
+        kept["__meta_kubernetes_pod_label_app_kubernetes_io_name"]
+        == (name["app.kubernetes.io/name"])
+    )
+    for job in jobs.values():
+        assert job["metrics_path"] == "/metrics"

@@ -49,6 +49,9 @@ NOT_RUN = {
     "python loadtests/fair_replicas.py": "starts two replicas (and Redis) for each mode and "
     "loads them for a minute each; tests/frontends/openai/test_openai_gateway.py runs "
     "--replicas 2 behind the gateway and tests/policies/test_fair_redis.py the shared state",
+    "quanta serve smollm2-135m-instruct --openai-port": "the real model's tool call, pasted "
+    "into docs/openai-api.md; docs/models.md's quanta serve smollm2-135m-instruct is run, and "
+    "tests/frontends/openai/test_tool_calling_live.py makes forced calls on random weights",
     "bash loadtests/genai_perf.sh": "installs genai-perf and perf_analyzer's libraries (network); "
     "tests/build/test_trtllm_layout.py sends TensorRT-LLM-shaped requests",
 }

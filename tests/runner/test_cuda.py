@@ -32,6 +32,10 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)
+# the bias and min-p run on the GPU's logits (the bias) and after them (min-p)
+BIASED = SamplingParams(
+    max_tokens=24, temperature=1.1, seed=5, min_p=0.05, logit_bias={5: 3.0, 9: -100.0}
+)
 
 
 @pytest.fixture(scope="module", params=["opt-tiny", "llama-tiny"])
@@ -83,8 +87,8 @@ def test_greedy_tokens_equal_hf_on_the_gpu(model_dir, chunked):
 @pytest.mark.parametrize("host_blocks", [64, 0], ids=["swap", "recompute"])
 def test_preemption_keeps_every_token_on_the_gpu(model_dir, policy, host_blocks):
     """Swaps copy blocks between the GPU and pinned host memory; recomputes rebuild them."""
-    prompts = PROMPTS + PROMPTS[:2]
-    params = [GREEDY] * len(PROMPTS) + [SEEDED] * 2
+    prompts = PROMPTS + PROMPTS[:3]
+    params = [GREEDY] * len(PROMPTS) + [SEEDED] * 2 + [BIASED]
     roomy = _tokens(
         _llm(model_dir, policy=policy, cache={"num_device_blocks": 64}), prompts, params
     )
@@ -161,9 +165,11 @@ def test_quantized_engines_run_their_gpu_kernels(tmp_path, quantization):
     from quanta.build.presets import get_preset
     from quanta.build.quantization import write_dequantized
 
-    wide = get_preset("llama-tiny").model_copy(
-        update={"name": "llama-wide", "hidden_size": 256, "intermediate_size": 512}
+    tiny = get_preset("llama-tiny")
+    shape = tiny.shape.model_copy(
+        update={"hidden_size": 256, "head_dim": 64, "intermediate_size": 512}
     )
+    wide = tiny.model_copy(update={"name": "llama-wide", "shape": shape})
     source = make_checkpoint(wide, tmp_path / "source")
     engine = tmp_path / "engine"
     options = BuildOptions(

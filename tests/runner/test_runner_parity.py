@@ -256,16 +256,22 @@ def test_top_k_one_generation_equals_greedy(checkpoints: dict[str, tuple[Path, A
 
 class _Row:
     def __init__(
-        self, temperature: float, seed: int, index: int, top_k: int = 0, top_p: float = 1.0
+        self,
+        temperature: float,
+        seed: int,
+        index: int,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
     ) -> None:
         self.temperature, self.seed, self.output_index = temperature, seed, index
-        self.top_k, self.top_p = top_k, top_p
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
 
 
 def test_sampler_rows_do_not_depend_on_batch() -> None:
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 2
     rows = [_Row(0.8, 1, 0), _Row(0.0, 2, 0), _Row(1.3, 3, 5, top_k=20), _Row(1.0, 4, 2)]
-    rows += [_Row(0.7, 1, 1, top_p=0.8), _Row(1.0, 9, 0, top_k=5, top_p=0.5)]
+    rows += [_Row(0.7, 1, 1, top_p=0.8), _Row(1.0, 9, 0, top_k=5, top_p=0.5, min_p=0.2)]
     together = sample(logits, rows)
     alone = [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
     backwards = sample(logits.flip(0), rows[::-1])[::-1]

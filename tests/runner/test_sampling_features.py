@@ -1,9 +1,12 @@
-"""Penalties, min_tokens, bad words and logprobs on real tiny checkpoints: HF transformers'
-logits processors are the reference where HF has one (repetition penalty, min new tokens, bad
-words, scores), OpenAI's formula where it has none (presence/frequency), and outputs stay
-identical under preemption."""
+"""Penalties, min_tokens, bad words, logit bias, min-p and logprobs on real tiny checkpoints:
+HF transformers' logits processors are the reference where HF has one (repetition penalty,
+min new tokens, bad words, sequence bias, min-p, scores), OpenAI's formula where it has none
+(presence/frequency), and outputs stay identical under preemption."""
 
 from __future__ import annotations
+
+import re
+from types import SimpleNamespace
 
 import pytest
 import quanta
@@ -11,6 +14,10 @@ import torch
 from preemption import roomy_and_cramped
 from pydantic import ValidationError
 from quanta import SamplingParams
+from quanta.core.errors import InvalidRequestError
+from quanta.core.output import LogitsProcessing
+from quanta.runner.logits import process_logits
+from quanta.runner.sampler import filter_min_p, filter_top_k_top_p
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,6 +144,53 @@ def test_prompt_logprobs_are_hfs_and_come_once_whatever_the_chunking(hf, model_d
     assert llm.generate(prompt, greedy())[0].prompt_logprobs == ()
 
 
+def test_logit_bias_matches_hfs_sequence_bias_and_binds_greedy(hf, llm):
+    prompt = PROMPTS[1]
+    plain = llm.generate(prompt, greedy(ignore_eos=True))[0].token_ids
+    bias = {plain[0]: -100.0, plain[3]: 2.5, 11: 1.5}
+    got = llm.generate(prompt, greedy(logit_bias=bias, ignore_eos=True))[0].token_ids
+    assert got[0] != plain[0]
+    sequence_bias = [[[token], value] for token, value in bias.items()]
+    assert got == hf_generate(hf, llm, prompt, sequence_bias=sequence_bias)
+    forced = llm.generate(prompt, greedy(logit_bias={13: 100.0}, ignore_eos=True))[0]
+    assert forced.token_ids == [13] * N
+
+
+def test_min_p_and_the_other_filters_keep_what_hfs_warpers_keep(hf, llm):
+    """Sequence bias, then temperature, top-k, top-p and min-p, as HF's processors run them:
+    the same tokens survive, with the same scores."""
+    ids = torch.tensor([llm.tokenizer.encode(PROMPTS[0])])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, -1].float()
+    bias = {int(logits.argmax()): -3.0, 17: 4.0}
+    warpers = transformers.LogitsProcessorList(
+        [
+            transformers.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]),
+            transformers.TemperatureLogitsWarper(0.7),
+            transformers.TopKLogitsWarper(40),
+            transformers.TopPLogitsWarper(0.95),
+            transformers.MinPLogitsWarper(0.1),
+        ]
+    )
+    expected = warpers(ids, logits[None].clone())[0]
+    ours = logits[None].clone()
+    row = SimpleNamespace(processing=LogitsProcessing(logit_bias=tuple(bias.items())))
+    process_logits(ours, [row])
+    filtered = filter_top_k_top_p(ours[0] / 0.7, 40, 0.95)
+    got = filter_min_p(filtered, 0.1)
+    kept = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), kept)
+    assert torch.allclose(got[kept], expected[kept], atol=1e-5)
+    assert kept.sum() < torch.isfinite(filtered).sum()  # min-p dropped some
+    assert torch.equal(filter_min_p(filtered, 0.0), filtered)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(llm):
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(InvalidRequestError, match=rf"logit_bias: token ids \[{vocab}\]"):
+        llm.generate("a", greedy(logit_bias={vocab: 1.0, 3: 1.0}))
+
+
 @pytest.mark.parametrize(("host_blocks", "kind"), [(64, "swap"), (0, "recompute")])
 def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
     params = [
@@ -145,9 +199,12 @@ def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
             max_tokens=N, temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.4
         ),
         greedy(min_tokens=10, bad_words_ids=((5,), (7, 9)), logprobs=0, prompt_logprobs=1),
+        SamplingParams(
+            max_tokens=N, temperature=1.2, seed=5, min_p=0.05, logit_bias={5: 3.0, 9: -100.0}
+        ),
     ] * 2
     expected, got = roomy_and_cramped(
-        model_dir, PROMPTS * 2, params, host_blocks=host_blocks, device_blocks=14
+        model_dir, (PROMPTS + PROMPTS[:1]) * 2, params, host_blocks=host_blocks, device_blocks=14
     )
     for e, g in zip(expected, got, strict=True):
         assert g.token_ids == e.token_ids
@@ -171,8 +228,12 @@ def test_outputs_and_logprobs_survive_preemption(model_dir, host_blocks, kind):
         ({"logprobs": 21}, "less than or equal to 20"),
         ({"prompt_logprobs": -1}, "greater than or equal to 0"),
         ({"bad_words_ids": ((),)}, "bad_words_ids must be non-empty"),
+        ({"min_p": 1.5}, "less than or equal to 1"),
+        ({"min_p": -0.1}, "greater than or equal to 0"),
+        ({"logit_bias": {5: 100.5}}, "bias 100.5 of token 5 must lie in [-100, 100]"),
+        ({"logit_bias": {-1: 1.0}}, "token id -1 is negative"),
     ],
 )
 def test_bad_values_are_refused(kwargs, message):
-    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValidationError, match=re.escape(message)):
         SamplingParams(**kwargs)

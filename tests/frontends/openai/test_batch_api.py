@@ -217,7 +217,7 @@ def test_bad_lines_go_to_the_error_file_with_the_routes_errors(served):
         line("unknown-model", model="nope"),
         line("ok-1"),
         line("typo", max_tokenz=3),
-        line("bias", logit_bias={"1": 2.0}),
+        line("bias", logit_bias={"1": 250.0}),
         line("empty", prompt=""),
         line("ok-2"),
     ]

@@ -221,9 +221,9 @@ class ThreadRecordingTemplate(ChatTemplate):
         super().__init__()
         self.threads: list[threading.Thread] = []
 
-    def render(self, messages: Any) -> str:
+    def render(self, messages: Any, *args: Any, **kwargs: Any) -> str:
         self.threads.append(threading.current_thread())
-        return super().render(messages)
+        return super().render(messages, *args, **kwargs)
 
 
 def test_chat_templates_render_off_the_event_loop(tmp_path):

@@ -435,11 +435,12 @@ def test_a_guide_that_cannot_compile_is_400_naming_it(client):
 
 
 def test_invalid_chat_request_is_400(client):
-    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice names 'g'"):
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
 
 

@@ -705,6 +705,25 @@ def test_cli_generate_against_the_server(server, llm, transport):
     assert proc.returncode == 0, proc.stderr.decode()
     expected = llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert proc.stdout.decode() == expected.text + "\n"
+    assert "the prompt goes as raw text" in proc.stderr.decode()  # no --model-dir: said so
+
+
+def test_cli_generate_url_takes_the_template_from_model_dir(server, llm, model_dir, tmp_path):
+    """Triton serves text, not the checkpoint's template: ``--model-dir`` supplies it."""
+    from quanta.text.chat_template import ChatTemplate, Turn
+
+    for name in ("tokenizer.json", "config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    rendered = ChatTemplate.from_model_dir(tmp_path).render([Turn("user", "Hello there")])
+    cmd = [sys.executable, "-m", "quanta.cli", "generate", "--url", server.http_url]
+    cmd += ["--max-tokens", "12", "--model-dir", str(tmp_path), "Hello there"]
+    proc = subprocess.run(cmd, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    expected = llm.generate(rendered, SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert proc.stdout.decode() == expected.text + "\n"
+    assert "raw text" not in proc.stderr.decode()
 
 
 def test_bad_parameter_stops_model_load_with_its_name(tmp_path, model_dir):

@@ -150,6 +150,8 @@ def test_parse_request_takes_trtllm_sampling_inputs():
             repetition_penalty=np.array([1.2], dtype=np.float32),
             presence_penalty=np.array([0.5], dtype=np.float32),
             frequency_penalty=np.array([-0.5], dtype=np.float32),
+            min_p=np.array([0.1], dtype=np.float32),
+            logit_bias=np.array([b'{"50256": -100, "3": 2.5}'], dtype=np.object_),
             min_length=np.array([3], dtype=np.int32),
             bad_words=np.array([b"foo", b"bar baz"], dtype=np.object_),
             return_log_probs=np.array([True]),
@@ -164,6 +166,7 @@ def test_parse_request_takes_trtllm_sampling_inputs():
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == pytest.approx(
         (1.2, 0.5, -0.5)
     )
+    assert p.min_p == pytest.approx(0.1) and p.logit_bias == {50256: -100.0, 3: 2.5}
     assert (p.min_tokens, p.logprobs) == (3, 0)
     assert parsed.bad_words == ("foo", "bar baz") and parsed.echo and parsed.return_log_probs
     plain = parse_request(_getter(text_input=text))
@@ -240,6 +243,41 @@ def test_parse_request_takes_trtllm_sampling_inputs():
                 "stop_words": np.array([b""], dtype=np.object_),
             },
             "stop_words",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "min_p": np.array([1.5], dtype=np.float32),
+            },
+            "min_p: Input should be less than or equal to 1",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "logit_bias": np.array([b"{5: 1}"], dtype=np.object_),
+            },
+            "input 'logit_bias' is not JSON",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "logit_bias": np.array([b"[5, 1]"], dtype=np.object_),
+            },
+            "input 'logit_bias' must be a JSON object",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "logit_bias": np.array([b'{"5": 250}'], dtype=np.object_),
+            },
+            r"logit_bias: Value error, bias 250.0 of token 5 must lie in \[-100, 100\]",
+        ),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=np.object_),
+                "logit_bias": np.array([b'{"five": 1}'], dtype=np.object_),
+            },
+            "logit_bias.five",
         ),
     ],
 )
@@ -547,11 +585,11 @@ _PARAM = re.compile(
 
 
 def test_template_documents_every_parameter_and_parses(tmp_path):
-    from quanta.frontends.triton.settings import _Parameters
+    from quanta.config.pbtxt import parameters
 
     lines = (ROOT / "triton_models" / "config.pbtxt.template").read_text().splitlines()
     found = [m.groups() for line in lines if (m := _PARAM.match(line))]
-    assert {key for _, key, _ in found} == set(_Parameters.model_fields)
+    assert {key for _, key, _ in found} == set(parameters())
     active = {key: value for commented, key, value in found if not commented}
     engine, _ = parse_parameters({**active, "model_dir": "engines/x"}, cwd=tmp_path)
     assert engine.cache.num_device_blocks == 1024

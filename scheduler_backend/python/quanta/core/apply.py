@@ -12,7 +12,13 @@ from quanta.core.blocks import BlockManager, Tier
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
 from quanta.core.faults import FaultPlan
-from quanta.core.output import LogitsProcessing, PromptLogprobsAsk, ScheduledSeq, SchedulerOutput
+from quanta.core.output import (
+    LogitsProcessing,
+    PoolingAsk,
+    PromptLogprobsAsk,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from quanta.core.plan import PoolView, StepPlan
 from quanta.core.request import CacheKind, Request, RequestStatus
 
@@ -156,7 +162,7 @@ class DecisionApplier:
         if r.first_scheduled_time is None:
             r.first_scheduled_time = now
         p = r.params
-        sample = start + n >= r.num_tokens
+        sample = start + n >= r.num_tokens and r.pooling is None  # NOTE: pooled, never sampled
         drafts = start + n - r.num_tokens if sample else 0  # the optional tail: proposals
         tokens = r.all_token_ids[start : start + n]
         if drafts:
@@ -174,9 +180,11 @@ class DecisionApplier:
             output_index=r.num_output_tokens,
             processing=_processing(r) if sample else None,
             prompt_logprobs=_prompt_logprobs(r, start, n),
+            pooling=_pooling(r, start, n),
             hidden=kind is CacheKind.HIDDEN,
             num_draft_tokens=drafts,
             num_proposals=r.num_lookahead_tokens if sample else 0,
+            min_p=p.min_p,
         )
 
 
@@ -184,7 +192,9 @@ def _processing(r: Request) -> LogitsProcessing | None:
     """The row's logits processing, or None for a plain request (nothing extra to ship)."""
     p = r.params
     early = r.num_output_tokens < p.min_tokens
-    if not (p.penalized or early or p.logprobs is not None or r.constraint is not None):
+    if not (
+        p.penalized or early or p.logit_bias or p.logprobs is not None or r.constraint is not None
+    ):
         return None
     suppress: tuple[int, ...] = ()
     if early:
@@ -198,6 +208,7 @@ def _processing(r: Request) -> LogitsProcessing | None:
         frequency_penalty=p.frequency_penalty,
         suppress=suppress,
         bad_words_ids=p.bad_words_ids,
+        logit_bias=tuple((p.logit_bias or {}).items()),
         logprobs=p.logprobs,
         constraint=r.constraint,
     )
@@ -214,6 +225,18 @@ def _prompt_logprobs(r: Request, start: int, n: int) -> PromptLogprobsAsk | None
     if first >= end:
         return None
     return PromptLogprobsAsk(first, tuple(r.prompt_token_ids[first + 1 : end + 1]), top)
+
+
+def _pooling(r: Request, start: int, n: int) -> PoolingAsk | None:
+    """The rows of positions ``[start, start + n)`` an embedding request pools: the last
+    prompt token's (``LAST``), or every prompt token's not pooled yet (``MEAN``)."""
+    if r.pooling is None:
+        return None
+    end = min(start + n, r.num_prompt_tokens)
+    if r.pooling.pooling_type == "LAST":
+        return PoolingAsk(end - 1, 1) if end == r.num_prompt_tokens else None
+    first = max(start, r.num_pooled_rows)
+    return PoolingAsk(first, end - first) if first < end else None
 
 
 def _preempt_order(d: Decision, live: Mapping[str, Request]) -> list[Preemption]:

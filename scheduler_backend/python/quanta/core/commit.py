@@ -15,6 +15,7 @@ from quanta.core.detokenize import Decode, Detokenizer
 from quanta.core.errors import EngineStepError, QuantaError
 from quanta.core.faults import FaultPlan
 from quanta.core.output import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
+from quanta.core.pooling import pooled_vector
 from quanta.core.prefix import block_hashes
 from quanta.core.request import Request, RequestStatus
 from quanta.core.speculative import learn
@@ -61,18 +62,26 @@ class Committer:
         prompt_logprobs = out.prompt_logprobs or ((),) * len(sched.seqs)
         accepted = out.num_accepted or (0,) * len(sched.seqs)
         proposals = out.proposals or ((),) * len(sched.seqs)
-        for seq, token, lp, plp, num_accepted, proposed in zip(
+        pooled = out.pooled or ((),) * len(sched.seqs)
+        for seq, token, lp, plp, num_accepted, proposed, vector in zip(
             sched.seqs,
             out.sampled_token_ids,
             logprobs,
             prompt_logprobs,
             accepted,
             proposals,
+            pooled,
             strict=True,
         ):
             r = live[seq.request_id]
             try:
-                if self._commit_seq(r, seq, token, lp, plp, num_accepted, proposed, now, step_time):
+                if r.pooling is not None:
+                    finished = self._commit_pooled(r, seq, vector, step_time)
+                else:
+                    finished = self._commit_seq(
+                        r, seq, token, lp, plp, num_accepted, proposed, now, step_time
+                    )
+                if finished:
                     done.append(r)
             except Exception as exc:
                 log.exception("committing the step of %s failed", r.request_id)
@@ -126,6 +135,34 @@ class Committer:
             # that finished on them leaves those blocks unnamed (they are its last)
             self._name_blocks(r)
         return False
+
+    def _commit_pooled(
+        self, r: Request, seq: ScheduledSeq, vector: tuple[float, ...], step_time: float
+    ) -> bool:
+        """Commit an embedding request's chunk: pool its rows, and end it with its embedding
+        once the whole prompt is computed; True when it finished."""
+        if self.faults is not None:
+            self.faults.check("commit", r)
+        r.num_computed_tokens += seq.num_new_tokens
+        if not seq.hidden:
+            self._name_blocks(r)
+        r.attained_service += step_time
+        if seq.pooling is not None and vector:  # NOTE: a runner without tensors pools nothing
+            if seq.pooling.first < r.num_pooled_rows:
+                raise RuntimeError(f"{r.request_id}: rows from {seq.pooling.first} pooled twice")
+            r.pooled_sum = (
+                [a + b for a, b in zip(r.pooled_sum, vector, strict=True)]
+                if r.pooled_sum
+                else list(vector)
+            )
+            r.num_pooled_rows = seq.pooling.first + seq.pooling.num_rows
+        if r.num_computed_tokens < r.num_prompt_tokens:
+            return False
+        assert r.pooling is not None
+        rows = 1 if r.pooling.pooling_type == "LAST" else r.num_pooled_rows
+        embedding = pooled_vector(r.pooled_sum, rows, r.pooling)
+        self._finish(r, RequestStatus.FINISHED_STOPPED, (), "", embedding=embedding)
+        return True
 
     def _name_blocks(self, r: Request) -> None:
         """Name the full blocks of ``r``'s computed tokens for the prefix cache."""
@@ -197,6 +234,7 @@ class Committer:
         logprobs: tuple[TokenLogprob, ...] = (),
         prompt_token_ids: tuple[int, ...] = (),
         prompt_logprobs: tuple[TokenLogprob, ...] = (),
+        embedding: tuple[float, ...] = (),
     ) -> None:
         r.set_status(status)
         r.finish_time = self.clock.now()
@@ -213,6 +251,7 @@ class Committer:
             logprobs,
             prompt_token_ids,
             prompt_logprobs,
+            embedding,
         )
         self._emit(r, out)
         self._sinks.pop(r.request_id, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -47,6 +48,10 @@ from quanta.core.stream import RequestStream, Sink
 from quanta.core.view import SchedulerView
 
 log = logging.getLogger(__name__)
+
+# Steps whose token counts wait for ``take_step_tokens``: the metrics thread takes them every
+# half second; a driver that never takes them (offline, simulator) keeps only the latest.
+STEP_TOKENS_KEPT = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +153,7 @@ class EngineLoop:
         self._dead: str | None = None  # why the loop died
         self._beat = time.monotonic()  # wall time the latest step ended (the watchdog's)
         self._idle = True  # the thread waits for work
+        self._step_tokens: deque[int] = deque(maxlen=STEP_TOKENS_KEPT)  # tokens per step
         self._stats = self._snapshot()
 
     # -- client side (any thread) ---------------------------------------------------------
@@ -327,6 +333,7 @@ class EngineLoop:
         self._counts["ckpt_copies"] += len(sched.checkpoint)
         step_time = self.clock.now() - now
         self._counts["steps"] += 1
+        self._step_tokens.append(sched.num_tokens)
         done = self._committer.commit(sched, out, self._live, step_time)
         if failed:  # NOTE: the policy learns only from the rows that ran
             ran = {s.request_id for s in sched.seqs}
@@ -498,6 +505,8 @@ class EngineLoop:
             n = (len(r.all_token_ids) - 1) // size  # cacheable_blocks, inlined: per request
             if r.params.prompt_logprobs is not None:
                 n = min(n, _reported_blocks(r, size))
+            if r.pooling is not None and r.pooling.pooling_type == "MEAN":
+                n = min(n, r.num_pooled_rows // size)  # NOTE: a cached row has no hidden state
             chain = r.block_hashes if len(r.block_hashes) >= n else block_hashes(r, size, n)
             r.num_cached_tokens = bm.lookup(r.request_id, chain, n)
 
@@ -573,6 +582,12 @@ class EngineLoop:
         waiting = max(s.num_waiting, unfinished - s.num_running - s.num_swapped)
         return s if waiting == s.num_waiting else replace(s, num_waiting=waiting)
 
+    def take_step_tokens(self) -> list[int]:
+        """The tokens each step computed since the last call, oldest first (a histogram's
+        observations: a snapshot cannot carry them); safe from any thread."""
+        taken = self._step_tokens
+        return [taken.popleft() for _ in range(len(taken))]
+
     def _snapshot(self) -> LoopStats:
         view = self._view(self.clock.now())
         hidden = self.blocks.usage(CacheKind.HIDDEN)
@@ -626,6 +641,7 @@ def _merge_outputs(seqs: list[ScheduledSeq], outs: list[RunnerOutput]) -> Runner
     prompt = tuple(o.prompt_logprobs[0] if o.prompt_logprobs else () for o in outs)
     accepted = tuple(o.num_accepted[0] if o.num_accepted else 0 for o in outs)
     proposals = tuple(o.proposals[0] if o.proposals else () for o in outs)
+    pooled = tuple(o.pooled[0] if o.pooled else () for o in outs)
     times = [o.step_time for o in outs if o.step_time is not None]
     return RunnerOutput(
         request_ids=tuple(s.request_id for s in seqs),
@@ -635,4 +651,5 @@ def _merge_outputs(seqs: list[ScheduledSeq], outs: list[RunnerOutput]) -> Runner
         prompt_logprobs=prompt if any(prompt) else (),
         num_accepted=accepted if any(o.num_accepted for o in outs) else (),
         proposals=proposals if any(proposals) else (),
+        pooled=pooled if any(pooled) else (),
     )

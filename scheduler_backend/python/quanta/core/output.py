@@ -33,6 +33,7 @@ class LogitsProcessing:
     frequency_penalty: float = 0.0
     suppress: tuple[int, ...] = ()  # token ids banned this step (EOS before min_tokens)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # top log-probabilities to return (0: the sampled token's)
     # Structured output: the runner masks every token the request's grammar forbids next. The
     # one live object here: its state is the request's as of this step (it only advances
@@ -60,6 +61,16 @@ class PromptLogprobsAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolingAsk:
+    """Rows of a prefill chunk whose final hidden states (after the last norm) an embedding
+    request pools (``core/pooling.py``): the runner returns their sum, in fp32. Only rows not
+    pooled before are asked, so a recomputed prompt is not pooled twice."""
+
+    first: int  # position of the first row asked
+    num_rows: int
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One request's share of a step: a prefill chunk, a single decode token, or a decode
     token with drafts to verify."""
@@ -76,6 +87,7 @@ class ScheduledSeq:
     output_index: int  # index of the token to sample; seeds its random stream
     processing: LogitsProcessing | None = None
     prompt_logprobs: PromptLogprobsAsk | None = None
+    pooling: PoolingAsk | None = None  # an embedding request's rows to pool (never samples)
     # The block table holds hidden states (``HIDDEN_TOKENS_PER_BLOCK`` x block_size tokens a
     # block), from which the runner recomputes this sequence's K and V every step.
     hidden: bool = False
@@ -85,6 +97,8 @@ class ScheduledSeq:
     # Draft-model speculation: tokens the draft model proposes after this step's output,
     # through the lookahead slots the block table holds past ``token_ids`` (0: none).
     num_proposals: int = 0
+    # Tokens less likely than min_p times the most likely one are not sampled (0: off).
+    min_p: float = 0.0
 
     @property
     def num_new_tokens(self) -> int:
@@ -130,6 +144,8 @@ class RunnerOutput:
     logprobs: tuple[TokenLogprob | None, ...] = ()  # per seq, where asked for (else empty)
     # per seq, one per row its ``prompt_logprobs`` asked for (else empty)
     prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # per seq, the sum of the hidden states its ``pooling`` asked for (else empty)
+    pooled: tuple[tuple[float, ...], ...] = ()
     # per seq, the leading drafts accepted (else empty: none had drafts); its sampled token
     # follows them, so a seq yields ``accepted + 1`` tokens
     num_accepted: tuple[int, ...] = ()

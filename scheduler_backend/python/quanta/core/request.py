@@ -15,13 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quanta.core.errors import EmptyPromptError, PromptTooLongError
 from quanta.core.output import TokenLogprob
+from quanta.core.pooling import PoolingParams
 from quanta.core.structured import StructuredOutput, TokenConstraint
 
 
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop; invalid values raise ``pydantic.ValidationError``.
 
-    ``top_k == 0`` and ``top_p == 1`` switch those filters off; ``temperature == 0`` is greedy.
+    ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` switch those filters off;
+    ``temperature == 0`` is greedy.
     With a ``seed`` the random stream of token *i* depends only on ``(seed, i)``, so a request
     that is preempted and resumed samples exactly what it would have sampled uninterrupted.
     """
@@ -32,6 +34,9 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    # Tokens less likely than ``min_p`` times the most likely one are never sampled (0 = off),
+    # after temperature, as HF's MinPLogitsWarper and vLLM's min_p.
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -46,6 +51,10 @@ class SamplingParams(BaseModel):
     # Token sequences never generated (HF's bad_words_ids: the last token of a sequence is
     # banned when the output so far ends with the rest of it).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # OpenAI's logit_bias: added to these token ids' logits before any other processing, so
+    # greedy decoding and every filter see it (-100 all but bans a token, 100 all but forces
+    # it). The ids are checked against the model's vocabulary when the request is made.
+    logit_bias: dict[int, float] | None = None
     # Log-probabilities of each sampled token and of the ``logprobs`` most likely ones (None:
     # none returned; 0: the sampled token's only), from the model's raw distribution.
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -83,6 +92,18 @@ class SamplingParams(BaseModel):
     ) -> tuple[tuple[int, ...], ...]:
         if any(not words or any(t < 0 for t in words) for words in value):
             raise ValueError("bad_words_ids must be non-empty sequences of token ids")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if not value:
+            return None  # an empty bias is no bias
+        for token, bias in value.items():
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} of token {token} must lie in [-100, 100]")
         return value
 
     @model_validator(mode="after")
@@ -221,6 +242,11 @@ class Request:
     # of prompt tokens 1.. in order, when asked for; kept across preemption so a recomputed
     # prompt is neither asked nor reported twice
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # An embedding request: pooled instead of sampled, it ends once its prompt is computed
+    # (``core/pooling.py``); the sum of the rows pooled so far, kept across preemption.
+    pooling: PoolingParams | None = None
+    pooled_sum: list[float] = field(default_factory=list, repr=False)
+    num_pooled_rows: int = 0
     error: str | None = None
     # Grammar state of a structured-output request, compiled by the frontend from
     # ``params.structured_output``; advanced only by committed tokens.

@@ -113,15 +113,18 @@ def _continuation(tokens: Sequence[int], start: int, k: int) -> tuple[int, ...]:
 def speculates(r: Request) -> bool:
     """Whether ``r`` may verify drafts this step: decoding, with nothing that makes a token's
     sampling depend on the tokens just before it inside the step (penalties over the history,
-    bans until ``min_tokens``, bad words, a grammar's state, log-probabilities asked for)."""
+    bans until ``min_tokens``, bad words, a grammar's state, log-probabilities asked for), and
+    no logit bias (the drafts' rows are verified unprocessed)."""
     p = r.params
     return (
         r.status is RequestStatus.RUNNING
         and r.decoding
         and r.constraint is None
         and not p.penalized
+        and not p.logit_bias
         and p.logprobs is None
         and p.prompt_logprobs is None
+        and r.pooling is None
         and r.num_output_tokens >= p.min_tokens
     )
 

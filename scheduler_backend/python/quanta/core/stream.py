@@ -60,6 +60,7 @@ class RequestOutput:
     # its tokens after the first (one fewer than the prompt's ids)
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    embedding: tuple[float, ...] = ()  # an embedding request's, on its final delta
 
 
 Sink = Callable[[RequestOutput], None]
@@ -77,6 +78,7 @@ class CompletedRequest:
     metrics: RequestMetrics | None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., when asked
+    embedding: tuple[float, ...] = ()  # an embedding request's
 
     @property
     def cumulative_logprob(self) -> float:
@@ -122,4 +124,5 @@ class RequestStream:
                     out.metrics,
                     tuple(logprobs),
                     tuple(prompt_logprobs),
+                    out.embedding,
                 )

@@ -22,6 +22,7 @@ from quanta.core.clock import Clock, WallClock
 from quanta.core.config import EngineConfig
 from quanta.core.errors import InvalidRequestError
 from quanta.core.loop import EngineLoop
+from quanta.core.pooling import PoolingParams
 from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.core.sizes import format_size
 from quanta.policies import make_policy
@@ -88,20 +89,28 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         bad_words: Sequence[str] = (),
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Tokenize and stamp a request; the loop validates lengths on submit.
 
         ``bad_words`` are strings (TensorRT-LLM's ``bad_words``), each tokenized as it would
         appear mid-text and banned as a token sequence. A ``structured_output`` guide is
         compiled here, in the caller's thread, so a bad one is refused before it is queued.
+        With ``pooling`` the request embeds its prompt instead of generating
+        (``core/pooling.py``); its sampling settings are not used.
         """
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt) if prompt else [], prompt
         else:
             ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"input_ids must lie in [0, {vocab})")
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias: token ids {outside} are not in the vocabulary [0, {vocab})"
+            )
         if bad_words:
             extra = tuple(
                 tuple(self.tokenizer.encode(w, add_special_tokens=False)) for w in bad_words
@@ -121,6 +130,7 @@ class Engine:
             prompt=text,
             metadata=metadata or RequestMetadata(),
             constraint=None if spec is None else self.grammars(spec),
+            pooling=pooling,
         )
 
 

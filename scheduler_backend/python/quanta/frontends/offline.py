@@ -16,6 +16,7 @@ from quanta.config.models import offline_options
 from quanta.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from quanta.core.errors import QuantaError
 from quanta.core.output import TokenLogprob
+from quanta.core.pooling import PoolingParams
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.speculative import SpeculativeConfig
 from quanta.core.stream import RequestMetrics, RequestStream
@@ -37,6 +38,18 @@ class GenerationResult:
     logprobs: tuple[TokenLogprob, ...] = ()  # per output token, with SamplingParams(logprobs=)
     # per prompt token after the first, with SamplingParams(prompt_logprobs=)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingResult:
+    """One prompt's embedding (vLLM's ``EmbeddingRequestOutput``); ``error`` is set (and
+    ``embedding`` empty) when it failed."""
+
+    prompt: str | list[int]
+    embedding: list[float]
+    num_prompt_tokens: int
+    metrics: RequestMetrics | None
+    error: QuantaError | None = None
 
 
 class LLM:
@@ -104,14 +117,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]],
+        prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         metadata: RequestMetadata | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt; invalid prompts raise before anything runs."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        """Generate for every prompt (one text or one list of token ids is one prompt);
+        invalid prompts raise before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
         params_list = _broadcast(params or SamplingParams(), len(prompts))
         requests = [
             self.engine.make_request(p, sp, metadata=metadata)
@@ -135,6 +149,41 @@ class LLM:
                     done.error,
                     done.logprobs,
                     done.prompt_logprobs,
+                )
+            )
+        return results
+
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        metadata: RequestMetadata | None = None,
+    ) -> list[EmbeddingResult]:
+        """Embed every prompt (vLLM's ``LLM.embed``): its final hidden states pooled as
+        ``pooling_params`` says (default: the last token's, L2-normalized). Each prompt is a
+        prefill-only request scheduled with the rest; invalid prompts raise before anything
+        runs."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams()
+        params = SamplingParams(max_tokens=1)  # NOTE: never sampled; reserves no more
+        requests = [
+            self.engine.make_request(p, params, metadata=metadata, pooling=pooling)
+            for p in prompts
+        ]
+        loop = self.engine.loop
+        for r in requests:
+            loop.validate(r)
+        streams: list[RequestStream] = [loop.submit(r) for r in requests]  # type: ignore[misc]
+        loop.run_until_idle()
+        results = []
+        for prompt, r, stream in zip(prompts, requests, streams, strict=True):
+            done = stream.result(timeout=0)
+            results.append(
+                EmbeddingResult(
+                    prompt, list(done.embedding), r.num_prompt_tokens, done.metrics, done.error
                 )
             )
         return results

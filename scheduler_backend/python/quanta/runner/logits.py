@@ -1,11 +1,13 @@
-"""Logits processing before sampling: penalties, banned tokens, and raw log-probabilities.
+"""Logits processing before sampling: logit bias, penalties, banned tokens, and raw
+log-probabilities.
 
 Only rows whose ``ScheduledSeq.processing`` is set are touched, so a batch of plain requests
 pays nothing. Every processor is a function of the row's own history and parameters, never of
 its batch neighbours, so a preempted and recomputed request sees exactly the same logits.
-The order is HF ``generate``'s: repetition penalty, then the bans (min-tokens EOS, bad
-words); OpenAI's presence/frequency penalties sit with the repetition penalty. Temperature,
-top-k and top-p follow in the sampler.
+The order is HF ``generate``'s (and vLLM's): the logit bias (HF's sequence bias), then the
+repetition penalty, then the bans (min-tokens EOS, bad words); OpenAI's presence/frequency
+penalties sit with the repetition penalty. Temperature, top-k, top-p and min-p follow in the
+sampler.
 """
 
 from __future__ import annotations
@@ -55,15 +57,24 @@ def token_logprobs(raw: torch.Tensor, tokens: Sequence[int], top: int) -> list[T
 
 def _apply(row: torch.Tensor, proc: LogitsProcessing) -> None:
     vocab = row.shape[-1]
+    bias = [(t, b) for t, b in proc.logit_bias if t < vocab]
+    if bias:
+        ids, values = zip(*bias, strict=True)
+        index = torch.tensor(ids, dtype=torch.long, device=row.device)
+        row.index_add_(0, index, torch.tensor(values, dtype=row.dtype, device=row.device))
     if proc.history and proc.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted({t for t in proc.history if t < vocab}), dtype=torch.long)
+        ids = torch.tensor(
+            sorted({t for t in proc.history if t < vocab}), dtype=torch.long, device=row.device
+        )
         scores = row.index_select(0, ids)
         penalty = proc.repetition_penalty
         row.index_copy_(0, ids, torch.where(scores < 0, scores * penalty, scores / penalty))
     if proc.presence_penalty or proc.frequency_penalty:
         output = [t for t in proc.history[proc.num_prompt_tokens :] if t < vocab]
         if output:
-            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)
+            counts = torch.bincount(
+                torch.tensor(output, dtype=torch.long, device=row.device), minlength=vocab
+            )
             row -= proc.frequency_penalty * counts.to(row.dtype)
             row -= proc.presence_penalty * (counts > 0).to(row.dtype)
     banned = [t for t in proc.suppress if t < vocab]
@@ -73,4 +84,4 @@ def _apply(row: torch.Tensor, proc: LogitsProcessing) -> None:
             banned.append(words[-1])
     banned = [t for t in banned if t < vocab]
     if banned:
-        row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")

@@ -303,6 +303,7 @@ class ModelRunner:
                 sampled: list[int | None] = [None] * len(seqs)
                 logprobs: list[TokenLogprob | None] = [None] * len(seqs)
                 prompt_logprobs: list[tuple[TokenLogprob, ...]] = [()] * len(seqs)
+                pooled: list[tuple[float, ...]] = [()] * len(seqs)
                 accepted = [0] * len(seqs)
                 if batch is not None:
                     masks = self.grammar_masks.start(seqs)  # filled while the model runs
@@ -320,6 +321,9 @@ class ModelRunner:
                         if seq.prompt_logprobs is not None:
                             first_row = batch.last_rows[i] - seq.num_new_tokens + 1
                             prompt_logprobs[i] = self._prompt_logprobs(hidden, first_row, seq)
+                        if seq.pooling is not None:
+                            first_row = batch.last_rows[i] - seq.num_new_tokens + 1
+                            pooled[i] = _pooled_sum(hidden, first_row, seq)
                     self._sample(hidden, batch, seqs, sampled, logprobs, accepted, masks)
                 # NOTE: synchronous, like every copy here: on CPU both tiers are RAM, and on CUDA
                 # a blocking ``.to`` the host waits for the copy. Overlapping checkpoints with the
@@ -336,6 +340,7 @@ class ModelRunner:
             step_time=time.perf_counter() - started,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else (),
+            pooled=tuple(pooled) if any(pooled) else (),
             num_accepted=tuple(accepted) if any(s.num_draft_tokens for s in seqs) else (),
             proposals=proposals if any(proposals) else (),
         )
@@ -575,3 +580,13 @@ def offers_hidden_cache(config: ModelConfig) -> bool:
     core's ``HIDDEN_TOKENS_PER_BLOCK`` times as many hidden tokens. Grouped-query models
     would need more blocks for hidden states than for K and V, so they are not offered it."""
     return ModelRunner.hidden_blocks_ratio(config) == HIDDEN_TOKENS_PER_BLOCK
+
+
+def _pooled_sum(hidden: torch.Tensor, first_row: int, seq: ScheduledSeq) -> tuple[float, ...]:
+    """The fp32 sum of the final hidden states an embedding request's chunk asks for
+    (``PoolingAsk``); ``first_row`` is the row of the chunk's first token in ``hidden``."""
+    ask = seq.pooling
+    assert ask is not None
+    start = first_row + ask.first - seq.start_pos
+    rows = hidden[start : start + ask.num_rows].float()
+    return tuple(rows.sum(dim=0).tolist())

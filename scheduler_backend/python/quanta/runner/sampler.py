@@ -1,4 +1,5 @@
-"""Token sampling: greedy, or temperature / top-k / top-p with a per-token random stream.
+"""Token sampling: greedy, or temperature / top-k / top-p / min-p with a per-token random
+stream.
 
 Each sampled token draws its noise from a generator seeded by ``(seed, output_index)`` alone,
 so the token does not depend on which other requests shared the batch, and a request that was
@@ -24,6 +25,8 @@ class SamplingRow(Protocol):
     def top_p(self) -> float: ...
     @property
     def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
     @property
     def seed(self) -> int: ...
     @property
@@ -77,6 +80,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     """Sample one token from fp32 CPU ``logits`` ``[vocab]`` with the row's own generator."""
     scores = filter_top_k_top_p(logits.float() / row.temperature, row.top_k, row.top_p)
+    scores = filter_min_p(scores, row.min_p)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(token_seed(row.seed, row.output_index))
     # Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) samples from p.
@@ -103,3 +107,14 @@ def filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores
+
+
+def filter_min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Set scores whose probability is below ``min_p`` times the most likely token's to -inf
+    (0 = off). After top-k and top-p, as HF's warpers run; the ratio to the most likely token
+    does not depend on which others were filtered, so only top-p's choice of what to drop
+    depends on the order (vLLM filters by min-p first)."""
+    if min_p <= 0.0:
+        return scores
+    probs = torch.softmax(scores, dim=-1)
+    return scores.masked_fill(probs < min_p * probs.max(), float("-inf"))

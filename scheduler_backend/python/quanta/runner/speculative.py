@@ -2,7 +2,7 @@
 
 A seq with k drafts has k + 1 rows of logits: row i predicts the token after draft i (row 0:
 after the last real token). Each row is sampled exactly as plain decoding samples that output
-position (the same temperature, top-k and top-p, and the random stream of the request's seed
+position (the same temperature, top-k, top-p and min-p, and the random stream of the request's seed
 and the position), and drafts are accepted while each equals its row's token; the first row
 that disagrees gives the next token, and when every draft is accepted the last row gives one
 more. So the output is token for token the one plain decoding gives, greedy and seeded alike,
@@ -32,6 +32,7 @@ class _Position:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     seed: int
     output_index: int
 
@@ -41,7 +42,7 @@ def verify(logits: torch.Tensor, drafts: tuple[int, ...], row: SamplingRow) -> t
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"{logits.shape[0]} logit rows for {len(drafts)} drafts")
     positions = [
-        _Position(row.temperature, row.top_p, row.top_k, row.seed, row.output_index + i)
+        _Position(row.temperature, row.top_p, row.top_k, row.min_p, row.seed, row.output_index + i)
         for i in range(len(drafts) + 1)
     ]
     tokens = sample(logits, positions)

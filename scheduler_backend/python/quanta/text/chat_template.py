@@ -20,12 +20,13 @@ request's messages, ``quanta build`` and the command-line tools pass ``Turn``s.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from quanta.core.errors import InvalidRequestError
+from quanta.text.tool_prompt import conversation, template_reads_tools
 
 if TYPE_CHECKING:
     from quanta.text.tokenizer import Tokenizer
@@ -130,18 +131,49 @@ class ChatTemplate:
         """False when this is the plain default (the checkpoint ships no template)."""
         return self._template is not None
 
-    def render(self, messages: Sequence[ChatTurn]) -> str:
-        """The prompt, ending where the assistant's reply starts; raises ``ChatTemplateError``
-        when the template refuses the conversation."""
+    def render(
+        self,
+        messages: Sequence[ChatTurn],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt, ending where the assistant's reply starts (without that start when
+        ``add_generation_prompt`` is false, as HF's templates take it); raises
+        ``ChatTemplateError`` when the template refuses the conversation. ``tools`` (OpenAI's
+        list) and the tool turns are written as the template expects them
+        (``text/tool_prompt.py``).
+
+        ``continue_final_message``: the prompt ends inside the final message, so the model
+        goes on with it (a prefilled reply), as HF's ``apply_chat_template`` cuts it: after
+        the message's text, wherever the template put it last. ``template_kwargs``: more
+        variables for the template (``enable_thinking``, ...); the names it already gets
+        (``TEMPLATE_VARIABLES``) are refused."""
+        taken = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            raise ChatTemplateError(f"template variables {taken} are set by the server")
+        if continue_final_message and not messages:
+            raise ChatTemplateError("continue_final_message needs a final message")
+        native = template_reads_tools(self.source)
         if self._template is None:
-            lines = [f"{m.role}: {m.text()}\n" for m in messages]
-            return "".join(lines) + "assistant:"
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        return str(
+            turns = conversation(messages, tools, native=False)
+            text = "".join(f"{t['role']}: {t['content']}\n" for t in turns)
+            if continue_final_message:
+                return text.removesuffix("\n")
+            return text + ("assistant:" if add_generation_prompt else "")
+        extra = {"tools": list(tools)} if tools and native else {}
+        rendered = str(
             self._template.render(
-                messages=conversation, add_generation_prompt=True, **self._special
+                messages=conversation(messages, tools, native=native),
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                **self._special,
+                **extra,
+                **(template_kwargs or {}),
             )
         )
+        return _open_final(rendered, messages[-1].text()) if continue_final_message else rendered
 
     def system_tokens(self, messages: Sequence[ChatTurn]) -> int | None:
         """Tokens of the rendered prompt that come from its leading system messages (what
@@ -165,6 +197,27 @@ class ChatTemplate:
             except ChatTemplateError:
                 return None
         return self.count_tokens(prefix) if self.render(messages).startswith(prefix) else None
+
+
+# What every render gives the template; ``template_kwargs`` may not set them.
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+)
+
+
+def _open_final(rendered: str, final: str) -> str:
+    """``rendered`` cut right after the final message's text (its last occurrence), as HF's
+    ``continue_final_message`` cuts it: whatever closes the turn goes, so the model continues
+    the message. A template that trims the text's surrounding space is cut after the trimmed
+    text."""
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the template does not write the final message's text"
+        )
+    whole = final.lstrip()
+    kept = whole if rendered[at : at + len(whole)] == whole else final.strip()
+    return rendered[: at + len(kept)]
 
 
 def _raise(message: str) -> None:

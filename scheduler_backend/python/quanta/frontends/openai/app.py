@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from quanta.config.models import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_REQUEST_BYTES
+from quanta.core.pooling import PoolingParams
 from quanta.core.request import SamplingParams
 from quanta.frontends.openai.auth import (
     DEFAULT_TENANT,
@@ -37,9 +39,11 @@ from quanta.frontends.openai.auth import (
 )
 from quanta.frontends.openai.batch_routes import BatchService
 from quanta.frontends.openai.body_limit import BodyLimit, BodyTooLarge
-from quanta.frontends.openai.errors import OpenAIError, classify, invalid
+from quanta.frontends.openai.embeddings import Embeddings
+from quanta.frontends.openai.errors import OpenAIError, classify, invalid, unknown_model
 from quanta.frontends.openai.limits import prompt_limit, token_counter, too_large
 from quanta.frontends.openai.logprobs import output_logprobs, prompt_logprobs
+from quanta.frontends.openai.metrics import GatewayMetrics, MetricsMiddleware, engine_metrics
 from quanta.frontends.openai.page import router as chat_page
 from quanta.frontends.openai.protocol import (
     FINISH_REASONS,
@@ -54,14 +58,19 @@ from quanta.frontends.openai.protocol import (
     completion_logprobs,
     usage,
 )
+from quanta.frontends.openai.responses import Responses
 from quanta.frontends.openai.router import ReplicaRouter, RoutedStream, make_upstream
 from quanta.frontends.openai.sse import DisconnectWatcher, event_stream, interleave
+from quanta.frontends.openai.tokenize import TokenizerRoutes
+from quanta.frontends.openai.tool_parsers import default_parser
+from quanta.frontends.openai.tools import ToolPlan, ToolStream, tool_plan
 from quanta.frontends.openai.upstream import GenerationStream, TritonGrpc, UpstreamError
 from quanta.frontends.triton.inputs import request_inputs
 from quanta.frontends.triton.supervisor_state import metrics_text as supervisor_metrics_text
 from quanta.text.chat_template import ChatTemplate, ChatTemplateError
 
 Body = CompletionRequest | ChatCompletionRequest
+Prompt = str | list[int]  # a text, or token ids
 Stream = GenerationStream | RoutedStream
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
@@ -89,8 +98,14 @@ class GatewaySettings(BaseModel):
     max_file_bytes: int = Field(DEFAULT_MAX_FILE_BYTES, ge=1)
     max_model_len: int | None = Field(None, ge=1)  # default: the checkpoint's
     max_prompt_bytes: int | None = Field(None, ge=1)  # default: derived (limits.py)
+    # How /v1/embeddings pools the model's hidden states (vLLM's --pooler-config).
+    pooler_config: PoolingParams = PoolingParams()
     # Host header values served (Starlette's TrustedHostMiddleware); empty: any host.
     allowed_hosts: tuple[str, ...] = ()
+    # Triton's /metrics, carried on the gateway's (``quanta serve``: one port to scrape)
+    engine_metrics_url: str | None = None
+    # How tool calls are read from an answer (``tool_parsers.py``); None: from the template.
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
 
 
 def create_app(
@@ -122,6 +137,12 @@ def create_app(
     app = FastAPI(title="Quanta OpenAI-compatible gateway", lifespan=lifespan)
     app.include_router(batches.router)
     app.include_router(chat_page)
+    tokenizer_routes = TokenizerRoutes(
+        settings.model_name, gateway.template, gateway.prompt_limit.max_ids, gateway.health
+    )
+    app.include_router(tokenizer_routes.router)
+    app.include_router(Embeddings(gateway, settings.pooler_config).router)
+    app.include_router(Responses(gateway).router)
     app.post("/v1/completions", response_model=None)(gateway.completions)
     app.post("/v1/chat/completions", response_model=None)(gateway.chat_completions)
     app.get("/v1/models")(gateway.models)
@@ -143,6 +164,7 @@ def create_app(
         app.add_middleware(AuthMiddleware, keys=gateway.keys)
     if settings.allowed_hosts:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts))
+    app.add_middleware(MetricsMiddleware, metrics=gateway.observed)  # NOTE: counts every answer
     return app
 
 
@@ -200,6 +222,8 @@ class Gateway:
             max_prompt_bytes=settings.max_prompt_bytes,
         )
         self.count_tokens = token_counter(chat_template.tokenizer)
+        self.tool_parser = settings.tool_call_parser or default_parser(chat_template.source)
+        self.observed = GatewayMetrics()
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self._respond(request, body)
@@ -232,7 +256,7 @@ class Gateway:
 
     async def model(self, model: str) -> dict[str, Any]:
         if model != self.settings.model_name:
-            raise _unknown_model(model)
+            raise unknown_model(model)
         return self._model_card()
 
     async def health(self) -> Response:
@@ -264,9 +288,17 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self) -> Response:
-        """Prometheus text: each replica's load and state when routing to several, and the
-        state of each tritonserver supervised in this process (``quanta serve``)."""
-        text = self.upstream.metrics_text() if isinstance(self.upstream, ReplicaRouter) else ""
+        """Prometheus text: the gateway's requests and whether its engine serves
+        (``metrics.py``), the engine's own metrics when it runs beside it, each replica's
+        load and state when routing to several, and the state of each tritonserver
+        supervised in this process (``quanta serve``)."""
+        text = await self.observed.exposition(
+            lambda: self.upstream.is_model_ready(self.triton_model)
+        )
+        if self.settings.engine_metrics_url is not None:
+            text += await engine_metrics(self.settings.engine_metrics_url)
+        if isinstance(self.upstream, ReplicaRouter):
+            text += self.upstream.metrics_text()
         text += supervisor_metrics_text()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -294,8 +326,8 @@ class Gateway:
             "owned_by": "quanta",
         }
 
-    async def _prepared(self, body: Body) -> tuple[str | list[int], SamplingParams, int | None]:
-        """The prompt, sampling settings and system-prompt length of a checked ``body``.
+    async def _prepared(self, body: Body) -> tuple[list[Prompt], SamplingParams, int | None]:
+        """The prompts, sampling settings and system-prompt length of a checked ``body``.
 
         The size checks run first, on the event loop (they only count); rendering the chat
         template and counting tokens run on a worker thread, so a large prompt never stalls
@@ -303,24 +335,42 @@ class Gateway:
         if isinstance(body, ChatCompletionRequest):
             self.prompt_limit.check("".join(m.text() for m in body.messages), "messages")
         else:
-            self.prompt_limit.check(body.single_prompt(), "prompt")
+            for prompt in body.prompts():
+                self.prompt_limit.check(prompt, "prompt")
         return await asyncio.to_thread(self._prepare, body)
 
-    def _prepare(self, body: Body) -> tuple[str | list[int], SamplingParams, int | None]:
+    def _prepare(self, body: Body) -> tuple[list[Prompt], SamplingParams, int | None]:
         self._check(body)
         count = self.count_tokens
         if isinstance(body, ChatCompletionRequest):
             params = body.sampling_params(self.settings.default_chat_max_tokens)
+            tools = self._tools(body)
+            if tools is not None and tools.guide is not None:
+                if params.structured_output is not None:
+                    raise invalid(
+                        "a forced tool call is the answer's structured output: leave out "
+                        "response_format and guided_*",
+                        "tool_choice",
+                    )
+                params = params.model_copy(update={"structured_output": tools.guide})
+            shown = None if tools is None else tools.tools
             try:
-                prompt = self.template.render(body.messages)
+                prompt = self.template.render(body.messages, shown, **body.template_options())
             except ChatTemplateError as exc:
                 raise invalid(f"chat template: {exc}", "messages") from None
             self.prompt_limit.check_tokens(prompt, count, "messages")
-            return prompt, params, self.template.system_tokens(body.messages)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            self.prompt_limit.check_tokens(prompt, count, "prompt")
-        return prompt, body.sampling_params(self.settings.default_max_tokens), None
+            return [prompt], params, self.template.system_tokens(body.messages)
+        prompts = body.prompts()
+        for one in prompts:
+            if isinstance(one, str):
+                self.prompt_limit.check_tokens(one, count, "prompt")
+        return prompts, body.sampling_params(self.settings.default_max_tokens), None
+
+    def _tools(self, body: Body) -> ToolPlan | None:
+        """How a chat request uses its tools (None: it has none); a 400 for a bad choice."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
 
     async def _respond(self, request: Request, body: Body) -> Response:
         principal = principal_of(request.scope)
@@ -330,7 +380,7 @@ class Gateway:
 
     def _check(self, body: Body) -> None:
         if body.model != self.settings.model_name:
-            raise _unknown_model(body.model)
+            raise unknown_model(body.model)
         error = body.unsupported()
         if error is not None:
             raise error
@@ -339,10 +389,16 @@ class Gateway:
                 "logprobs need the model's tokenizer: start the gateway with --model-dir",
                 "logprobs",
             )
+        if body.continuous_usage and self.template.count_tokens is None:
+            raise invalid(
+                "continuous_usage_stats needs the model's tokenizer: start the gateway with "
+                "--model-dir",
+                "stream_options",
+            )
         if (
             isinstance(body, CompletionRequest)
             and body.echo
-            and not isinstance(body.single_prompt(), str)
+            and any(not isinstance(prompt, str) for prompt in body.prompts())
             and self.template.decode is None
         ):
             raise invalid(
@@ -355,13 +411,14 @@ class Gateway:
         self,
         request: Request | None,
         body: Body,
-        prompt: str | list[int],
+        prompts: list[Prompt],
         params: SamplingParams,
         system_tokens: int | None = None,
         *,
         principal: Principal | None = None,
     ) -> dict[str, Any] | StreamingResponse:
-        """One Triton request per choice (``n``): choice i samples with seed ``seed + i``.
+        """One Triton request per prompt and choice (``n``): choice j of a prompt samples with
+        seed ``seed + j``, and is choice ``prompt_index * n + j`` of the response.
 
         A whole response is returned as its body; without an HTTP ``request`` nothing watches
         for a disconnect (the caller cancels the task instead). ``principal``: the API key's
@@ -369,17 +426,19 @@ class Gateway:
         metadata = body.metadata(system_tokens, principal)
         reservation = NO_RESERVATION
         if principal is not None:
-            expected = _prompt_estimate(prompt) + params.max_tokens * body.n
+            expected = sum(_prompt_estimate(p) + params.max_tokens * body.n for p in prompts)
             reservation = principal.admit(expected)
         streams = [
             self.upstream.stream(
                 self.triton_model,
                 request_inputs(
-                    prompt, params.for_sequence(i), stream=body.stream, metadata=metadata
+                    prompt, params.for_sequence(j), stream=body.stream, metadata=metadata
                 ),
             )
-            for i in range(body.n)
+            for prompt in prompts
+            for j in range(body.n)
         ]
+        echoes = [self._echo(body, prompt) for prompt in prompts for _ in range(body.n)]
         chat = isinstance(body, ChatCompletionRequest)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{streams[0].request_id}"
 
@@ -392,8 +451,11 @@ class Gateway:
         try:
             firsts = [await _next(stream) for stream in streams]  # errors before any header
             if body.stream and watcher is not None:
+                counts = None
+                if body.continuous_usage:
+                    counts = await asyncio.to_thread(self._prompt_counts, prompts, body.n)
                 chunks = self._all_chunks(
-                    rid, body, firsts, streams, self._echo(body, prompt), reservation
+                    rid, body, firsts, streams, echoes, reservation, prompt_counts=counts
                 )
                 sse = event_stream(chunks, cancel, watcher)
                 owned = False
@@ -408,10 +470,9 @@ class Gateway:
                     watcher.stop()
                 cancel()
         top = body.top_logprobs_wanted
-        echo = self._echo(body, prompt)
         choices = []
         for index, events in enumerate(runs):
-            text = echo + "".join(e.get("text_output", "") for e in events)
+            text = echoes[index] + "".join(e.get("text_output", "") for e in events)
             finish = _finish(events[-1])
             tokens = (
                 None
@@ -422,13 +483,17 @@ class Gateway:
             if chat:
                 logprobs = None if tokens is None else chat_logprobs(tokens)
                 choice = chat_body(rid, body.model, text, finish, None, logprobs)["choices"][0]
+                tools = self._tools(body)
+                if tools is not None:
+                    message, reason = tools.message(text, finish)
+                    choice |= {"message": message, "finish_reason": reason}
             else:
                 logprobs = None if tokens is None else completion_logprobs(tokens, top or 0)
                 choice = completion_body(
                     rid, body.model, text, finish, None, chunk=False, logprobs=logprobs
                 )["choices"][0]
             choices.append(choice | {"index": index})
-        use = _usage(runs)
+        use = _usage(runs, body.n)
         reservation.settle(use["total_tokens"])
         whole = (chat_body if chat else _completion_whole)(rid, body.model, "", None, use)
         return whole | {"choices": choices}
@@ -439,23 +504,42 @@ class Gateway:
         body: Body,
         firsts: list[dict[str, Any]],
         streams: list[Stream],
-        echo: str = "",
+        echoes: list[str],
         reservation: Reservation = NO_RESERVATION,
+        *,
+        prompt_counts: list[int] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Every choice's chunks as they come, then the usage chunk if asked; the tokens used
-        settle the rate limit's reservation (a stream cut short keeps what was reserved)."""
+        settle the rate limit's reservation (a stream cut short keeps what was reserved).
+        With ``prompt_counts`` (each choice's prompt tokens) every chunk carries its choice's
+        usage so far, as vLLM's ``continuous_usage_stats`` has it."""
         finals: list[dict[str, Any]] = list(firsts)
+        generated = [0] * len(streams)  # output tokens each choice has streamed
 
         def note(index: int, event: dict[str, Any]) -> None:
             finals[index] = event
+            generated[index] += len(event.get("output_ids", ()))
+
+        def so_far(index: int) -> Usage:
+            assert prompt_counts is not None
+            final = finals[index]  # the engine's own counts, once it has finished
+            prompt = final.get("num_prompt_tokens", prompt_counts[index])
+            return usage(prompt, generated[index], final.get("num_cached_tokens", 0))
 
         per_choice = [
             self._chunks(rid, body, first, stream, index, note, echo)
-            for index, (first, stream) in enumerate(zip(firsts, streams, strict=True))
+            for index, (first, stream, echo) in enumerate(zip(firsts, streams, echoes, strict=True))
         ]
+        if prompt_counts is not None:
+            # NOTE: added in each choice's own generator, right after its ``note``: the
+            # interleaving runs the choices ahead of the chunks it has yet to yield
+            per_choice = [
+                _with_usage(chunks, partial(so_far, index))
+                for index, chunks in enumerate(per_choice)
+            ]
         async for chunk in interleave(per_choice):
             yield chunk
-        use = _usage([[event] for event in finals])
+        use = _usage([[event] for event in finals], body.n)
         reservation.settle(use["total_tokens"])
         if body.include_usage:
             if isinstance(body, ChatCompletionRequest):
@@ -463,7 +547,13 @@ class Gateway:
             else:
                 yield completion_body(rid, body.model, "", None, use, chunk=True)
 
-    def _echo(self, body: Body, prompt: str | list[int]) -> str:
+    def _prompt_counts(self, prompts: list[Prompt], n: int) -> list[int]:
+        """Each choice's prompt tokens, as the engine will count them (its tokenizer)."""
+        count = self.template.count_tokens
+        assert count is not None  # checked in _check
+        return [len(p) if isinstance(p, list) else count(p) for p in prompts for _ in range(n)]
+
+    def _echo(self, body: Body, prompt: Prompt) -> str:
         """The prompt a completion with ``echo`` repeats before its text; token ids are
         decoded (scoring clients such as lm-evaluation-harness send their prompts as ids)."""
         if not (isinstance(body, CompletionRequest) and body.echo):
@@ -492,6 +582,8 @@ class Gateway:
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
             yield _indexed(chat_chunk(rid, body.model, {"role": "assistant", "content": ""}), index)
+        tools = self._tools(body)
+        reader = tools.stream() if tools is not None and tools.reads_calls else None
         top = body.top_logprobs_wanted
         offset = 0
         if isinstance(body, CompletionRequest) and body.echo and (echo or top is not None):
@@ -512,15 +604,15 @@ class Gateway:
             if text or finish:
                 tokens, pending = (None if top is None else pending), []
                 if chat:
-                    delta = {"content": text} if text else {}
                     logprobs = None if tokens is None else chat_logprobs(tokens)
-                    chunk = chat_chunk(rid, body.model, delta, finish, logprobs=logprobs)
+                    for chunk in _chat_chunks(rid, body.model, reader, text, finish, logprobs):
+                        yield _indexed(chunk, index)
                 else:
                     logprobs = None if tokens is None else completion_logprobs(tokens, top, offset)
                     chunk = completion_body(
                         rid, body.model, text, finish, None, chunk=True, logprobs=logprobs
                     )
-                yield _indexed(chunk, index)
+                    yield _indexed(chunk, index)
                 # NOTE: offsets count token texts, as a whole response's do (a token that is
                 # part of a multi-byte character has a text of its own)
                 offset += sum(len(t) for t, _, _ in tokens or ())
@@ -529,18 +621,57 @@ class Gateway:
             event = await _next(stream)
 
 
-def _prompt_estimate(prompt: str | list[int]) -> int:
+def _chat_chunks(
+    rid: str,
+    model: str,
+    reader: ToolStream | None,
+    text: str,
+    finish: str | None,
+    logprobs: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """One event's chunks: its text as content, or what the tool-call reader makes of it
+    (nothing, while a call is still being written); the last carries the finish reason."""
+    if reader is None:
+        delta = {"content": text} if text else {}
+        return [chat_chunk(rid, model, delta, finish, logprobs=logprobs)]
+    deltas = reader.feed(text) + (reader.close() if finish else [])
+    finish = reader.finish_reason(finish)
+    if not deltas and (finish or logprobs):
+        deltas = [{}]
+    last = len(deltas) - 1
+    return [
+        chat_chunk(
+            rid, model, delta, finish if k == last else None, logprobs=logprobs if k == 0 else None
+        )
+        for k, delta in enumerate(deltas)
+    ]
+
+
+async def _with_usage(
+    chunks: AsyncIterator[dict[str, Any]], so_far: Callable[[], Usage]
+) -> AsyncIterator[dict[str, Any]]:
+    """``chunks`` with the usage so far on each one that has a choice."""
+    async for chunk in chunks:
+        if chunk["choices"]:
+            chunk["usage"] = so_far()
+        yield chunk
+
+
+def _prompt_estimate(prompt: Prompt) -> int:
     """Tokens a prompt is expected to take, for a rate limit's reservation: its ids, or a
     quarter of its characters (what English text averages); the actual count settles it."""
     return len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
 
 
-def _usage(runs: list[list[dict[str, Any]]]) -> Usage:
-    """One prompt, every choice's completion tokens; the prompt's cached tokens are the first
-    choice's, as its prompt tokens are (choice i > 0 may find what choice 0 computed)."""
-    final = runs[0][-1]
+def _usage(runs: list[list[dict[str, Any]]], n: int) -> Usage:
+    """Every prompt once, every choice's completion tokens (``runs``: the prompts' ``n``
+    choices in turn); a prompt's tokens and cached tokens are its first choice's (choice
+    j > 0 may find what choice 0 computed)."""
+    firsts = [events[-1] for events in runs[::n]]
+    prompt = sum(final.get("num_prompt_tokens", 0) for final in firsts)
+    cached = sum(final.get("num_cached_tokens", 0) for final in firsts)
     completion = sum(events[-1].get("num_output_tokens", 0) for events in runs)
-    return usage(final.get("num_prompt_tokens", 0), completion, final.get("num_cached_tokens", 0))
+    return usage(prompt, completion, cached)
 
 
 def _completion_whole(
@@ -579,12 +710,6 @@ def _upstream_error(exc: UpstreamError) -> OpenAIError:
 
 
 _HEALTH_TIMEOUT_S = 3.0  # under the 5 s a Docker HEALTHCHECK or a probe waits
-
-
-def _unknown_model(model: str) -> OpenAIError:
-    return OpenAIError(
-        404, f"The model '{model}' does not exist", param="model", code="model_not_found"
-    )
 
 
 # -- exception handlers: every error leaves in OpenAI's shape ----------------------------------

@@ -17,9 +17,10 @@ priority class and rate limits::
       tokens_per_minute: 200000
     sk-batch-4567: {tenant: reports, priority_class: offline}
 
-Every route but ``/health`` (liveness), ``/metrics`` and the chat page's HTML takes the key as
-``Authorization: Bearer <key>``, the way the ``openai`` SDK sends ``api_key``. A key is found by
-its SHA-256 digest, so the time a lookup takes says nothing an attacker can use about the keys
+Every route but ``/health`` and ``/ping`` (liveness), ``/version``, ``/metrics`` and the chat
+page's HTML takes the key as ``Authorization: Bearer <key>``, the way the ``openai`` SDK sends
+``api_key``. A key is found by its SHA-256 digest, so the time a lookup takes says nothing an
+attacker can use about the keys
 (it depends only on the digest of what was sent); the keys themselves are kept only as
 digests.
 """
@@ -44,7 +45,7 @@ from quanta.frontends.openai.errors import OpenAIError, send_error
 DEFAULT_TENANT = "default"  # the tenant of a key given with --api-key
 # Liveness, Prometheus' scrape (load and restart counts, no tenant's data: open as vLLM's is,
 # so a scraper needs no secret) and the chat page's static HTML (it sends the key it is given).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/"})
 PRINCIPAL = "quanta.principal"  # the scope["state"] entry the middleware sets
 
 ApiKey = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[\x21-\x7e]+$")]

@@ -14,6 +14,7 @@ import typer
 from quanta.cli_options import api_key_policies
 from quanta.config.cli import env_prefix, options_from
 from quanta.config.models import ServingArgs
+from quanta.core.pooling import PoolingParams
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -34,6 +35,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             "max_file_bytes",
             "max_prompt_bytes",
             "allowed_hosts",
+            "tool_call_parser",
+            "pooler_config",
         )
     },
 )
@@ -112,6 +115,8 @@ def openai(
         max_model_len=max_model_len,
         max_prompt_bytes=serving.max_prompt_bytes,
         allowed_hosts=tuple(serving.allowed_hosts or ()),
+        pooler_config=serving.pooler_config or PoolingParams(),
+        tool_call_parser=serving.tool_call_parser,
     )
     target = ", ".join(upstream) + f" ({serving.router})" if upstream else triton_grpc_url
     typer.echo(f"OpenAI  http://{serving.host}:{port}/v1 -> Triton gRPC {target}")

@@ -88,6 +88,13 @@ def invalid(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
+def unknown_model(model: str) -> OpenAIError:
+    """A 404 for a ``model`` this gateway does not serve, as OpenAI words it."""
+    return OpenAIError(
+        404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+    )
+
+
 def classify(message: str) -> OpenAIError:
     """The OpenAI error for a Triton error ``message``; see the module docstring."""
     tagged = _TAG.match(message)

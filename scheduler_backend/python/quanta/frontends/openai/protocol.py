@@ -2,7 +2,7 @@
 
 Requests are pydantic models that forbid unknown fields, so a typo is a 400 naming the field
 rather than a silently ignored setting. OpenAI fields that Quanta cannot honour (``best_of``,
-``logit_bias``, tools, ...) are rejected with a message that says so. Scheduling metadata are
+``suffix``, ...) are rejected with a message that says so. Scheduling metadata are
 extra top-level fields (``tenant``, ``app``, ``interaction_id``, ``interaction_stage``,
 ``interaction_last``, ``system_tokens``, ``priority_class``, ``ttft_slo_ms``,
 ``tpot_slo_ms``); OpenAI's ``user`` is the tenant unless ``tenant`` is given. Sampling values
@@ -20,15 +20,19 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.structured import StructuredOutput
 from quanta.frontends.openai.auth import Principal
 from quanta.frontends.openai.errors import OpenAIError, invalid
+from quanta.frontends.openai.tools import Tool, ToolCall, ToolChoice
 from quanta.frontends.triton.inputs import validation_message
+from quanta.text.chat_template import TEMPLATE_VARIABLES
 
 # Triton finish reasons -> OpenAI's; anything else ("abort", "error") arrives as an error.
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -67,10 +71,36 @@ def _check_utf8(value: Any) -> None:
         for key, item in value.items():
             _check_utf8(key)
             _check_utf8(item)
+    elif isinstance(value, BaseModel):  # a nested model of another module (``tools.py``)
+        _check_utf8(value.model_dump())
 
 
 class StreamOptions(_Checked):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (needs include_usage, as vLLM has it)
+    continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(_Checked):
+    """vLLM's ``structured_outputs`` (its current name for guided decoding): one of
+    ``json`` (a schema), ``json_object``, ``regex``, ``choice``, ``grammar``. The backend knobs
+    vLLM also takes there (``whitespace_pattern``, ``structural_tag``, ...) are refused."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def guide(self) -> StructuredOutput:
+        given = {
+            "json_schema": self.json_schema,
+            "json_object": self.json_object,
+            "regex": self.regex,
+            "choice": None if self.choice is None else tuple(self.choice),
+            "grammar": self.grammar,
+        }
+        return StructuredOutput(**{key: value for key, value in given.items() if value})
 
 
 class _GenerationRequest(_Checked):
@@ -90,13 +120,15 @@ class _GenerationRequest(_Checked):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension (HF's penalty)
     min_tokens: Int32 | None = None  # vLLM's extension
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are text) -> bias
+    min_p: float | None = None  # vLLM's extension
     response_format: dict[str, Any] | None = None
     # vLLM's guided decoding extensions (one guide per request, or a response_format)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's current name for them
     # Quanta extensions
     top_k: Int32 | None = None
     ignore_eos: bool = False
@@ -132,8 +164,6 @@ class _GenerationRequest(_Checked):
 
     def unsupported(self) -> OpenAIError | None:
         """The first requested feature Quanta does not offer, as a 400."""
-        if self.logit_bias:
-            return invalid("logit_bias is not supported", "logit_bias")
         return None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -158,11 +188,13 @@ class _GenerationRequest(_Checked):
         return _validated(SamplingParams, fields)
 
     def structured_output(self) -> StructuredOutput | None:
-        """The guide of ``response_format`` or of one ``guided_*`` field; a malformed or a
-        second one is a 400 naming the field."""
-        guides = {
+        """The guide of ``response_format``, ``structured_outputs`` or one ``guided_*``
+        field; a malformed or a second one is a 400 naming the field."""
+        guides: dict[str, Any] = {
             name: value for name in _GUIDED_FIELDS if (value := getattr(self, name)) is not None
         }
+        if self.structured_outputs is not None:
+            guides["structured_outputs"] = self.structured_outputs
         response = _response_format_guide(self.response_format)
         if response is not None:
             guides["response_format"] = response
@@ -173,8 +205,10 @@ class _GenerationRequest(_Checked):
         ((name, value),) = guides.items()
         if isinstance(value, StructuredOutput):
             return value
-        key = _GUIDED_FIELDS[name]
         try:
+            if isinstance(value, StructuredOutputs):
+                return value.guide()
+            key = _GUIDED_FIELDS[name]
             return StructuredOutput(**{key: tuple(value) if key == "choice" else value})
         except ValidationError as exc:
             detail = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
@@ -217,6 +251,12 @@ class _GenerationRequest(_Checked):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 _GUIDED_FIELDS = {
@@ -265,6 +305,8 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_tokens",
+    "min_p",
+    "logit_bias",
 )
 # Every scheduling field but ``tenant``, which ``user`` may give instead, and
 # ``tenant_authenticated``, which only the server sets (from an API key), never a body.
@@ -274,13 +316,29 @@ _METADATA_FIELDS = tuple(
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``; ``prompt`` is one text or one list of token ids."""
+    """``POST /v1/completions``; ``prompt`` is a text, a list of token ids, or a list of
+    either (a batch)."""
 
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _a_prompt_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One message for a prompt of none of the four shapes, not one per shape it is not."""
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if any(error["type"] == "value_error" for error in exc.errors()):
+                raise  # a prompt of the right shape with bad text (a lone surrogate)
+            raise PydanticCustomError(
+                "prompt",
+                "give a text, a list of token ids (each 0 to 2147483647), or a list of texts "
+                "or of token-id lists",
+            ) from None
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -298,16 +356,18 @@ class CompletionRequest(_GenerationRequest):
             return invalid("best_of is not supported (only 1)", "best_of")
         return super().unsupported()
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (OpenAI allows a batch; Quanta takes one)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request in order: one text or one list of token ids, or a
+        batch of either (each prompt is its own request to the scheduler; its ``n`` choices
+        are indexed after the previous prompt's, as OpenAI and vLLM index them)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise invalid("give one prompt per request (batched prompts are not supported)")
-            prompt = prompt[0]
-        if not prompt:
-            raise invalid("prompt is empty: it must contain at least one token", "prompt")
-        return prompt  # type: ignore[return-value]
+        batched = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+        prompts: list[str | list[int]] = list(prompt) if batched else [prompt]  # type: ignore[arg-type]
+        for i, one in enumerate(prompts):
+            if not one:
+                which = f"prompt {i}" if batched else "prompt"
+                raise invalid(f"{which} is empty: it must contain at least one token", "prompt")
+        return prompts
 
 
 class ContentPart(_Checked):
@@ -316,16 +376,28 @@ class ContentPart(_Checked):
 
 
 class ChatMessage(_Checked):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (``tools.py``)
+    tool_call_id: str | None = None  # the call a tool message answers
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
-        """Only an assistant turn may have no content, as OpenAI has it."""
+        """Only an assistant turn may have no content, as OpenAI has it; calls are an
+        assistant's, and a tool's answer names the call it answers."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role} message needs content (text or parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("tool_call_id: a tool message, and only one, names its call")
         return self
+
+    @property
+    def calls(self) -> list[dict[str, Any]] | None:
+        """The calls as the chat template reads them (``text/tool_prompt.py``)."""
+        return None if self.tool_calls is None else [c.model_dump() for c in self.tool_calls]
 
     def text(self) -> str:
         if self.content is None:
@@ -342,8 +414,14 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat template fields: more template variables, whether the prompt ends where
+    # the assistant's reply starts, or inside the final message (a prefilled reply)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -352,11 +430,30 @@ class ChatCompletionRequest(_GenerationRequest):
     def unsupported(self) -> OpenAIError | None:
         if self.top_logprobs is not None and not self.logprobs:
             return invalid("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.tools or self.tool_choice not in (None, "none"):
-            return invalid("tools are not supported", "tools")
         if not self.messages:
             return invalid("messages is empty", "messages")
+        # NOTE: vLLM's rule; add_generation_prompt left at its default gives way
+        explicit = "add_generation_prompt" in self.model_fields_set
+        if self.continue_final_message and self.add_generation_prompt and explicit:
+            return invalid(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        taken = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            return invalid(
+                f"chat_template_kwargs: {', '.join(taken)} are set by the server",
+                "chat_template_kwargs",
+            )
         return super().unsupported()
+
+    def template_options(self) -> dict[str, Any]:
+        """How the chat template renders this conversation (``ChatTemplate.render``)."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+        }
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``max_completion_tokens`` (OpenAI's newer name) stands in for ``max_tokens``."""
@@ -472,7 +569,7 @@ def chat_body(
 def chat_chunk(
     rid: str,
     model: str,
-    delta: dict[str, str] | None,
+    delta: dict[str, Any] | None,
     finish: str | None = None,
     use: Usage | None = None,
     logprobs: dict[str, Any] | None = None,

@@ -29,7 +29,7 @@ from quanta.core.stream import RequestOutput
 from quanta.core.watchdog import Watchdog
 from quanta.frontends.triton.drain import DrainWatch, drain_dir_from_env
 from quanta.frontends.triton.inputs import HEALTH_INPUT, INPUTS, is_reset_request, parse_request
-from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter
+from quanta.frontends.triton.metrics import FinishedRecord, MetricsReporter, PrefilledRecord
 from quanta.frontends.triton.responder import (
     InflightRequest,
     Reply,
@@ -196,6 +196,7 @@ class TritonPythonModel:
             info=self._engine.describe(),
             restarts=int(os.environ.get("QUANTA_SERVER_RESTARTS", "0") or 0),
             health=self._health,
+            step_tokens=self._loop.take_step_tokens,
         )
         responses = TritonResponses(pb_utils, batch_dim=settings.io_layout == "tensorrt_llm")
         self._responder_final_flag = responses.final_flag
@@ -203,6 +204,7 @@ class TritonPythonModel:
             responses,
             self._loop.cancel,
             on_finished=self._finished,
+            on_prefilled=self._prefilled,
             cancel_check_interval=settings.cancel_check_interval_ms / 1000,
         )
         self._loop.start()
@@ -265,6 +267,7 @@ class TritonPythonModel:
                     metadata=parsed.metadata,
                     request_id=f"{rid}.{i}" if n > 1 else rid,
                     bad_words=parsed.bad_words,
+                    pooling=parsed.pooling,
                 )
                 for i in range(n)
             ]
@@ -290,6 +293,8 @@ class TritonPythonModel:
                 top_log_probs=parsed.top_log_probs,
                 return_prompt_log_probs=parsed.return_prompt_log_probs,
                 sequence_index=i if n > 1 else None,
+                embedding=parsed.pooling is not None,
+                num_prompt_tokens=r.num_prompt_tokens,
             )
             if parsed.echo:
                 member.echo_ids = tuple(r.prompt_token_ids)
@@ -391,7 +396,13 @@ class TritonPythonModel:
                 finish_reason=reason or "unknown",
                 throttled=error is not None and error.code == "resource_exhausted",
                 metrics=out.metrics,
+                prompt_counted=inflight.prefilled,
             )
+        )
+
+    def _prefilled(self, inflight: InflightRequest) -> None:
+        self._metrics.record(
+            PrefilledRecord(inflight.tenant, inflight.priority_class, inflight.num_prompt_tokens)
         )
 
 

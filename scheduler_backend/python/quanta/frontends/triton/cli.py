@@ -17,11 +17,11 @@ import typer
 from quanta.cli_options import (
     api_key_policies,
     check_state_policy,
-    parse_options,
     with_key_weights,
 )
 from quanta.config.cli import env_prefix, options_from
 from quanta.config.models import CacheArgs, EngineArgs, SchedulerArgs, ServingArgs
+from quanta.core.pooling import PoolingParams
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -94,6 +94,8 @@ def serve(
         "max_model_len": engine.max_seq_len,
         "max_prompt_bytes": serving.max_prompt_bytes,
         "allowed_hosts": tuple(serving.allowed_hosts or ()),
+        "pooler_config": serving.pooler_config or PoolingParams(),
+        "tool_call_parser": serving.tool_call_parser,
     }
     with tempfile.TemporaryDirectory(prefix="quanta-models-") as tmp:
         repo = model_repository
@@ -215,7 +217,7 @@ def serve(
 
 def _policy_options(scheduler: SchedulerArgs) -> dict[str, Any] | None:
     """``--policy-option`` pairs and ``--state-url`` as the policy's options (None: none)."""
-    options = parse_options(scheduler.policy_option) if scheduler.policy_option else None
+    options = scheduler.policy_options() or None
     if scheduler.state_url is not None:
         options = {**(options or {}), "state_url": scheduler.state_url}
         check_state_policy(scheduler.policy, options)
@@ -324,6 +326,8 @@ def _start_gateway(
             model_name=model_name,
             model_dir=model_dir_from_repository(repo, model_name),
             state_dir=state_dir,
+            # NOTE: one server's only: several would repeat the same series under one name
+            engine_metrics_url=servers[0].metrics_url if len(servers) == 1 else None,
             **gateway_options,
         )
     except GatewayError as exc:  # reported (and Triton stopped) like a failed launch

@@ -30,6 +30,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from quanta.core.errors import InvalidRequestError
+from quanta.core.pooling import PoolingParams
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.core.structured import StructuredOutput
 
@@ -86,6 +87,17 @@ def _one_stop_token(ids: tuple[int, ...]) -> int:
     return ids[0]
 
 
+def _json_object(name: str, text: str) -> dict[str, Any]:
+    """An input that carries a JSON object as text; anything else is refused naming it."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"input '{name}' is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"input '{name}' must be a JSON object")
+    return value
+
+
 MAX_SEQUENCES = 16  # num_return_sequences: each is a request of its own in the engine
 _S, _I, _U, _F, _B = "TYPE_STRING", "TYPE_INT32", "TYPE_UINT64", "TYPE_FP32", "TYPE_BOOL"
 
@@ -99,6 +111,12 @@ INPUTS: tuple[Input, ...] = (
     Input("temperature", _F, "0 is greedy", sampling="temperature", always_sent=True),
     Input("top_k", _I, "0: off", sampling="top_k", always_sent=True),
     Input("top_p", _F, "1: off", sampling="top_p", always_sent=True),
+    Input(
+        "min_p",
+        _F,
+        "0: off; drops tokens under min_p x the top one's probability",
+        sampling="min_p",
+    ),
     Input("seed", _U, "the random stream; sequence i of several uses seed + i", sampling="seed"),
     Input("stop_words", _S, "strings that end the output", many=True, sampling="stop"),
     Input(
@@ -154,6 +172,14 @@ INPUTS: tuple[Input, ...] = (
     ),
     Input("min_length", _I, "TensorRT-LLM's older name of min_tokens"),
     Input("bad_words", _S, "strings never generated (tokenized by the engine)", many=True),
+    Input(
+        "logit_bias",
+        _S,
+        'OpenAI\'s, as a JSON object: {"token id": bias in [-100, 100]} added to the logits',
+        sampling="logit_bias",
+        to_param=lambda text: _json_object("logit_bias", text),
+        to_tensor=lambda bias: json.dumps({str(t): b for t, b in bias.items()}),
+    ),
     Input("return_log_probs", _B, "log-probabilities of the output tokens"),
     Input("top_log_probs", _I, "also the N most likely tokens' (0-20); implies return_log_probs"),
     Input("return_prompt_log_probs", _B, "the prompt tokens' too (echo)"),
@@ -176,6 +202,9 @@ INPUTS: tuple[Input, ...] = (
     # -- TensorRT-LLM's structured output ----------------------------------------------------
     Input("guided_decoding_guide_type", _S, "json, json_schema, regex, ebnf_grammar or choice"),
     Input("guided_decoding_guide", _S, "the schema, regex, grammar or JSON array of choices"),
+    # -- embeddings (Quanta): the prompt's pooled hidden states instead of generated text ---
+    Input("pooling", _S, "LAST or MEAN: embed the prompt (output embedding), generate nothing"),
+    Input("normalize", _B, "with pooling: scale the embedding to unit L2 norm (default true)"),
     # -- control requests (Quanta): a request of their own, no other input -------------------
     Input("reset_prefix_cache", _B, "true: the engine forgets every cached prefix"),
     Input("health_check", _B, "true: an empty final response while the engine serves"),
@@ -206,9 +235,11 @@ def request_inputs(
     *,
     stream: bool,
     metadata: RequestMetadata | None = None,
+    pooling: PoolingParams | None = None,
 ) -> dict[str, Any]:
     """The model inputs for one request, as JSON-able values keyed by tensor name; raises
-    ``ValueError`` for settings no input can carry."""
+    ``ValueError`` for settings no input can carry. With ``pooling`` the request embeds its
+    prompt (``params`` are then not used)."""
     inputs: dict[str, Any] = (
         {"input_ids": list(prompt)} if isinstance(prompt, list) else {"text_input": prompt}
     )
@@ -228,6 +259,8 @@ def request_inputs(
     if metadata is not None:
         given = metadata.model_dump(exclude_none=True)
         inputs |= {s.name: given[s.metadata] for s in INPUTS if s.metadata in given}
+    if pooling is not None:
+        inputs |= {"pooling": pooling.pooling_type, "normalize": pooling.normalize}
     return inputs
 
 
@@ -270,6 +303,7 @@ class ParsedRequest:
     return_prompt_log_probs: bool = False
     num_return_sequences: int = 1
     bad_words: tuple[str, ...] = ()  # tokenized by the engine into SamplingParams.bad_words_ids
+    pooling: PoolingParams | None = None  # an embedding request (``core/pooling.py``)
 
 
 def parse_request(
@@ -330,6 +364,7 @@ def parse_request(
         return_prompt_log_probs=return_prompt_log_probs,
         num_return_sequences=n,
         bad_words=tuple(values.get("bad_words", ())),
+        pooling=_pooling(values, n),
     )
 
 
@@ -418,6 +453,23 @@ def _structured_output(values: dict[str, Any]) -> StructuredOutput | None:
         raise InvalidRequestError(f"input 'guided_decoding_guide': {detail}") from None
     except ValueError as exc:
         raise InvalidRequestError(f"input 'guided_decoding_guide': {exc}") from None
+
+
+def _pooling(values: dict[str, Any], num_return_sequences: int) -> PoolingParams | None:
+    """An embedding request's pooling, from ``pooling`` and ``normalize``."""
+    if "pooling" not in values:
+        if "normalize" in values:
+            raise InvalidRequestError("input 'normalize' needs 'pooling' (LAST or MEAN)")
+        return None
+    if num_return_sequences != 1:
+        raise InvalidRequestError("input 'pooling' makes one embedding: num_return_sequences 1")
+    fields = {"pooling_type": values["pooling"], "normalize": values.get("normalize", True)}
+    try:
+        return PoolingParams(**fields)
+    except ValidationError:
+        raise InvalidRequestError(
+            f"input 'pooling' must be LAST or MEAN, got {values['pooling']!r}"
+        ) from None
 
 
 def _prompt(values: dict[str, Any]) -> str | list[int]:

@@ -25,6 +25,14 @@ TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                50.0, 60.0, 120.0]
+# the phases of a request (queue, prefill, decode, inference): vLLM's, down to a CPU's 5 ms
+PHASE_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0,
+                 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0]
+# token counts: 1-2-5 steps, as vLLM's
+TOKEN_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0,
+                 5000.0, 10000.0, 20000.0, 50000.0, 100000.0]
+ITERATION_BUCKETS = [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+                     4096.0, 8192.0, 16384.0]
 # fmt: on
 
 # name -> (kind, description, buckets)
@@ -43,6 +51,52 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
         "HISTOGRAM",
         "Time from arrival to the end of each finished request.",
         E2E_BUCKETS,
+    ),
+    "quanta_inter_token_latency_seconds": (
+        "HISTOGRAM",
+        "Time between consecutive output tokens of a request (each gap; tokens of one "
+        "speculative step share a time).",
+        TPOT_BUCKETS,
+    ),
+    "quanta_request_queue_time_seconds": (
+        "HISTOGRAM",
+        "Time from arrival to first being scheduled.",
+        PHASE_BUCKETS,
+    ),
+    "quanta_request_prefill_time_seconds": (
+        "HISTOGRAM",
+        "Time from first being scheduled to the first generated token.",
+        PHASE_BUCKETS,
+    ),
+    "quanta_request_decode_time_seconds": (
+        "HISTOGRAM",
+        "Time from the first generated token to the last.",
+        PHASE_BUCKETS,
+    ),
+    "quanta_request_inference_time_seconds": (
+        "HISTOGRAM",
+        "Time from first being scheduled to the last generated token (prefill + decode).",
+        PHASE_BUCKETS,
+    ),
+    "quanta_request_prompt_tokens": (
+        "HISTOGRAM",
+        "Prompt length of each finished request, in tokens.",
+        TOKEN_BUCKETS,
+    ),
+    "quanta_request_generation_tokens": (
+        "HISTOGRAM",
+        "Generated tokens of each finished request.",
+        TOKEN_BUCKETS,
+    ),
+    "quanta_iteration_tokens_total": (
+        "HISTOGRAM",
+        "Tokens computed by each engine step (prefill chunks and decodes together).",
+        ITERATION_BUCKETS,
+    ),
+    "quanta_kv_cache_usage_perc": (
+        "GAUGE",
+        "Fraction of the device tier's KV blocks in use, 0 to 1 (vLLM's kv_cache_usage_perc).",
+        None,
     ),
     "quanta_engine_info": (
         "GAUGE",
@@ -158,7 +212,8 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     ),
     "quanta_prompt_tokens_total": (
         "COUNTER",
-        "Prompt tokens of finished requests, by tenant and priority class.",
+        "Prompt tokens, by tenant and priority class: counted when a request's first token "
+        "comes out (its prompt was computed), or when it ends without one.",
         None,
     ),
     "quanta_request_finished_total": ("COUNTER", "Finished requests, by finish reason.", None),
@@ -211,6 +266,16 @@ class FinishedRecord:
     finish_reason: str
     throttled: bool
     metrics: RequestMetrics | None
+    prompt_counted: bool = False  # its prompt tokens went in at its first token (``prefilled``)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefilledRecord:
+    """A request whose first token came out: its prompt was computed."""
+
+    tenant: str
+    priority_class: str
+    num_prompt_tokens: int
 
 
 class TenantLabels:
@@ -248,8 +313,10 @@ class MetricsReporter:
         info: dict[str, str] | None = None,
         restarts: int = 0,
         health: Callable[[], LoopHealth] | None = None,
+        step_tokens: Callable[[], list[int]] | None = None,
     ) -> None:
         self._labels = labels
+        self._step_tokens = step_tokens
         self._health = health
         self._restarts = restarts
         self._info = tuple(sorted((info or {}).items()))
@@ -263,7 +330,7 @@ class MetricsReporter:
             for name, (kind, desc, _) in FAMILIES.items()
         }
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
-        self._pending: list[FinishedRecord] = []
+        self._pending: list[FinishedRecord | PrefilledRecord] = []
         self._lock = threading.Lock()
         self._last: LoopStats | None = None
         self._state_errors = 0
@@ -278,7 +345,7 @@ class MetricsReporter:
         self.flush()
         self._thread.start()
 
-    def record(self, record: FinishedRecord) -> None:
+    def record(self, record: FinishedRecord | PrefilledRecord) -> None:
         """Called on the response thread: just remember it."""
         with self._lock:
             self._pending.append(record)
@@ -305,8 +372,14 @@ class MetricsReporter:
             h = self._health()
             self._metric("quanta_engine_healthy").set(1.0 if h.healthy else 0.0)
             self._metric("quanta_engine_seconds_since_step").set(h.seconds_since_step)
+        if self._step_tokens is not None:
+            for tokens in self._step_tokens():
+                self._metric("quanta_iteration_tokens_total").observe(float(tokens))
         for rec in pending:
-            self._apply_finished(rec)
+            if isinstance(rec, PrefilledRecord):
+                self._count_prompt(rec.tenant, rec.priority_class, rec.num_prompt_tokens)
+            else:
+                self._apply_finished(rec)
 
     def _apply_stats(self, s: LoopStats) -> None:
         gauges = {
@@ -325,6 +398,8 @@ class MetricsReporter:
         }
         for (name, labels), value in gauges.items():
             self._metric(name, labels).set(float(value))
+        usage = s.device_blocks_used / s.device_blocks_total if s.device_blocks_total else 0.0
+        self._metric("quanta_kv_cache_usage_perc").set(usage)
         last = self._last
         counters = {
             (name, labels): getattr(s, field) - (getattr(last, field) if last else 0)
@@ -356,7 +431,11 @@ class MetricsReporter:
             self._metric("quanta_generation_tokens_total", who).increment(
                 float(m.num_output_tokens)
             )
-        self._metric("quanta_prompt_tokens_total", who).increment(float(m.num_prompt_tokens))
+        if not rec.prompt_counted:
+            self._count_prompt(rec.tenant, rec.priority_class, m.num_prompt_tokens)
+        self._metric("quanta_request_prompt_tokens").observe(float(m.num_prompt_tokens))
+        self._metric("quanta_request_generation_tokens").observe(float(m.num_output_tokens))
+        self._observe_phases(m)
         service = 0 if rec.throttled else m.num_prompt_tokens + 2 * m.num_output_tokens
         if service:
             self._metric("quanta_tenant_service_tokens_total", tenant).increment(float(service))
@@ -378,6 +457,28 @@ class MetricsReporter:
             tpot = max(0.0, decode_time / (len(m.token_times) - 1))
             self._metric("quanta_time_per_output_token_seconds").observe(tpot)
             self._metric("quanta_class_time_per_output_token_seconds", cls).observe(tpot)
+
+    def _count_prompt(self, tenant: str, priority_class: str, tokens: int) -> None:
+        who = (("tenant", self._tenant(tenant)), ("priority_class", priority_class))
+        self._metric("quanta_prompt_tokens_total", who).increment(float(tokens))
+
+    def _observe_phases(self, m: RequestMetrics) -> None:
+        """The phase histograms of one finished request, as vLLM splits its life: queued,
+        prefill (to the first token), decode (to the last), and each gap between tokens."""
+        scheduled, first = m.first_scheduled_time, m.first_token_time
+        if scheduled is not None:
+            self._metric("quanta_request_queue_time_seconds").observe(
+                max(0.0, scheduled - m.arrival_time)
+            )
+        if scheduled is None or first is None or not m.token_times:
+            return
+        last = m.token_times[-1]
+        self._metric("quanta_request_prefill_time_seconds").observe(max(0.0, first - scheduled))
+        self._metric("quanta_request_decode_time_seconds").observe(max(0.0, last - first))
+        self._metric("quanta_request_inference_time_seconds").observe(max(0.0, last - scheduled))
+        itl = self._metric("quanta_inter_token_latency_seconds")
+        for before, after in zip(m.token_times, m.token_times[1:], strict=False):
+            itl.observe(max(0.0, after - before))
 
     def _metric(self, name: str, labels: tuple[tuple[str, str], ...] = ()) -> Any:
         key = (name, labels)

@@ -11,8 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from quanta.config.pbtxt import parameters
 from quanta.core.sizes import parse_size
 from quanta.frontends.triton.repository import render_config
+
+_SIZES = ("kv_cache_memory", "host_cache_memory")
 
 
 class EntryError(ValueError):
@@ -20,13 +23,15 @@ class EntryError(ValueError):
 
 
 def served_parameters(**settings: Any) -> dict[str, str]:
-    """``config.pbtxt`` parameters for the settings given (None means "not given")."""
-    renamed = {"kv_cache_memory": "device_bytes", "host_cache_memory": "host_bytes"}
+    """``config.pbtxt`` parameters for the settings given (None means "not given"), named
+    by the config models' ``Pbtxt`` keys (``kv_cache_memory`` is ``device_bytes``, written
+    in bytes)."""
+    renamed = {p.field: p.key for p in parameters().values()}
     out: dict[str, str] = {}
     for key, value in settings.items():
         if value is None:
             continue
-        if key in renamed:
+        if key in _SIZES:
             try:
                 value = parse_size(value)
             except ValueError as exc:

@@ -66,6 +66,9 @@ class InflightRequest:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # accumulated when not streaming
     cumulative_logprob: float = 0.0
     sequence_index: int | None = None  # one of num_return_sequences: said in every response
+    embedding: bool = False  # an embedding request: its final response carries the vector
+    num_prompt_tokens: int = 0
+    prefilled: bool = False  # its first token came out (``on_prefilled`` was called)
     cancelled: bool = False
     last_cancel_check: float = 0.0
 
@@ -112,11 +115,13 @@ class Responder:
         cancel: Callable[[str], None],
         *,
         on_finished: Finished | None = None,
+        on_prefilled: Callable[[InflightRequest], None] | None = None,
         cancel_check_interval: float = 0.02,
     ) -> None:
         self._factory = factory
         self._cancel = cancel
         self._on_finished = on_finished
+        self._on_prefilled = on_prefilled
         self._interval = cancel_check_interval
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, InflightRequest] = {}
@@ -207,6 +212,10 @@ class Responder:
             self._sweep()
 
     def _handle(self, inflight: InflightRequest, out: RequestOutput) -> None:
+        if out.new_token_ids and not inflight.prefilled:
+            inflight.prefilled = True
+            if self._on_prefilled is not None:
+                self._on_prefilled(inflight)
         new_logprobs = list(out.logprobs)
         inflight.cumulative_logprob += sum(lp.logprob for lp in new_logprobs)
         want, top = inflight.return_log_probs, inflight.top_log_probs
@@ -252,6 +261,7 @@ class Responder:
                 top=top,
                 cumulative_logprob=inflight.cumulative_logprob if want else None,
                 sequence_index=inflight.sequence_index,
+                embedding=out.embedding if inflight.embedding else None,
                 **_take_prompt(inflight),
             )
             response = self._factory.response(arrays)
@@ -355,4 +365,5 @@ def _merge(deltas: list[RequestOutput]) -> RequestOutput:
         tuple(lp for d in deltas for lp in d.logprobs),
         tuple(t for d in deltas for t in d.prompt_token_ids),
         tuple(lp for d in deltas for lp in d.prompt_logprobs),
+        last.embedding,
     )

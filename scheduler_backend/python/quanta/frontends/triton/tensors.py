@@ -37,6 +37,8 @@ OUTPUTS: tuple[tuple[str, str, list[int]], ...] = (
     ("prompt_log_probs", "TYPE_FP32", [-1]),
     ("prompt_top_log_prob_ids", "TYPE_INT32", [-1]),
     ("prompt_top_log_probs", "TYPE_FP32", [-1]),
+    # with pooling, on the final response: the prompt's embedding (``core/pooling.py``)
+    ("embedding", "TYPE_FP32", [-1]),
 )
 # The tensorrt_llm layout declares a batch dimension (as TensorRT-LLM's configs do) of one
 # request per Triton request; the engine batches across requests itself.
@@ -59,6 +61,7 @@ def output_arrays(
     sequence_index: int | None = None,
     prompt_ids: Sequence[int] = (),
     prompt_logprobs: Sequence[TokenLogprob] | None = None,
+    embedding: Sequence[float] | None = None,
 ) -> dict[str, np.ndarray]:
     """Output tensors of one response; the final one also carries timing and accounting."""
     arrays = {
@@ -73,6 +76,8 @@ def output_arrays(
     if prompt_logprobs is not None:
         arrays["prompt_ids"] = np.array(prompt_ids, dtype=np.int32)
         arrays.update(_logprob_arrays("prompt_", prompt_logprobs, top))
+    if embedding is not None:
+        arrays["embedding"] = np.array(embedding, dtype=np.float32)
     if cumulative_logprob is not None:
         arrays["cum_log_probs"] = np.array([cumulative_logprob], dtype=np.float32)
     if finish_reason is not None:
