@@ -18,7 +18,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from quanta.build.checkpoint import PRESET_FILE, ensure_checkpoint, make_checkpoint, tensor_specs
+from quanta.build.checkpoint import (
+    PRESET_FILE,
+    ensure_checkpoint,
+    hf_config,
+    make_checkpoint,
+    tensor_specs,
+)
 from quanta.build.presets import PRESETS, TINY_VOCAB_SIZE, ModelPreset, get_preset
 from quanta.build.tokenizer import TOKENIZER_VOCAB_TARGET, build_tokenizer
 from quanta.text.tokenizer import load_tokenizer
@@ -55,9 +61,27 @@ def _files(directory: Path) -> dict[str, bytes]:
 # --- presets and layout -------------------------------------------------------------------
 
 
+# Real-shape presets past a billion parameters (Mistral-7B, Qwen3-8B, Phi-3-mini) are there for
+# their shapes (the simulator, the cost model, GPU benchmarks); writing one takes 15-33 GB in
+# fp32, more than a test machine holds, so the suite checks what their shape implies instead.
+_WRITTEN = sorted(n for n, p in PRESETS.items() if p.num_parameters() <= 1_000_000_000)
+_SHAPE_ONLY = sorted(set(PRESETS) - set(_WRITTEN))
+
+
+@pytest.mark.parametrize("name", _SHAPE_ONLY)
+def test_a_large_preset_implies_its_published_size_and_config(name: str) -> None:
+    preset = PRESETS[name]
+    specs = tensor_specs(preset)
+    assert sum(torch.Size(shape).numel() for _, shape, _ in specs) == preset.num_parameters()
+    config = hf_config(preset)
+    assert config["vocab_size"] == preset.shape.vocab_size
+    assert config["num_hidden_layers"] == preset.shape.num_layers
+    assert config["hidden_size"] == preset.shape.hidden_size
+
+
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=[] if "tiny" in n else [pytest.mark.slow]) for n in sorted(PRESETS)],
+    [pytest.param(n, marks=[] if "tiny" in n else [pytest.mark.slow]) for n in _WRITTEN],
 )
 def test_every_preset_builds_with_the_shape_it_implies(checkpoint: Checkpoint, name: str) -> None:
     preset = PRESETS[name]
