@@ -32,7 +32,7 @@ app.add_typer(bench_app, name="bench")
 @app.command("make-model")
 @options_from(engine=EngineArgs, only={"engine": ("dtype",)}, defaults={"dtype": "float32"})
 def make_model(
-    preset: Annotated[str, typer.Argument(help="opt-tiny, llama-tiny, opt-125m, llama-100m")],
+    preset: Annotated[str, typer.Argument(help="opt-tiny, llama-tiny, qwen2-tiny, phi3-mini, ...")],
     out: Annotated[Path, typer.Option("--out", help="directory to write")],
     seed: Annotated[int, typer.Option(help="weights are a function of the seed")] = 0,
     overwrite: Annotated[bool, typer.Option(help="replace an existing directory")] = False,

@@ -46,7 +46,7 @@ BUILD_DEFAULTS = {
 @options_from(engine=EngineArgs, cache=CacheArgs, only=BUILD_OPTIONS, defaults=BUILD_DEFAULTS)
 def build(
     checkpoint: Annotated[
-        Path, typer.Argument(help="HF checkpoint directory (OPT or LLaMA) or a LLaMA .gguf file")
+        Path, typer.Argument(help="HF checkpoint directory or a LLaMA .gguf file")
     ],
     out: Annotated[Path, typer.Option("--out", help="engine directory to write")],
     name: Annotated[str | None, typer.Option(help="engine name (default: --out's name)")] = None,

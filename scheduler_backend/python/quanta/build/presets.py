@@ -39,6 +39,8 @@ class ModelPreset(BaseModel):
     rms_norm_eps: float | None = None
     # OPT only: embedding width (project_in/project_out exist when it differs from hidden_size).
     word_embed_proj_dim: int | None = None
+    # Kit families: the LM head is the embedding (Qwen2.5-0.5B's is; most larger models' not).
+    tie_word_embeddings: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -150,6 +152,8 @@ _KIT_SHAPES = {
     "phi3": ("phi3-tiny", "phi3-mini", (32064, 3072, 32, 32, 32, 8192, 4096), 1e-5, 1e4),
     "gemma2": ("gemma2-tiny", None, (), 1e-6, 1e4),
 }
+# The real models whose LM head is their embedding, as their config.json says.
+_TIED = {"qwen2.5-0.5b"}
 for _family, (_tiny, _real, _sizes, _eps, _theta) in _KIT_SHAPES.items():
     PRESETS[_tiny] = ModelPreset(
         name=_tiny,
@@ -159,7 +163,11 @@ for _family, (_tiny, _real, _sizes, _eps, _theta) in _KIT_SHAPES.items():
     )
     if _real is not None:
         PRESETS[_real] = ModelPreset(
-            name=_real, shape=_shape(_family, *_sizes), rope_theta=_theta, rms_norm_eps=_eps
+            name=_real,
+            shape=_shape(_family, *_sizes),
+            rope_theta=_theta,
+            rms_norm_eps=_eps,
+            tie_word_embeddings=_real in _TIED,
         )
 
 

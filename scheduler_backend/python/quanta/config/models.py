@@ -381,7 +381,7 @@ class BackendArgs(_Options):
     preset: Annotated[str | None, Pbtxt()] = Field(
         None,
         description="build this random-weight preset into model_dir when it is missing "
-        "(opt-tiny, llama-tiny, opt-125m, llama-100m)",
+        "(any of quanta make-model's presets, e.g. opt-tiny, llama-tiny, qwen2-tiny)",
     )
     preset_seed: Annotated[int, Pbtxt()] = Field(
         0, ge=0, description="the preset's weights are a function of this seed"

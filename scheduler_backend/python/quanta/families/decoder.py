@@ -116,7 +116,7 @@ def hf_config(preset: ModelPreset, architecture: str, **keys: object) -> dict[st
         "num_key_value_heads": shape.num_kv_heads,
         "rms_norm_eps": preset.rms_norm_eps,
         "rope_theta": preset.rope_theta,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": preset.tie_word_embeddings,
         **keys,
     }
 
@@ -158,6 +158,6 @@ def tensor_specs(
             names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         out += [(f"{lp}{n}.weight", (h,), norm) for n in names]
     out += [("model.norm.weight", (h,), norm)]
-    if not tied:
+    if not (tied or preset.tie_word_embeddings):
         out += [("lm_head.weight", (v, h), "normal")]
     return out

@@ -74,6 +74,8 @@ def check_preset(preset: ModelPreset) -> None:
         raise ValueError("llama presets need rms_norm_eps")
     if preset.word_embed_proj_dim is not None:
         raise ValueError("word_embed_proj_dim is an OPT field")
+    if preset.tie_word_embeddings:
+        raise ValueError("llama presets write an untied LM head")
 
 
 def hf_config(preset: ModelPreset) -> dict[str, object]:

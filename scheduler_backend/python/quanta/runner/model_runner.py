@@ -114,7 +114,8 @@ _PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
-    """Loads an OPT or LLaMA checkpoint and executes scheduler steps over a paged KV cache."""
+    """Loads a checkpoint of a registered family and executes scheduler steps over a paged KV
+    cache."""
 
     def __init__(
         self,
