@@ -343,3 +343,15 @@ def test_a_preset_checkpoint_written_in_bfloat16_builds_to_float32(tmp_path):
     assert m.dtype == "float32"
     with safe_open(str(tmp_path / "e" / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.decoder.embed_tokens.weight").dtype == torch.float32
+
+
+def test_a_template_that_refuses_a_system_turn_still_builds(checkpoints, tmp_path):
+    """Gemma 2's template refuses a system message; that is its answer to one conversation,
+    not a template the gateway cannot run, so the engine builds and keeps it."""
+    from family_chat_templates import GEMMA2
+
+    source = copy_engine(checkpoints["opt-tiny"], tmp_path / "source")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": GEMMA2}))
+    build_engine_dir(source, tmp_path / "out", BuildOptions(**SMALL))
+    assert read_manifest(tmp_path / "out").chat_template

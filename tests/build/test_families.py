@@ -123,3 +123,28 @@ def test_reading_configs_and_presets_loads_no_model_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [True, []]
+
+
+@pytest.mark.parametrize(
+    ("family", "keys"),
+    [
+        ("gemma2", {"sliding_window": 16}),
+        ("mistral", {"sliding_window": 16}),
+        ("qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 2}),
+        ("qwen2", {"sliding_window": 16}),
+        ("qwen3", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}),
+    ],
+)
+def test_a_config_without_layer_types_slides_where_transformers_does(family, keys):
+    """Hub configs written before ``layer_types`` existed name only a window; each layer then
+    slides or not as transformers' own config class decides (Gemma 2 alternates)."""
+    from quanta.families.decoder import sliding_windows
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(family, num_hidden_layers=4, **keys)
+    if not getattr(hf, "sliding_window", None):
+        types = ["full_attention"] * 4
+    else:  # Mistral's config has no layer types: every layer slides
+        types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 4
+    expected = tuple(16 if t == "sliding_attention" else 0 for t in types)
+    assert (sliding_windows(keys, 4, family) or (0,) * 4) == expected

@@ -111,8 +111,8 @@ def test_engine_from_gguf_answers_as_the_checkpoints_engine(checkpoint, tmp_path
     ("kwargs", "message"),
     [
         ({"arch": "gpt2"}, "GGUF architecture 'gpt2' is not supported"),
-        ({"tokenizer_model": "llama"}, "GGUF tokenizer model 'llama' is not supported"),
-        ({"pre": "qwen2"}, "GGUF pre-tokenizer 'qwen2' is not supported"),
+        ({"tokenizer_model": "bert"}, "GGUF tokenizer model 'bert' is not supported"),
+        ({"pre": "chatglm-bpe"}, "GGUF pre-tokenizer 'chatglm-bpe' is not supported"),
     ],
 )
 def test_what_cannot_be_read_is_named(checkpoint, tmp_path, kwargs, message):

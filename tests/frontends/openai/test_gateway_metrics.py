@@ -121,6 +121,20 @@ def test_no_client_chosen_value_becomes_a_label(gateway):
     assert value(found, "quanta_gateway_requests_total", **unmatched) == 5
 
 
+def test_routes_of_included_routers_are_labelled_by_their_template(gateway):
+    """The tokenizer, embeddings, responses and Batch API routes live on routers of their own
+    that the app includes; each is still counted under its template, not as ``unmatched``."""
+    assert call(gateway, "/detokenize", {"tokens": [1]}) == 400  # no tokenizer here
+    assert call(gateway, "/v1/responses", {"model": MODEL, "input": "Hi", "bogus": 1}) == 400
+    assert call(gateway, "/v1/embeddings", {"model": MODEL, "input": "Hi", "dimensions": 8}) == 400
+    assert call(gateway, "/v1/files/file-none") == 404
+    assert call(gateway, "/version") == 200
+    routes = label_values(samples(gateway), "quanta_gateway_requests_total", "route")
+    included = {"/detokenize", "/v1/responses", "/v1/embeddings", "/v1/files/{file_id}", "/version"}
+    assert included <= routes
+    assert "unmatched" not in routes
+
+
 def test_an_api_keys_tenant_is_the_label_and_refusals_count_by_error_code(keyed):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "user": "mallory"}
     assert call(keyed, "/v1/completions", body, key=ALICE) == 200

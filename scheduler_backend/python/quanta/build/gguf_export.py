@@ -1,8 +1,9 @@
-"""Write a GGUF file from an HF-layout LLaMA checkpoint, the way llama.cpp's converter does.
+"""Write a GGUF file from an HF-layout checkpoint, the way llama.cpp's converter does.
 
 Why Quanta writes GGUF at all: to hand llama.cpp exactly the weights Quanta serves (the quality
 and speed benchmarks run llama.cpp at F16 on a dequantized model), and to give the import tests
-files whose every byte is known. The q/k rows are permuted with llama.cpp's own formula, the
+files whose every byte is known, for every architecture ``gguf_arch`` maps. LLaMA's q/k rows
+are permuted with llama.cpp's own formula, Gemma's norms stored as ``1 + w``, the
 tokenizer goes in as token list, token types and merges, and tensors are stored as F32, F16 or
 quantized with the ``gguf`` library's reference quantizer.
 """
@@ -16,19 +17,8 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
+from quanta.build.gguf_arch import ARCHITECTURES, TOP_TENSORS, GgufArch
 from quanta.runner.models.loader import checkpoint_files
-
-_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 
 
 def permute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -40,16 +30,12 @@ def permute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def gguf_name(hf: str) -> str:
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
+def gguf_name(hf: str, arch: GgufArch = ARCHITECTURES["llama"]) -> str:
+    top = {h: g for g, h in TOP_TENSORS.items()}
     if hf in top:
         return top[hf]
     _, _, index, rest = hf.split(".", 3)
-    return f"blk.{index}.{_NAMES[rest]}"
+    return f"blk.{index}.{arch.gguf_block_name(rest)}"
 
 
 def _quantized(
@@ -66,16 +52,20 @@ def write_gguf(
     out: Path,
     *,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-    arch: str = "llama",
+    arch: str | None = None,
     tokenizer_model: str = "gpt2",
     pre: str | None = None,
     chat_template: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``checkpoint`` as GGUF to ``out``; returns the HF-named float32 arrays a correct
-    reader must recover (after quantization, in HF's row order). ``pre`` defaults to what
-    the checkpoint's tokenizer.json splits like; ``arch``, ``tokenizer_model`` and ``pre``
-    may name what Quanta cannot read, for the tests of its refusals."""
+    reader must recover (after quantization, in HF's row order). ``arch`` defaults to the
+    checkpoint's model_type, ``pre`` to what the checkpoint's tokenizer.json splits like;
+    ``arch``, ``tokenizer_model`` and ``pre`` may name what Quanta cannot read, for the
+    tests of its refusals."""
     config = json.loads((checkpoint / "config.json").read_text())
+    # llama.cpp's converter writes Mistral as LLaMA (its sliding window dropped)
+    arch = arch or {"mistral": "llama"}.get(config["model_type"], config["model_type"])
+    layout = ARCHITECTURES.get(arch, ARCHITECTURES["llama"])
     tensors: dict[str, np.ndarray] = {}
     for path in checkpoint_files(checkpoint):  # torch reads bf16, which numpy cannot
         tensors |= {k: v.float().numpy() for k, v in load_file(str(path)).items()}
@@ -90,8 +80,19 @@ def write_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rotary = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(int(head_dim * rotary))
+    _add_rope_scaling(writer, config.get("rope_scaling") or rope)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if config.get("sliding_window") and arch == "gemma2":
+        writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     _add_tokenizer(writer, checkpoint, config, tokenizer_model, pre)
@@ -100,14 +101,16 @@ def write_gguf(
         writer.add_chat_template(template)
     expected: dict[str, np.ndarray] = {}
     for name, array in sorted(tensors.items()):
-        if name.endswith("q_proj.weight"):
+        if layout.rope_permuted and name.endswith("q_proj.weight"):
             array_gguf = permute_rope_rows(array, heads)
-        elif name.endswith("k_proj.weight"):
+        elif layout.rope_permuted and name.endswith("k_proj.weight"):
             array_gguf = permute_rope_rows(array, kv_heads)
+        elif layout.norm_offset and name.endswith("norm.weight"):
+            array_gguf = array + np.float32(layout.norm_offset)
         else:
             array_gguf = array
         data, kind = _quantized(array_gguf, qtype)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
+        writer.add_tensor(gguf_name(name, layout), data, raw_dtype=kind)
         # NOTE: rows are quantized one by one, so quantizing commutes with the row permutation:
         # what a correct reader recovers is the HF array quantized in place.
         expected[name] = gguf.quants.dequantize(*_quantized(array, qtype)).reshape(array.shape)
@@ -116,6 +119,17 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return expected
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict) -> None:
+    """Linear and yarn scaling as llama.cpp's converter records them."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in ("linear", "yarn"):
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+    writer.add_rope_scaling_factor(rope["factor"])
+    if kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _checkpoint_template(checkpoint: Path) -> str | None:
@@ -148,6 +162,8 @@ def _add_tokenizer(
     writer.add_token_merges(merges)
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(_first(config["eos_token_id"]))
+    if config.get("pad_token_id") is not None:
+        writer.add_pad_token_id(config["pad_token_id"])
     tok_config_path = checkpoint / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
     writer.add_add_bos_token(bool(tok_config.get("add_bos_token", True)))

@@ -8,17 +8,20 @@ from llama.cpp's ecosystem and one from the hub end up as the same kind of engin
 Three things differ from an HF export and are undone here:
 - weights are block-quantized (Q4_0, Q4_1, Q8_0, K-quants, ...): ``gguf``'s own dequantizer
   (llama.cpp's reference in numpy) turns each into float32;
-- llama.cpp's converter permutes the rows of q and k so its RoPE can rotate adjacent pairs;
-  HF's rotates the two halves of a head, so the permutation is inverted per head;
+- llama.cpp's converter changes some tensors per architecture (LLaMA's q/k rows permuted so
+  its RoPE can rotate adjacent pairs, Gemma's norms stored as ``1 + w``): ``gguf_arch`` says
+  which, and each is undone here;
 - the tokenizer is stored as a token list, token types and BPE merges in the metadata: a
-  ``tokenizers`` BPE is built from them with the pre-tokenizer llama.cpp names, and the chat
-  template and special tokens go into ``tokenizer_config.json`` as HF writes them.
+  ``tokenizers`` BPE is built from them with the pre-tokenizer llama.cpp names (a
+  SentencePiece vocabulary, which has scores instead of merges, gets the merges its scores
+  imply), and the chat template and special tokens go into ``tokenizer_config.json`` as HF
+  writes them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,34 +29,32 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
+from quanta.build.gguf_arch import ARCHITECTURES, TOP_TENSORS, GgufArch
 from quanta.build.gguf_kept import GgufKept, kept_weight
 from quanta.build.steps.base import BuildError
 
-# llama.cpp's token types (llama_token_type): 3 control (special), 4 user-defined (added).
-_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp's token types (llama_token_type): 2 unknown, 3 control (special), 4 user-defined
+# (added).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+_SPACE = "\u2581"  # SentencePiece's visible space
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# GGUF tensor name (per block after "blk.N.") -> HF LLaMA parameter name.
-_BLOCK_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+# Qwen2's split: LLaMA 3's with every digit on its own.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}", 1)
+_GEMMA2_27B_LAYERS = 46
 SHARD_BYTES = 1 << 30
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -94,17 +95,18 @@ def gguf_to_checkpoint(path: Path, out: Path, keep: frozenset[str] = frozenset()
     (``X.qweight``/``X.scales``/``X.zeros``) instead of dequantized."""
     reader = _open(path)
     meta = _Metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
+    arch_name = meta.get("general.architecture")
+    arch = ARCHITECTURES.get(arch_name)
+    if arch is None:
         raise BuildError(
-            f"{path.name}: GGUF architecture {arch!r} is not supported (only 'llama'; the "
-            "runner's LLaMA family covers LLaMA 1/2/3, SmolLM and lookalikes)"
+            f"{path.name}: GGUF architecture {arch_name!r} is not supported (supported: "
+            f"{', '.join(ARCHITECTURES)})"
         )
     tensors = {t.name: t for t in reader.tensors}
-    config = _llama_config(meta, tensors, path)
+    config = _config(meta, tensors, path, arch)
     tokenizer = _tokenizer(meta, path)
     kept = GgufKept() if keep else None
-    _write_weights(tensors, config, out, path, keep, kept)
+    _write_weights(tensors, config, arch, out, path, keep, kept)
     _write_json(out / "config.json", config)
     special = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
@@ -116,7 +118,7 @@ def gguf_to_checkpoint(path: Path, out: Path, keep: frozenset[str] = frozenset()
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     return GgufSummary(
-        architecture=arch,
+        architecture=arch.name,
         name=meta.get("general.name"),
         file_type=_file_type_name(meta.get("general.file_type")),
         tensor_types=types,
@@ -162,71 +164,114 @@ def _file_type_name(value: int | None) -> str:
         return f"file_type {value}"
 
 
-def _llama_config(meta: _Metadata, tensors: dict[str, Any], path: Path) -> dict[str, Any]:
-    """config.json as transformers writes it for LlamaForCausalLM."""
-    heads = int(meta.require("llama.attention.head_count", path))
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
-    hidden = int(meta.require("llama.embedding_length", path))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
-    rot_dim = meta.get("llama.rope.dimension_count")
+def _config(meta: _Metadata, tensors: dict[str, Any], path: Path, arch: GgufArch) -> dict[str, Any]:
+    """config.json as transformers writes it for the architecture's HF model."""
+
+    def key(name: str) -> str:
+        return f"{arch.name}.{name}"
+
+    heads = int(meta.require(key("attention.head_count"), path))
+    kv_heads = int(meta.get(key("attention.head_count_kv"), heads))
+    hidden = int(meta.require(key("embedding_length"), path))
+    head_dim = int(meta.get(key("attention.key_length"), hidden // heads))
+    rot_dim = meta.get(key("rope.dimension_count"))
+    config: dict[str, Any] = {}
     if rot_dim is not None and int(rot_dim) != head_dim:
-        raise BuildError(f"{path.name}: partial rotary embeddings ({rot_dim} of {head_dim})")
-    if "rope_freqs.weight" in tensors:
-        raise BuildError(f"{path.name}: per-frequency rope factors (rope_freqs) are not supported")
+        if not arch.partial_rotary:
+            raise BuildError(f"{path.name}: partial rotary embeddings ({rot_dim} of {head_dim})")
+        config["partial_rotary_factor"] = int(rot_dim) / head_dim
+    for name in tensors:
+        if name.startswith(("rope_freqs", "rope_factors")):
+            raise BuildError(f"{path.name}: per-frequency rope factors ({name}) are not supported")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise BuildError(f"{path.name}: no token_embd.weight tensor")
     vocab = int(embed.shape[1])  # GGUF shapes run innermost first: [hidden, vocab]
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config |= {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require("llama.feed_forward_length", path)),
-        "num_hidden_layers": int(meta.require("llama.block_count", path)),
+        "intermediate_size": int(meta.require(key("feed_forward_length"), path)),
+        "num_hidden_layers": int(meta.require(key("block_count"), path)),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "max_position_embeddings": int(meta.get(key("context_length"), 2048)),
         # stored as float32: 1e-05 reads back as 9.9999997e-06; HF's configs say 1e-05
-        "rms_norm_eps": _f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(meta, path),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        "rms_norm_eps": _f32(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        "rope_theta": _f32(meta.get(key("rope.freq_base"), 10000.0)),
+        "rope_scaling": _rope_scaling(meta, key, path),
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
+        **arch.extra_config,
     }
-    for key, gguf_key in (
+    if arch.name == "qwen3":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    window = meta.get(key("attention.sliding_window"))
+    if window is not None:
+        config["sliding_window"] = int(window)
+    if arch.name == "gemma2":
+        config |= _gemma2_config(meta, key, config)
+    for name, gguf_key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
         ("pad_token_id", "tokenizer.ggml.padding_token_id"),
     ):
         value = meta.get(gguf_key)
         if value is not None:
-            config[key] = int(value)
+            config[name] = int(value)
     return config
+
+
+def _gemma2_config(
+    meta: _Metadata, key: Callable[[str], str], config: dict[str, Any]
+) -> dict[str, Any]:
+    """Gemma 2's soft-caps (HF's defaults where the file names none), query scale and layer
+    pattern.
+
+    GGUF stores no ``query_pre_attn_scalar``: llama.cpp scales queries by ``1/sqrt(head_dim)``
+    (what Gemma 2 2B and 9B configure) except in the 46-layer 27B, by
+    ``1/sqrt(hidden/heads)``, so that is what the file means. Nor does it list
+    which layers slide: llama.cpp's Gemma 2 slides every even layer, as HF's does."""
+    layers = config["num_hidden_layers"]
+    scalar = config["head_dim"]
+    if layers == _GEMMA2_27B_LAYERS:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    attn_cap = meta.get(key("attn_logit_softcapping"))
+    final_cap = meta.get(key("final_logit_softcapping"))
+    return {
+        "attn_logit_softcapping": 50.0 if attn_cap is None else _f32(attn_cap),
+        "final_logit_softcapping": 30.0 if final_cap is None else _f32(final_cap),
+        "query_pre_attn_scalar": scalar,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+    }
 
 
 def _f32(value: float) -> float:
     return float(f"{float(value):.7g}")
 
 
-def _rope_scaling(meta: _Metadata, path: Path) -> dict[str, Any] | None:
-    kind = meta.get("llama.rope.scaling.type")
+def _rope_scaling(meta: _Metadata, key: Callable[[str], str], path: Path) -> dict[str, Any] | None:
+    kind = meta.get(key("rope.scaling.type"))
     if kind in (None, "none"):
         return None
+    factor = _f32(meta.require(key("rope.scaling.factor"), path))
     if kind == "linear":
-        factor = _f32(meta.require("llama.rope.scaling.factor", path))
         return {"rope_type": "linear", "factor": factor}
-    raise BuildError(f"{path.name}: rope scaling {kind!r} is not supported (only linear)")
+    if kind == "yarn":  # Qwen2.5's long-context setting
+        original = int(meta.require(key("rope.scaling.original_context_length"), path))
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    raise BuildError(f"{path.name}: rope scaling {kind!r} is not supported (only linear and yarn)")
 
 
 # -- weights ------------------------------------------------------------------------------------
 def _write_weights(
     tensors: dict[str, Any],
     config: dict[str, Any],
+    arch: GgufArch,
     out: Path,
     path: Path,
     keep: frozenset[str],
@@ -236,7 +281,7 @@ def _write_weights(
     SHARD_BYTES."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for hf_name, tensor in _hf_tensors(tensors, config, path, keep, kept):
+    for hf_name, tensor in _hf_tensors(tensors, config, arch, path, keep, kept):
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append({})
@@ -258,19 +303,22 @@ def _write_weights(
 def _hf_tensors(
     tensors: dict[str, Any],
     config: dict[str, Any],
+    arch: GgufArch,
     path: Path,
     keep: frozenset[str] = frozenset(),
     kept: GgufKept | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for name, tensor in tensors.items():
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, arch)
         if hf_name is None:
-            raise BuildError(f"{path.name}: tensor {name!r} has no counterpart in a LLaMA model")
+            raise BuildError(
+                f"{path.name}: tensor {name!r} has no counterpart in a {arch.hf_class} model"
+            )
         rope_heads = None
-        if hf_name.endswith("q_proj.weight"):
+        if arch.rope_permuted and hf_name.endswith("q_proj.weight"):
             rope_heads = heads
-        elif hf_name.endswith("k_proj.weight"):
+        elif arch.rope_permuted and hf_name.endswith("k_proj.weight"):
             rope_heads = kv_heads
         type_name = tensor.tensor_type.name
         linear = hf_name.endswith("proj.weight") or hf_name == "lm_head.weight"
@@ -293,17 +341,19 @@ def _hf_tensors(
         array = _dequantize(tensor, path)
         if rope_heads is not None:
             array = unpermute_rope_rows(array, rope_heads)
+        if arch.norm_offset and hf_name.endswith("norm.weight"):
+            array = array - np.float32(arch.norm_offset)
         yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
 
 
-def _hf_name(name: str) -> str | None:
-    if name in _TOP_TENSORS:
-        return _TOP_TENSORS[name]
+def _hf_name(name: str, arch: GgufArch) -> str | None:
+    if name in TOP_TENSORS:
+        return TOP_TENSORS[name]
     prefix, _, rest = name.partition(".")
     index, _, suffix = rest.partition(".")
-    if prefix != "blk" or not index.isdigit() or suffix not in _BLOCK_TENSORS:
+    if prefix != "blk" or not index.isdigit() or suffix not in arch.block_tensors:
         return None
-    return f"model.layers.{int(index)}.{_BLOCK_TENSORS[suffix]}"
+    return f"model.layers.{int(index)}.{arch.block_tensors[suffix]}"
 
 
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
@@ -334,19 +384,16 @@ def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 # -- tokenizer ----------------------------------------------------------------------------------
 def _tokenizer(meta: _Metadata, path: Path) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise BuildError(
-            f"{path.name}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
-            "'gpt2')"
+            f"{path.name}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE "
+            "'gpt2' and SentencePiece 'llama' are)"
         )
     tokens: list[str] = list(meta.require("tokenizer.ggml.tokens", path))
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges", path)]
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer = (
+        _byte_level_bpe(meta, tokens, path) if kind == "gpt2" else _sentencepiece(meta, tokens)
+    )
     tokenizer.add_tokens(
         [
             AddedToken(t, special=False, normalized=False)
@@ -354,12 +401,61 @@ def _tokenizer(meta: _Metadata, path: Path) -> Tokenizer:
             if k == _USER_DEFINED
         ]
     )
+    special = (_CONTROL, _UNKNOWN) if kind == "llama" else (_CONTROL,)
     tokenizer.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
             for t, k in zip(tokens, types, strict=True)
-            if k == _CONTROL
+            if k in special
         ]
+    )
+    return tokenizer
+
+
+def _byte_level_bpe(meta: _Metadata, tokens: list[str], path: Path) -> Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges", path)]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def _sentencepiece(meta: _Metadata, tokens: list[str]) -> Tokenizer:
+    """llama.cpp's SentencePiece tokenizer as a ``tokenizers`` BPE.
+
+    llama.cpp merges, again and again, the adjacent pair whose joined piece scores highest,
+    and spells bytes no piece covers as ``<0xNN>`` tokens; a BPE whose merges are ranked by
+    the joined piece's score, with byte fallback, does the same. A space goes in front of the
+    text (``add_space_prefix``, on unless the file says otherwise) and every space is
+    spelled as U+2581."""
+    scores = [float(x) for x in meta.get("tokenizer.ggml.scores", [0.0] * len(tokens))]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab=vocab,
+        merges=merges,
+        unk_token=tokens[int(unk)] if unk is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(model)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Replace(" ", _SPACE)]
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(_SPACE), *steps] if prefix else steps
+    )
+    tail = [decoders.Strip(" ", 1, 0)] if prefix else []
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *tail]
     )
     return tokenizer
 
@@ -371,10 +467,11 @@ def _pre_tokenizer(pre: str, path: Path) -> Any:
         return byte_level
     if pre in ("smollm", "starcoder", "refact"):  # every digit on its own, then GPT-2's split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3"):
+    splits = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+    if pre in splits:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(splits[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
@@ -383,6 +480,7 @@ def _pre_tokenizer(pre: str, path: Path) -> Any:
 
 def _tokenizer_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]:
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens", []))
+    sentencepiece = meta.get("tokenizer.ggml.model") == "llama"
 
     def text(key: str) -> str | None:
         value = config.get(key)
@@ -391,7 +489,8 @@ def _tokenizer_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     out: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp puts BOS before a SentencePiece text unless the file says otherwise
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "bos_token": text("bos_token_id"),
         "eos_token": text("eos_token_id"),

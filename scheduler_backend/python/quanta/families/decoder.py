@@ -59,15 +59,31 @@ def parse_rope(raw: dict[str, Any], family: str) -> dict[str, Any]:
     return out | {"rope_scaling": RopeScaling(**fields)}
 
 
-def sliding_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+def _default_layer_types(raw: dict[str, Any], num_layers: int, family: str) -> list[str]:
+    """The layer types transformers gives a config that lists none: Gemma 2 alternates local
+    and global layers from the first; Qwen2 and Qwen3 slide from ``max_window_layers`` on;
+    every other family slides everywhere (Mistral)."""
+    if family == "gemma2":
+        slides = [i % 2 == 0 for i in range(num_layers)]
+    elif family in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", 28))  # transformers' default
+        slides = [i >= first for i in range(num_layers)]
+    else:
+        slides = [True] * num_layers
+    return ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+def sliding_windows(raw: dict[str, Any], num_layers: int, family: str) -> tuple[int, ...]:
     """Each layer's window (0: full attention): ``layer_types`` where the config lists them,
-    else ``sliding_window`` for every layer (Mistral), unless ``use_sliding_window`` is off."""
+    else the family's default layout, unless ``use_sliding_window`` is off."""
     window = raw.get("sliding_window")
-    if not window or raw.get("use_sliding_window") is False:
+    # Qwen's configs carry a window they do not use unless use_sliding_window says so.
+    used = raw.get("use_sliding_window", family not in ("qwen2", "qwen3"))
+    if not window or not used:
         return ()
     types = raw.get("layer_types")
     if types is None:
-        return (int(window),) * num_layers
+        types = _default_layer_types(raw, num_layers, family)
     if len(types) != num_layers:
         raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
     unknown = set(types) - {"full_attention", "sliding_attention"}
@@ -89,7 +105,7 @@ def kit_fields(raw: dict[str, Any], common: dict[str, Any], family: str) -> dict
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "activation_function": str(act),
         "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
-        "sliding_windows": sliding_windows(raw, common["num_layers"]),
+        "sliding_windows": sliding_windows(raw, common["num_layers"], family),
         **parse_rope(raw, family),
         **common,
     }

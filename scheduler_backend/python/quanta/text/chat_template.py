@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from quanta.core.errors import InvalidRequestError
 from quanta.text.tool_prompt import conversation, template_reads_tools
@@ -56,6 +56,11 @@ class ChatTemplateError(InvalidRequestError):
     """The template refused the conversation (``raise_exception``: roles must alternate...)."""
 
 
+class ChatTemplateLoadError(ValueError):
+    """A template this renderer cannot run (a jinja syntax error, an unknown filter, tag or
+    test), found when the template is loaded."""
+
+
 class ChatTemplate:
     """Renders a conversation; ``source`` is a jinja2 template or ``None`` for the default."""
 
@@ -70,7 +75,11 @@ class ChatTemplate:
         decode: Callable[[list[int]], str] | None = None,
         tokenizer: Tokenizer | None = None,
         model_dir: Path | None = None,
+        origin: str = "the chat template",
     ) -> None:
+        """Compiles ``source`` and renders one user turn with it, so a template this renderer
+        cannot run fails here (``ChatTemplateLoadError`` naming ``origin``, where the
+        template came from) rather than at the first chat request."""
         self.source = source
         # The checkpoint, for the prompt size limit (``limits.py``): its tokenizer's longest
         # token and its context length.
@@ -85,11 +94,8 @@ class ChatTemplate:
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
         self._template: Any = None
         if source is not None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(source)
+            self._template = _compile(source, origin)
+            self._probe(origin)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
@@ -118,13 +124,32 @@ class ChatTemplate:
             count_tokens=count,
             token_text=text,
             decode=decode,
+            origin=f"the chat template of {path}",
             **known,
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ChatTemplate:
         """A jinja2 template from a file (``--chat-template``)."""
-        return cls(Path(path).read_text(encoding="utf-8"))
+        return cls(Path(path).read_text(encoding="utf-8"), origin=f"the chat template {path}")
+
+    def _probe(self, origin: str) -> None:
+        """One user turn, with and without the generation prompt. A refusal
+        (``raise_exception``) is the template's answer to that conversation and loads; any
+        other failure (an undefined filter or test, a type error) is a template the server
+        could not serve."""
+        import jinja2
+
+        for prompt in (True, False):
+            try:
+                self.render([Turn("user", "Hello")], add_generation_prompt=prompt)
+            except ChatTemplateError:
+                pass
+            except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:
+                raise ChatTemplateLoadError(
+                    f"{origin} does not render one user turn "
+                    f"(add_generation_prompt={prompt}): {type(exc).__name__}: {exc}"
+                ) from exc
 
     @property
     def has_own_template(self) -> bool:
@@ -223,6 +248,64 @@ def _open_final(rendered: str, final: str) -> str:
 def _raise(message: str) -> None:
     """``raise_exception(...)`` as HF's templates call it."""
     raise ChatTemplateError(message)
+
+
+def _compile(source: str, origin: str) -> Any:
+    """The template in the environment HF's ``apply_chat_template`` renders in: a sandbox
+    that trims blocks, ``{% break %}``/``{% continue %}``, the ``{% generation %}`` tag
+    (assistant-mask training markers; here it writes its body), ``tojson`` without HTML
+    escaping and with ``indent``/``separators``/``sort_keys``, and ``strftime_now``, so
+    a checkpoint's template writes the same prompt here as under transformers."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags: ClassVar[set[str]] = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno
+            )
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateLoadError(
+            f"{origin} does not compile (line {exc.lineno}): {exc.message}"
+        ) from exc
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """HF's ``tojson``: plain ``json.dumps``, not jinja's HTML-safe one, which would write
+    ``<`` in a tool's description as ``\\u003c``."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    """Today's date as templates write it into their system prompt (Llama 3.x)."""
+    from datetime import datetime
+
+    return datetime.now().strftime(format)
 
 
 def _token(config: dict[str, Any], key: str) -> str:

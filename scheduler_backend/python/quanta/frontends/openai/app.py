@@ -319,11 +319,17 @@ class Gateway:
 
     # -- helpers -----------------------------------------------------------------------------
     def _model_card(self) -> dict[str, Any]:
+        """OpenAI's model object with vLLM's additions: ``vllm bench serve`` reads ``root``
+        (the name it sends to ``/tokenize``, which must be the served one) when it is not told
+        the model, and clients size prompts by ``max_model_len``."""
         return {
             "id": self.settings.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "quanta",
+            "root": self.settings.model_name,
+            "parent": None,
+            "max_model_len": self.prompt_limit.max_ids,
         }
 
     async def _prepared(self, body: Body) -> tuple[list[Prompt], SamplingParams, int | None]:

@@ -91,14 +91,18 @@ def openai(
     /health and /metrics needs a key."""
     from quanta.frontends.openai.app import GatewaySettings
     from quanta.frontends.openai.server import GatewayServer
-    from quanta.text.chat_template import ChatTemplate
+    from quanta.text.chat_template import ChatTemplate, ChatTemplateLoadError
 
     keys = api_key_policies(serving.api_key, serving.api_key_file)
-    template = (
-        ChatTemplate.from_file(chat_template)
-        if chat_template is not None
-        else ChatTemplate.from_model_dir(model_dir)
-    )
+    try:
+        template = (
+            ChatTemplate.from_file(chat_template)
+            if chat_template is not None
+            else ChatTemplate.from_model_dir(model_dir)
+        )
+    except ChatTemplateLoadError as exc:
+        hint = "--chat-template" if chat_template is not None else "--model-dir"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
     settings = GatewaySettings(
         triton_grpc_url=triton_grpc_url,
         model_name=model_name,

@@ -148,12 +148,22 @@ def _route_of(scope: Scope) -> str:
     """The template of the route that serves ``scope``'s path (a wrong method still names it),
     or ``unmatched``."""
     app: Any = scope.get("app")
-    router = getattr(app, "router", None)
-    for route in getattr(router, "routes", ()):
+    return _template(getattr(getattr(app, "router", None), "routes", ()), scope) or UNMATCHED
+
+
+def _template(routes: Any, scope: Scope) -> str | None:
+    for route in routes:
         match, _ = route.matches(scope)
-        if match is not Match.NONE:
-            return str(getattr(route, "path", UNMATCHED))
-    return UNMATCHED
+        if match is Match.NONE:
+            continue
+        path = getattr(route, "path", None)
+        if path is not None:
+            return str(path)
+        # NOTE: FastAPI keeps an included router as one route (no path of its own) that
+        # matches every path of its router; that router's routes name the template
+        inner = getattr(getattr(route, "original_router", None), "routes", None)
+        return None if inner is None else _template(inner, scope)
+    return None
 
 
 def _error_code(body: bytes) -> object:

@@ -41,6 +41,26 @@ _REFUSED = {
     "max_tool_calls": "tools are not supported on /v1/responses",
 }
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Fields that mean on chat completions what they mean here: OpenAI's, the sampling fields
+# vLLM's Responses API adds (``vllm bench serve`` sends ``ignore_eos``), and Quanta's own.
+_PASSED = (
+    "temperature",
+    "top_p",
+    "user",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "logit_bias",
+    "chat_template_kwargs",
+    "tenant",
+    "app",
+    "priority_class",
+)
 
 
 class InputPart(BaseModel):
@@ -100,6 +120,17 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
+    # vLLM's sampling and template fields, passed to chat as they are (``_PASSED``)
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Quanta's scheduling fields, as on chat completions
     tenant: str | None = None
     app: str | None = None
@@ -138,14 +169,8 @@ class ResponsesRequest(BaseModel):
             chat["stream_options"] = {"include_usage": True}
         given = {
             "max_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "user": self.user,
-            "tenant": self.tenant,
-            "app": self.app,
-            "priority_class": self.priority_class,
             "response_format": _response_format(self.text),
-        }
+        } | {name: getattr(self, name) for name in _PASSED}
         return chat | {key: value for key, value in given.items() if value is not None}
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from quanta.frontends.openai.app import GatewaySettings, auth_warning, create_app
 from quanta.frontends.openai.upstream import TritonGrpc
-from quanta.text.chat_template import ChatTemplate
+from quanta.text.chat_template import ChatTemplate, ChatTemplateLoadError
 
 
 class GatewayError(RuntimeError):
@@ -94,11 +94,16 @@ def start_gateway(
     model_dir: Path | None = None,
     **settings: Any,
 ) -> GatewayServer:
-    """Start a gateway thread for ``quanta serve``; the chat template comes from ``model_dir``."""
+    """Start a gateway thread for ``quanta serve``; the chat template comes from ``model_dir``
+    (one it cannot render is a ``GatewayError`` here, not a wrong prompt later)."""
+    try:
+        template = ChatTemplate.from_model_dir(model_dir)
+    except ChatTemplateLoadError as exc:
+        raise GatewayError(str(exc)) from None
     gateway = GatewayServer(
         GatewaySettings(triton_grpc_url=triton_grpc_url, model_name=model_name, **settings),
         host=host,
         port=port,
-        chat_template=ChatTemplate.from_model_dir(model_dir),
+        chat_template=template,
     )
     return gateway.start()
