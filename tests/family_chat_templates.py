@@ -1,11 +1,14 @@
-# ruff: noqa: E501  (templates are kept line for line as their checkpoints ship them)
-"""The chat templates the served families ship, as their ``tokenizer_config.json`` holds them
-(``chat_template``), for rendering parity with HF's ``apply_chat_template``. Where a template is
-shortened, the comment says what was left out."""
+# ruff: noqa: E501  (templates keep their long lines, as checkpoints write them)
+"""Chat templates in the form each served family's checkpoint carries (``chat_template`` in
+``tokenizer_config.json``), written out for these tests rather than copied from the files: they
+use the constructs those templates use (ChatML with a Hermes tools block, reasoning blocks,
+[INST] turns with raise_exception, <|role|> turns, <start_of_turn> without a system role), so
+rendering parity with HF's ``apply_chat_template`` covers what the real ones need. Where a
+template leaves out a branch of the model's own, the comment says which."""
 
 from __future__ import annotations
 
-# Qwen/Qwen2.5-0.5B-Instruct (every Qwen2.5 instruct size ships this one): ChatML, a default
+# After Qwen/Qwen2.5-0.5B-Instruct's template: ChatML, a default
 # system prompt, the Hermes tools block, tool calls and responses.
 QWEN2_5 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -63,7 +66,7 @@ QWEN2_5 = r"""{%- if tools %}
 {%- endif %}
 """
 
-# Qwen/Qwen3-8B: ChatML, reasoning kept only after the last user query, and an empty think
+# After Qwen/Qwen3-8B's: ChatML, reasoning kept only after the last user query, and an empty think
 # block when ``enable_thinking`` is false (``chat_template_kwargs``).
 QWEN3 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -155,7 +158,7 @@ QWEN3 = r"""{%- if tools %}
     {%- endif %}
 {%- endif %}"""
 
-# mistralai/Mistral-7B-Instruct-v0.3: [INST] turns, the system message folded into the last
+# After mistralai/Mistral-7B-Instruct-v0.3's: [INST] turns, the system message folded into the last
 # user turn, alternation enforced with raise_exception. Its [AVAILABLE_TOOLS] and
 # [TOOL_CALLS] branches are left out.
 MISTRAL = r"""{%- if messages[0]["role"] == "system" %}
@@ -190,7 +193,7 @@ MISTRAL = r"""{%- if messages[0]["role"] == "system" %}
 {%- endfor %}
 """
 
-# microsoft/Phi-3-mini-4k-instruct: <|role|> turns closed by <|end|>; without a generation
+# After microsoft/Phi-3-mini-4k-instruct's: <|role|> turns closed by <|end|>; without a generation
 # prompt the text ends with the eos token.
 PHI3 = (
     "{% for message in messages %}{% if message['role'] == 'system' %}"
@@ -201,7 +204,7 @@ PHI3 = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
-# google/gemma-2-2b-it: <start_of_turn> turns, the assistant named "model", no system role
+# After google/gemma-2-2b-it's: <start_of_turn> turns, the assistant named "model", no system role
 # (raise_exception), alternation enforced.
 GEMMA2 = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"

@@ -77,3 +77,17 @@ def test_model_dir_goes_with_url(opt_tiny):
     code, _, err = run("--model", str(opt_tiny), "--model-dir", str(opt_tiny), "Hello")
     assert code == 2
     assert "--model-dir goes with --url" in err
+
+
+def test_a_template_that_cannot_run_is_a_clear_error_not_a_traceback(tmp_path, opt_tiny):
+    model = tmp_path / "broken-template"
+    shutil.copytree(opt_tiny, model)
+    path = model / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(config | {"chat_template": "{% for m in messages %}{{ m.content "}))
+    code, out, err = run("--model", str(model), "Hello")
+    assert code == 1
+    assert err.startswith("error: ") and "--raw" in err
+    assert "Traceback" not in err + out
+    code, _, err = run("--model", str(model), "--raw", "Hello")
+    assert code == 0, err

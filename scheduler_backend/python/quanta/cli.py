@@ -131,10 +131,19 @@ def _chat_prompt(prompt: str, model_dir: Path | None) -> str | None:
     checkpoint is unknown or ships no template (a base model continues text)."""
     if model_dir is None:
         return None
-    from quanta.text.chat_template import ChatTemplate, Turn
+    from quanta.text.chat_template import (
+        ChatTemplate,
+        ChatTemplateError,
+        ChatTemplateLoadError,
+        Turn,
+    )
 
-    template = ChatTemplate.from_model_dir(model_dir)
-    return template.render([Turn("user", prompt)]) if template.has_own_template else None
+    try:
+        template = ChatTemplate.from_model_dir(model_dir)
+        return template.render([Turn("user", prompt)]) if template.has_own_template else None
+    except (ChatTemplateLoadError, ChatTemplateError) as exc:  # the user's checkpoint, not a bug
+        typer.echo(f"error: {exc} (--raw sends the prompt without the template)", err=True)
+        raise typer.Exit(1) from None
 
 
 def _echo_pieces(pieces: Iterable[str]) -> bool:

@@ -117,9 +117,25 @@ def test_responses_stream_as_the_sdk_reads_them(client):
     assert "".join(e.delta for e in helped) == whole.output_text
 
 
+def test_responses_take_vllms_sampling_fields_as_chat_does(client):
+    """What ``vllm bench serve --backend openai-responses`` sends (``ignore_eos``), and vLLM's
+    other sampling fields, mean on /v1/responses what they mean on chat."""
+    extra = {"ignore_eos": True, "top_k": 3, "min_p": 0.05, "repetition_penalty": 1.1}
+    sampling = {"temperature": 0.8, "seed": 7, "extra_body": extra}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT[1:], max_tokens=12, **sampling
+    )
+    answer = client.responses.create(
+        model=MODEL, input="Hi there", max_output_tokens=12, **sampling
+    )
+    assert answer.output_text == chat.choices[0].message.content
+    assert answer.usage.output_tokens == chat.usage.completion_tokens == 12  # ignore_eos
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
+        ({"extra_body": {"top_k": -1}}, "top_k"),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"store": True}, "store"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
