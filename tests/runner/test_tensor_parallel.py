@@ -1,8 +1,9 @@
 """Tensor parallelism (``quanta.runner.tensor_parallel``): two ranks on gloo compute what one
-process computes, for OPT (multi-head, tied head) and LLaMA (multi-head and grouped-query,
-untied head); preempted, swapped and recomputed requests come out unchanged; a step of
-preemptible work stops on every rank at once; a rank that dies fails its requests with a
-clear error, never a hang, and the next request gets fresh workers."""
+process computes, for OPT (multi-head, tied head), LLaMA (multi-head and grouped-query,
+untied head) and the layer kit's Qwen2, Qwen3, Phi-3 and Gemma 2; preempted, swapped and
+recomputed requests come out unchanged; a step of preemptible work stops on every rank at
+once; a rank that dies fails its requests with a clear error, never a hang, and the next
+request gets fresh workers."""
 
 from __future__ import annotations
 
@@ -71,6 +72,41 @@ def test_generation_with_two_ranks_equals_one_greedy_and_seeded(model_dir):
     with quanta.LLM(str(model_dir), dtype="float32", tensor_parallel_size=2) as llm:
         got = llm.generate(prompts, params)
         assert llm.engine.describe()["tensor_parallel_size"] == "2"
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+
+
+@pytest.fixture(scope="module", params=["qwen2-tiny", "qwen3-tiny", "phi3-tiny", "gemma2-tiny"])
+def kit_model_dir(request, tiny_checkpoint, tmp_path_factory) -> Path:
+    """A layer-kit preset; Gemma 2's with an 8-token window (the preset's is 4096), so its
+    alternating local layers cut what prompts and generations outgrow."""
+    import json
+    import shutil
+
+    preset = tiny_checkpoint(request.param)
+    if request.param != "gemma2-tiny":
+        return preset
+    model_dir = shutil.copytree(preset, tmp_path_factory.mktemp("gemma2") / "windowed")
+    config_file = model_dir / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "sliding_window": 8}))
+    return model_dir
+
+
+def test_kit_families_with_two_ranks_give_the_logits_and_tokens_of_one(kit_model_dir):
+    """The layer kit's own splits: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Phi-3's
+    fused qkv and gate_up cut per segment, Gemma 2's soft-capping, sandwich norms and
+    alternating windows."""
+    ids = [(7 * j + 3) % 500 for j in range(45)]
+    expected_logits = _runner(kit_model_dir).forward_logits(ids, chunk_size=16)
+    tp = _runner(kit_model_dir, tp=2)
+    try:
+        got_logits = tp.forward_logits(ids, chunk_size=16)
+    finally:
+        tp.close()
+    torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
+    expected = quanta.LLM(str(kit_model_dir), dtype="float32").generate(PROMPTS, GREEDY)
+    with quanta.LLM(str(kit_model_dir), dtype="float32", tensor_parallel_size=2) as llm:
+        got = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.runner.tp is not None and llm.engine.runner.tp.world == 2
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
 
 
