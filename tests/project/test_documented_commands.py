@@ -42,6 +42,10 @@ NOT_RUN = {
     "harness",
     "bench/lm_eval/run.sh": "installs lm-evaluation-harness (network) and evaluates a real "
     "model twice (minutes); tests/lab/test_bench_lm_eval.py covers its data and report",
+    "bench/clients/run.sh": "installs vLLM and lm-evaluation-harness (network) to run their "
+    "clients against a server (minutes); the routes and fields they use are covered by "
+    "tests/frontends/openai (tokenizer routes, batched prompts, embeddings and responses, "
+    "gateway metrics)",
     "docker ": "builds and runs the image: tests/project/test_container.py (the docker tier) "
     "does",
     "bash scripts/docker-base.sh": "debootstraps Debian (root, minutes): "

@@ -59,6 +59,10 @@ def test_embeddings_equal_the_offline_api(client, llm, encoding_format):
         unnormalized.data[0].embedding,
         llm.embed("a", PoolingParams(normalize=False))[0].embedding,
     )
+    renamed = client.embeddings.create(  # vLLM 0.32's name for normalize
+        model=MODEL, input="a", encoding_format="float", extra_body={"use_activation": False}
+    )
+    assert renamed.data[0].embedding == unnormalized.data[0].embedding
 
 
 def test_embeddings_refuse_what_they_cannot_do(client):
@@ -71,6 +75,23 @@ def test_embeddings_refuse_what_they_cannot_do(client):
         client.embeddings.create(model=MODEL, input=["a", ""])
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="nope", input="a")
+    with pytest.raises(openai.BadRequestError, match="never cut") as info:
+        client.embeddings.create(model=MODEL, input="a", extra_body={"truncate_prompt_tokens": 4})
+    assert info.value.body["param"] == "truncate_prompt_tokens"
+    with pytest.raises(openai.BadRequestError, match="disagree"):
+        client.embeddings.create(
+            model=MODEL, input="a", extra_body={"normalize": True, "use_activation": False}
+        )
+
+
+def test_embeddings_take_vllms_truncation_to_the_context(client):
+    """``vllm bench serve --backend openai-embeddings`` sends ``truncate_prompt_tokens: -1``."""
+    plain = client.embeddings.create(model=MODEL, input="The tide", encoding_format="float")
+    bounded = client.embeddings.create(
+        model=MODEL, input="The tide", encoding_format="float",
+        extra_body={"truncate_prompt_tokens": -1},
+    )  # fmt: skip
+    assert bounded.data[0].embedding == plain.data[0].embedding
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -120,11 +141,9 @@ def test_responses_stream_as_the_sdk_reads_them(client):
 def test_responses_take_vllms_sampling_fields_as_chat_does(client):
     """What ``vllm bench serve --backend openai-responses`` sends (``ignore_eos``), and vLLM's
     other sampling fields, mean on /v1/responses what they mean on chat."""
-    extra = {"ignore_eos": True, "top_k": 3, "min_p": 0.05, "repetition_penalty": 1.1}
-    sampling = {"temperature": 0.8, "seed": 7, "extra_body": extra}
-    chat = client.chat.completions.create(
-        model=MODEL, messages=CHAT[1:], max_tokens=12, **sampling
-    )
+    extra = {"ignore_eos": True, "seed": 7, "top_k": 3, "min_p": 0.05, "repetition_penalty": 1.1}
+    sampling = {"temperature": 0.8, "extra_body": extra}
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT[1:], max_tokens=12, **sampling)
     answer = client.responses.create(
         model=MODEL, input="Hi there", max_output_tokens=12, **sampling
     )

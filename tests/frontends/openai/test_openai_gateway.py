@@ -93,7 +93,11 @@ def test_serve_with_the_gateway_stops_cleanly_on_ctrl_c(tmp_path, opt_tiny):
 # -- the happy paths -------------------------------------------------------------------------
 def test_models_lists_the_model(client):
     assert [m.id for m in client.models.list()] == [MODEL]
-    assert client.models.retrieve(MODEL).id == MODEL
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL
+    # vLLM's additions: `vllm bench serve` without --model sends `root` to /tokenize
+    assert card.model_extra["root"] == MODEL
+    assert card.model_extra["max_model_len"] > 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -47,6 +47,10 @@ class EmbeddingRequest(_Checked):
     dimensions: int | None = None
     user: str | None = None
     normalize: bool | None = None  # vLLM's: override the server's pooler config
+    use_activation: bool | None = None  # vLLM 0.32's name for ``normalize``
+    # vLLM's; -1, "up to the model's context" (what ``vllm bench serve`` sends), is the only
+    # limit taken: a longer prompt is refused by the prompt limit, never cut
+    truncate_prompt_tokens: int | None = None
     tenant: str | None = None
     app: str | None = None
     priority_class: str | None = None
@@ -66,6 +70,26 @@ class EmbeddingRequest(_Checked):
                 "not supported: this model's embeddings have its hidden size (leave it out)"
             )
         return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _only_the_context(cls, value: int | None) -> int | None:
+        if value not in (None, -1):
+            raise ValueError(
+                "only -1 (the model's context) is supported: a prompt is never cut, and one "
+                "longer than the context is refused"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_normalize(self) -> EmbeddingRequest:
+        """``use_activation`` is ``normalize`` under vLLM's newer name: one of them, or both
+        saying the same."""
+        if self.use_activation is not None:
+            if self.normalize not in (None, self.use_activation):
+                raise ValueError("normalize and use_activation disagree: give one of them")
+            self.normalize = self.use_activation
+        return self
 
     def prompts(self) -> list[Prompt]:
         """The inputs in order: one text or token-id list, or a list of either."""
