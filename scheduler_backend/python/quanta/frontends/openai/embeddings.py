@@ -23,7 +23,7 @@ from quanta.core.pooling import PoolingParams
 from quanta.core.request import RequestMetadata, SamplingParams
 from quanta.frontends.openai.auth import NO_RESERVATION, principal_of
 from quanta.frontends.openai.errors import OpenAIError, classify, invalid, unknown_model
-from quanta.frontends.openai.protocol import Int32, _Checked
+from quanta.frontends.openai.protocol import Int32, _Request
 from quanta.frontends.openai.router import RoutedStream
 from quanta.frontends.openai.sse import DisconnectWatcher
 from quanta.frontends.openai.upstream import GenerationStream, UpstreamError
@@ -37,7 +37,7 @@ Prompt = str | list[int]
 _PARAMS = SamplingParams(max_tokens=1)
 
 
-class EmbeddingRequest(_Checked):
+class EmbeddingRequest(_Request):
     """OpenAI's embeddings request, with vLLM's ``normalize`` and Quanta's scheduling fields.
     ``dimensions`` is refused: the model's hidden size is the only size it has."""
 
@@ -54,13 +54,6 @@ class EmbeddingRequest(_Checked):
     tenant: str | None = None
     app: str | None = None
     priority_class: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
 
     @field_validator("dimensions")
     @classmethod

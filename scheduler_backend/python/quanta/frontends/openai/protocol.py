@@ -103,7 +103,23 @@ class StructuredOutputs(_Checked):
         return StructuredOutput(**{key: value for key, value in given.items() if value})
 
 
-class _GenerationRequest(_Checked):
+class NullsAreDefaults(BaseModel):
+    """A request body whose ``null`` fields are taken as unset: clients send ``"n": null`` for
+    what they leave out, and the default applies, as in OpenAI's and vLLM's servers."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class _Request(_Checked, NullsAreDefaults):
+    """A request body checked as ``_Checked`` says, its nulls taken as unset."""
+
+
+class _GenerationRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str
@@ -141,14 +157,6 @@ class _GenerationRequest(_Checked):
     priority_class: str | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """Clients send ``null`` for fields they leave unset (``"n": null``): take the default."""
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
 
     @field_validator("stream_options")
     @classmethod

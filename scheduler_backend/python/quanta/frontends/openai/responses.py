@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from quanta.frontends.openai.errors import invalid
-from quanta.frontends.openai.protocol import ChatCompletionRequest
+from quanta.frontends.openai.protocol import ChatCompletionRequest, NullsAreDefaults
 
 if TYPE_CHECKING:
     from quanta.frontends.openai.app import Gateway
@@ -89,7 +89,7 @@ class InputMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullsAreDefaults):
     """The fields of OpenAI's ``/v1/responses`` request that Quanta reads; the ones in
     ``_REFUSED`` are declared so that a refusal can name them, and any other is a 400."""
 
@@ -135,13 +135,6 @@ class ResponsesRequest(BaseModel):
     tenant: str | None = None
     app: str | None = None
     priority_class: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
 
     def refused(self) -> None:
         """Raise a 400 naming the first field given that this gateway cannot honour."""
