@@ -48,7 +48,15 @@ def build_hf_checkpoint(
         settings = {**common, "num_key_value_heads": 2, "intermediate_size": 128, **overrides}
         model = LlamaForCausalLM(LlamaConfig(**settings))
     # OPT ties its head to the embedding, so small layers leave it repeating its input.
-    embed_std, weight_std = (0.1, 0.3) if family == "opt" else (0.2, 0.12)
+    widen_weights(model, *((0.1, 0.3) if family == "opt" else (0.2, 0.12)))
+    shard: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **shard)
+    return model
+
+
+def widen_weights(model: Any, embed_std: float = 0.2, weight_std: float = 0.12) -> None:
+    """Draw ``model``'s weights wider than HF's init (norms in [0.5, 1.5]), so a tiny random
+    model's logits have real margins and greedy choices are not ties; then eval mode."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -56,9 +64,6 @@ def build_hf_checkpoint(
             else:
                 param.normal_(0.0, embed_std if "embed" in name else weight_std)
     model.eval()
-    shard: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, safe_serialization=True, **shard)
-    return model
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:

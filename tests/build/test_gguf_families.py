@@ -28,6 +28,7 @@ from quanta.core.request import SamplingParams
 from quanta.frontends.offline import LLM
 from quanta.runner import ModelRunner
 from quanta.text.tokenizer import load_tokenizer
+from runner_helpers import widen_weights
 from safetensors.numpy import load_file
 
 pytest.importorskip("accelerate", reason="transformers reads GGUF only with accelerate")
@@ -72,13 +73,7 @@ def _checkpoint(model_type: str, path: Path, seed: int, **extra: Any) -> Any:
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():  # wider than HF's init, so logits have real margins
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.2 if "embed" in name else 0.12)
-    model.eval()
+    widen_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

@@ -15,7 +15,7 @@ from quanta import SamplingParams
 from quanta.build.presets import PRESETS
 from quanta.build.tokenizer import write_tokenizer
 from quanta.cli import app
-from runner_helpers import hf_greedy
+from runner_helpers import hf_greedy, widen_weights
 from typer.testing import CliRunner
 
 WINDOW = 8
@@ -44,13 +44,7 @@ def _hf_checkpoint(family: str, path: Path) -> Any:
     config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():  # wider than HF's init, so greedy choices have real margins
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.2 if "embed" in name else 0.12)
-    model.eval()
+    widen_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(family, path, model_max_length=COMMON["max_position_embeddings"])
     return model

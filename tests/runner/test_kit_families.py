@@ -12,7 +12,7 @@ import pytest
 import torch
 from quanta.core.output import SchedulerOutput
 from quanta.runner import ModelRunner
-from runner_helpers import FakeRequest, ToyScheduler, hf_greedy
+from runner_helpers import FakeRequest, ToyScheduler, hf_greedy, widen_weights
 
 WINDOW = 8
 COMMON = {
@@ -66,13 +66,7 @@ def _hf_model(name: str, path: Path, seed: int) -> Any:
     config = AutoConfig.for_model(model_type, **COMMON, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():  # wider than HF's init, so logits have real margins
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name and param_name.endswith("weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.2 if "embed" in param_name else 0.12)
-    model.eval()
+    widen_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
