@@ -53,32 +53,9 @@ echo "model: $MODEL"
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="$THREADS"
-free_port() {
-    "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
-}
-OPENAI_PORT="$(free_port)"
-METRICS_PORT="$(free_port)"
-: >"$OUT/serve.log"
-"$QUANTA" serve "$MODEL" --torch-threads "$THREADS" \
-    --http-port "$(free_port)" --grpc-port "$(free_port)" --metrics-port "$METRICS_PORT" \
-    --openai-port "$OPENAI_PORT" --state-dir "$OUT/quanta-state" --log-file "$OUT/tritonserver.log" \
-    >"$OUT/serve.log" 2>&1 &
-SERVER=$!
-stop_server() {
-    if kill -0 "$SERVER" 2>/dev/null; then
-        kill -INT "$SERVER"
-        wait "$SERVER" || true
-    fi
-}
-trap stop_server EXIT
-until grep -q "^ready" "$OUT/serve.log"; do
-    if ! kill -0 "$SERVER" 2>/dev/null; then
-        cat "$OUT/serve.log"
-        echo "quanta serve exited before it was ready" >&2
-        exit 1
-    fi
-    sleep 1
-done
+# shellcheck source=bench/serve_quanta.sh
+source "$(dirname "$0")/../serve_quanta.sh"
+start_quanta_serve "$QUANTA" "$PY" "$OUT" "$MODEL" --torch-threads "$THREADS"
 BASE="http://127.0.0.1:$OPENAI_PORT"
 echo "quanta serve is up: $BASE"
 

@@ -50,32 +50,10 @@ LIMIT_ARGS=()
 mkdir -p "$OUT"
 rm -rf "$OUT/quanta" "$OUT/hf"
 
-free_port() {
-    "$VENV/bin/python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
-}
-OPENAI_PORT="$(free_port)"
-: >"$OUT/serve.log"
-"$QUANTA" serve "$ENGINE" --dtype float32 --torch-threads "$THREADS" \
-    --http-port "$(free_port)" --grpc-port "$(free_port)" --metrics-port "$(free_port)" \
-    --openai-port "$OPENAI_PORT" --state-dir "$OUT/quanta-state" --log-file "$OUT/tritonserver.log" \
-    >"$OUT/serve.log" 2>&1 &
-SERVER=$!
-stop_server() {
-    if kill -0 "$SERVER" 2>/dev/null; then
-        kill -INT "$SERVER"
-        wait "$SERVER" || true
-    fi
-}
-trap stop_server EXIT
-until grep -q "^OpenAI" "$OUT/serve.log"; do
-    if ! kill -0 "$SERVER" 2>/dev/null; then
-        cat "$OUT/serve.log"
-        echo "quanta serve exited before it was ready" >&2
-        exit 1
-    fi
-    sleep 1
-done
-until grep -q "^ready" "$OUT/serve.log"; do sleep 1; done
+# shellcheck source=bench/serve_quanta.sh
+source "$(dirname "$0")/../serve_quanta.sh"
+start_quanta_serve "$QUANTA" "$VENV/bin/python" "$OUT" "$ENGINE" --dtype float32 \
+    --torch-threads "$THREADS"
 URL="http://127.0.0.1:$OPENAI_PORT/v1/completions"
 echo "quanta serve is up: $URL"
 
