@@ -10,6 +10,10 @@ that prediction as a small roofline-style formula whose coefficients are a JSON 
            + decode_pad_per_token * decode seqs * longest decode context
            [+ the step's block copies, where they do not overlap compute]
 
+With a ``sliding_window`` in every layer (Mistral) a token reads at most the window's keys, and
+a sequence holds at most the window's blocks plus one (``kv_blocks``): the engine gives the
+others back to the pool, and the simulator's block manager does the same with this window.
+
 Decode iterations are memory-bound (the weights are streamed once per iteration, plus each
 sequence's KV); prefill is compute-bound once enough tokens share the weight read. Swapping is
 bytes over the host link. Presets come from published figures (the numbers' sources are next to
@@ -71,6 +75,9 @@ class CostModel(BaseModel):
     device_kv_bytes: int = Field(gt=0, description="device memory left for KV blocks")
     host_kv_bytes: int = Field(ge=0, description="host memory for swapped KV blocks")
     max_model_len: int = Field(2048, gt=0)
+    sliding_window: int = Field(
+        0, ge=0, description="tokens every layer attends within (Mistral's); 0: full attention"
+    )
     num_layers: int = Field(
         32, gt=0, description="transformer layers: the granularity of layer safepoints"
     )
@@ -105,7 +112,7 @@ class CostModel(BaseModel):
                 prefills += 1
             else:  # single-token rows share one decode attention call, padded to the longest
                 decodes += 1
-                longest = max(longest, start + 1)
+                longest = max(longest, self._seen(start + 1))
         if num_seqs == 0:
             return 0.0
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
@@ -132,7 +139,7 @@ class CostModel(BaseModel):
         dense = max(self.weights_read_s, self.compute_per_token_s * num_tokens)
         dense += self.allreduce_time(num_tokens)  # per step and per token, like the GEMMs
         fixed = self.step_overhead_s / len(chunks) + self.per_seq_s
-        decode_contexts = [start + 1 for new, start in chunks if new == 1]
+        decode_contexts = [self._seen(start + 1) for new, start in chunks if new == 1]
         longest = max(decode_contexts, default=0)
         decode_call = self.per_attention_call_s / max(1, len(decode_contexts))
         return [
@@ -172,11 +179,19 @@ class CostModel(BaseModel):
         request that keeps it as hidden states instead (seconds per block per step)."""
         return self.hidden_per_token_s * block_size
 
+    def _seen(self, context: int) -> int:
+        """The keys a decode token with ``context`` tokens before and with it reads."""
+        return min(context, self.sliding_window) if self.sliding_window else context
+
     def _attention(self, new: int, start: int) -> float:
         """One chunk's attention: reading its context's KV, or its causal query x key pairs
         (query t sees start + t keys), whichever bounds it."""
         pairs = new * (start + (new + 1) / 2)
-        return max(self.kv_read_per_token_s * (start + new), self.attn_per_pair_s * pairs)
+        read = start + new
+        if self.sliding_window:  # NOTE: each query sees at most the window's keys
+            pairs = min(pairs, new * self.sliding_window)
+            read = min(read, self.sliding_window + new)
+        return max(self.kv_read_per_token_s * read, self.attn_per_pair_s * pairs)
 
     def prefill_time(self, num_tokens: int, context: int = 0) -> float:
         """A prefill of ``num_tokens`` after ``context`` cached tokens, alone in its batch."""
@@ -212,6 +227,15 @@ class CostModel(BaseModel):
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
+
+    def kv_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens holds while it decodes: all of them, or
+        with a sliding window at most the window's and the one its next token opens (as
+        ``quanta.core.window.peak_blocks`` counts them)."""
+        full = -(-num_tokens // block_size)
+        if not self.sliding_window:
+            return full
+        return min(full, -(-self.sliding_window // block_size) + 1)
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Copying ``num_blocks`` KV blocks one way over the host link."""
@@ -254,7 +278,10 @@ def _preset(
     """A dense fp16 model of ``shape`` (``params``: its published parameter count) whose
     critical path crosses ``gpus_per_stage`` tensor-parallel GPUs per pipeline stage; pipeline
     stages run one after the other for a single iteration."""
-    layers, hidden = shape.num_layers, shape.hidden_size
+    layers = shape.num_layers
+    # NOTE: QK^T and PV span the query heads' width, which is hidden only where head_dim is
+    # hidden / heads (Gemma-2-2B's 8 x 256 heads sit on a hidden of 2304)
+    width = shape.num_heads * shape.head_dim
     kv_per_token = shape.kv_bytes_per_token(2)
     bw, flops = _HBM * gpus_per_stage, _FLOPS * gpus_per_stage
     return CostModel(
@@ -264,7 +291,7 @@ def _preset(
         per_seq_s=1e-4,
         weights_read_s=2 * params / bw,  # fp16: 2 bytes per parameter
         compute_per_token_s=2 * params / flops,  # 2 FLOPs per parameter per token
-        attn_per_pair_s=4 * layers * hidden / (_ATTN_FLOPS * gpus_per_stage),
+        attn_per_pair_s=4 * layers * width / (_ATTN_FLOPS * gpus_per_stage),
         kv_read_per_token_s=kv_per_token / bw,
         kv_bytes_per_token=kv_per_token,
         swap_bandwidth=swap_bandwidth,

@@ -12,6 +12,11 @@ its device table, bit for bit for the tokens the checkpoint holds (ConServe's in
 checkpointing). Each checkpoint copies only the blocks not yet mirrored (and the partly filled
 last one again); a swap-out reuses the mirror and copies only what it lacks, so a request whose
 checkpoint is complete leaves the device with no copy at all.
+
+With a ``sliding_window`` (every layer of the model attends within it) a running request's
+blocks that no later token reads go back to the pool as its tokens are committed
+(``release_behind_window``); their table entries become ``RELEASED`` (``core/window.py``), and
+every path here (swaps, checkpoints, the prefix cache, freeing, the counts) skips them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from quanta.core.block_pool import BlockPool, Tier
 from quanta.core.lookups import LookupMemo
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, Request, blocks_for
+from quanta.core.window import RELEASED, blocks_behind, first_held, live, peak_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,9 @@ class BlockManager:
     some table refers to it, and a free named block stays cached in its tier until evicted. A
     device block evicted from the cache is offloaded to the host tier when the host has room,
     and a request swapped out copies only the blocks the host does not hold already.
+
+    ``sliding_window`` (tokens; 0: none) is the window every layer of the model attends
+    within: blocks behind it go back to the pool (see the module docstring).
     """
 
     def __init__(
@@ -60,11 +69,15 @@ class BlockManager:
         num_host_blocks: int,
         *,
         prefix_caching: bool = False,
+        sliding_window: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.sliding_window = sliding_window
         self.pools = {
             Tier.DEVICE: BlockPool(Tier.DEVICE, num_device_blocks),
             Tier.HOST: BlockPool(Tier.HOST, num_host_blocks),
@@ -104,8 +117,24 @@ class BlockManager:
         return entry[0] if entry else None
 
     def num_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (its table's entries, less those released)."""
+        entry = self._tables.get(request_id)
+        return len(entry[1]) - first_held(entry[1]) if entry else 0
+
+    def table_length(self, request_id: str) -> int:
+        """Blocks its table spans, released ones included: its positions' reach."""
         entry = self._tables.get(request_id)
         return len(entry[1]) if entry else 0
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The ids of the blocks the request holds, in table order."""
+        entry = self._tables.get(request_id)
+        return entry[1][first_held(entry[1]) :] if entry else []
+
+    def peak_blocks(self, num_tokens: int) -> int:
+        """The most device blocks a KV request decoding to ``num_tokens`` holds at once
+        (``core/window.py``): what admission weighs against the pool."""
+        return peak_blocks(num_tokens, self.sliding_window, self.block_size)
 
     def refs(self, tier: Tier, block: int) -> int:
         """Tables and checkpoints that refer to ``block``."""
@@ -125,7 +154,7 @@ class BlockManager:
             for rid, (t, table) in self._tables.items()
             if t is tier and self._kinds.get(rid) is kind
         ]
-        return len(tables), sum(len(t) for t in tables)
+        return len(tables), sum(len(t) - first_held(t) for t in tables)
 
     def checkpointed_tokens(self, request_id: str) -> int:
         """Tokens whose KV the request's host checkpoint holds (0: none)."""
@@ -137,7 +166,7 @@ class BlockManager:
 
     def num_checkpoint_blocks(self) -> int:
         """Host blocks held by all checkpoints."""
-        return sum(len(m) for m in self._ckpt.values())
+        return sum(len(live(m)) for m in self._ckpt.values())
 
     def checkpoint_need(self, request_id: str, num_tokens: int) -> int:
         """Extra host blocks a checkpoint of the request's first ``num_tokens`` tokens takes."""
@@ -154,7 +183,7 @@ class BlockManager:
         host = self.pools[Tier.HOST]
         device = self.pools[Tier.DEVICE]
         new, shared = [], []
-        for b in table[mirrored:keep]:
+        for b in live(table[mirrored:keep]):
             name = device.name_of.get(b)
             hit = host.cached.get(name) if name is not None else None
             if hit is None:
@@ -180,7 +209,7 @@ class BlockManager:
         """Extra device blocks needed so the request's table covers ``num_tokens`` tokens
         (of the kind it holds, or ``kind`` when it holds none)."""
         kind = self._kinds.get(request_id, kind)
-        return max(0, self.blocks_for(num_tokens, kind) - self.num_blocks(request_id))
+        return max(0, self.blocks_for(num_tokens, kind) - self.table_length(request_id))
 
     # -- the prefix cache ----------------------------------------------------------------
     def lookup(self, request_id: str, names: Sequence[bytes], limit: int | None = None) -> int:
@@ -294,7 +323,8 @@ class BlockManager:
         first = self._named.get(request_id, 0)
         last = min(len(names), len(table))
         for i in range(first, last):
-            pool.name(table[i], names[i])
+            if table[i] != RELEASED:
+                pool.name(table[i], names[i])
         self._named[request_id] = max(first, last)
 
     def take_offloads(self) -> list[tuple[int, int]]:
@@ -384,7 +414,8 @@ class BlockManager:
             hit = host.cached.get(name) if name is not None else None
             if hit is not None:
                 shares[i] = hit
-        fresh = keep - len(reuse) - len(shares)
+        gone = table[len(reuse) : keep].count(RELEASED)
+        fresh = keep - len(reuse) - len(shares) - gone
         taken = {b for b in shares.values() if host.ref[b] == 0} - host.reserved
         if fresh + len(taken) > host.num_allocatable():
             return None
@@ -392,11 +423,14 @@ class BlockManager:
             host.pin(b)
         new = iter(self._allocate(Tier.HOST, fresh) or [])
         self._drop_checkpoint(request_id, release=False)
-        host.release(held[len(reuse) :])
+        host.release(live(held[len(reuse) :]))
         out: list[int] = []
         copies: list[tuple[int, int]] = []
         full = self._full_blocks(request_id, num_tokens) if num_tokens is not None else 0
         for i in range(keep):
+            if table[i] == RELEASED:  # NOTE: its mirror entry went with it
+                out.append(RELEASED)
+                continue
             if i < len(reuse):
                 b = reuse[i]
                 if i >= done and b not in free_ride:
@@ -410,7 +444,7 @@ class BlockManager:
             if name is not None and i < full:
                 host.name(b, name)
             out.append(b)
-        device.release(table[::-1])
+        device.release(live(table[::-1]))
         self._tables[request_id] = (Tier.HOST, out)
         self._named.pop(request_id, None)
         return copies
@@ -440,20 +474,26 @@ class BlockManager:
                 if hit is not None and hit not in mirror:
                     shares[i] = hit
             taken = {b for b in shares.values() if host.ref[b] == 0} - host.reserved
-            fresh = want - len(mirror) - len(shares)
+            gone = table[len(mirror) : want].count(RELEASED)
+            fresh = want - len(mirror) - len(shares) - gone
             if fresh + len(taken) > host.num_allocatable():
                 return None
             for b in shares.values():
                 host.pin(b)
             new = iter(self._allocate(Tier.HOST, fresh) or [])
             mirror = mirror + [
-                shares[i] if i in shares else next(new) for i in range(len(mirror), want)
+                RELEASED if table[i] == RELEASED else shares[i] if i in shares else next(new)
+                for i in range(len(mirror), want)
             ]
             shared.update(shares.values())
             self._ckpt[request_id] = mirror
         self._ckpt_pending[request_id] = num_tokens
         first = self._full_blocks(request_id, self._ckpt_tokens.get(request_id, 0))
-        return [(table[i], mirror[i]) for i in range(first, want) if mirror[i] not in shared]
+        return [
+            (table[i], mirror[i])
+            for i in range(first, want)
+            if mirror[i] not in shared and mirror[i] != RELEASED
+        ]
 
     def confirm_checkpoints(self) -> None:
         """The step's checkpoint copies are done: their tokens count as mirrored."""
@@ -485,14 +525,18 @@ class BlockManager:
                 if hit is not None:
                     cached[i] = hit
         taken = {b for b in cached.values() if device.ref[b] == 0} - device.reserved
-        if len(table) - len(cached) + len(taken) > device.num_allocatable():
+        need = len(live(table)) - len(cached)
+        if need + len(taken) > device.num_allocatable():
             return None
         for b in cached.values():
             device.pin(b)
-        fresh = iter(self._allocate(Tier.DEVICE, len(table) - len(cached)) or [])
+        fresh = iter(self._allocate(Tier.DEVICE, need) or [])
         self._drop_checkpoint(request_id)
         new, copies = [], []
         for i, src in enumerate(table):
+            if src == RELEASED:
+                new.append(RELEASED)
+                continue
             dst = cached[i] if i in cached else next(fresh)
             if i not in cached:
                 copies.append((src, dst))
@@ -500,10 +544,10 @@ class BlockManager:
             if name is not None:
                 device.name(dst, name)
             new.append(dst)
-        host.release(table[::-1])
+        host.release(live(table[::-1]))
         self._tables[request_id] = (Tier.DEVICE, new)
         named = 0
-        while named < len(new) and new[named] in device.name_of:
+        while named < len(new) and (new[named] == RELEASED or new[named] in device.name_of):
             named += 1
         self._named[request_id] = named
         return copies
@@ -521,8 +565,36 @@ class BlockManager:
         if entry is None:
             return 0
         tier, table = entry
-        self.pools[tier].release(table[::-1])
-        return len(table)
+        held = live(table[::-1])
+        self.pools[tier].release(held)
+        return len(held)
+
+    def release_behind_window(self, request_id: str, num_tokens: int) -> int:
+        """The request's first ``num_tokens`` tokens are committed: give its blocks that no
+        later token's window reaches back to the pool (and its checkpoint's copies of them);
+        how many device blocks. Only a K/V cache on the device has any, and only with a
+        window. Named blocks stay in the prefix cache, free, as a finished request's do."""
+        entry = self._tables.get(request_id)
+        if not self.sliding_window or entry is None or entry[0] is not Tier.DEVICE:
+            return 0
+        if self._kinds[request_id] is not CacheKind.KV:
+            return 0
+        table = entry[1]
+        behind = min(len(table), blocks_behind(num_tokens, self.sliding_window, self.block_size))
+        first = first_held(table)
+        if first >= behind:
+            return 0
+        gone = table[first:behind]
+        table[first:behind] = [RELEASED] * len(gone)
+        self.pools[Tier.DEVICE].release(gone[::-1])
+        mirror = self._ckpt.get(request_id)
+        if mirror:
+            start, upto = first_held(mirror), min(behind, len(mirror))
+            copies = mirror[start:upto]
+            mirror[start:upto] = [RELEASED] * len(copies)
+            self._ckpt_shared.get(request_id, set()).difference_update(copies)
+            self.pools[Tier.HOST].release(copies[::-1])
+        return len(gone)
 
     def _allocate(self, tier: Tier, n: int) -> list[int] | None:
         """Take ``n`` blocks of ``tier``; a device block evicted from the prefix cache is
@@ -552,7 +624,7 @@ class BlockManager:
         self._ckpt_tokens.pop(request_id, None)
         self._ckpt_pending.pop(request_id, None)
         if mirror and release:
-            self.pools[Tier.HOST].release(mirror[::-1])
+            self.pools[Tier.HOST].release(live(mirror[::-1]))
 
     # -- invariants ----------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -563,19 +635,24 @@ class BlockManager:
         for rid in self._ckpt:
             if self.tier_of(rid) is not Tier.DEVICE:
                 raise AssertionError(f"{rid} has a checkpoint but its KV is not on the device")
-            if len(self._ckpt[rid]) > self.num_blocks(rid):
+            if len(self._ckpt[rid]) > self.table_length(rid):
                 raise AssertionError(f"{rid}'s checkpoint has more blocks than its table")
         for tier, pool in self.pools.items():
             owners: Counter[int] = Counter()
             for t, table in self._tables.values():
                 if t is tier:
-                    if len(set(table)) != len(table):
+                    held = live(table)
+                    if len(set(held)) != len(held):
                         raise AssertionError(f"{tier.value}: a table names a block twice")
-                    owners.update(table)
+                    owners.update(held)
             if tier is Tier.HOST:
                 for mirror in self._ckpt.values():
-                    owners.update(mirror)
+                    owners.update(live(mirror))
             pool.check(owners)
+        for rid, (_, table) in self._tables.items():
+            gone = table.count(RELEASED)
+            if gone and (not self.sliding_window or table[:gone] != [RELEASED] * gone):
+                raise AssertionError(f"{rid}: released blocks are not its table's first ones")
         for rid, (tier, table) in self._tables.items():
             if self._kinds[rid] is CacheKind.HIDDEN and any(
                 b in self.pools[tier].name_of for b in table

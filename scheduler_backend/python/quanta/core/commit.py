@@ -165,12 +165,14 @@ class Committer:
         return True
 
     def _name_blocks(self, r: Request) -> None:
-        """Name the full blocks of ``r``'s computed tokens for the prefix cache."""
+        """Name the full blocks of ``r``'s computed tokens for the prefix cache, then give
+        back those a sliding window has left behind (named first, so they stay cached)."""
         if self.blocks.prefix_caching:
             full = r.num_computed_tokens // self.blocks.block_size
             self.blocks.name_blocks(
                 r.request_id, block_hashes(r, self.blocks.block_size, full)[:full]
             )
+        self.blocks.release_behind_window(r.request_id, r.num_computed_tokens)
 
     def _append(self, r: Request, token: int, lp: TokenLogprob | None, now: float) -> bool:
         """Append one sampled (or accepted) token and stream it; True when ``r`` finished."""

@@ -187,7 +187,11 @@ class EngineLoop:
     def validate(self, request: Request) -> None:
         """Raise the typed error that makes ``request`` unservable by this engine, if any."""
         validate_prompt(request.prompt_token_ids, request.params, self.max_model_len)
-        need = self.blocks.blocks_for(request.num_prompt_tokens + request.params.max_tokens)
+        # NOTE: a prompt computed in one step holds all its blocks; the window frees only later
+        need = max(
+            self.blocks.blocks_for(request.num_prompt_tokens),
+            self.blocks.peak_blocks(request.num_prompt_tokens + request.params.max_tokens),
+        )
         if need > self.blocks.num_total(Tier.DEVICE):
             raise CapacityError(
                 f"request needs {need} KV blocks but the device pool has only "

@@ -82,7 +82,12 @@ class PoolView:
         return self._blocks.swap_out_plan(request_id, num_tokens)
 
     def table(self, request_id: str) -> tuple[int, ...]:
-        return self._blocks.block_table(request_id)
+        """The blocks the request holds, in table order (none a sliding window released)."""
+        return tuple(self._blocks.held_blocks(request_id))
+
+    def table_length(self, request_id: str) -> int:
+        """Blocks its table spans, released ones included: what its positions reach."""
+        return self._blocks.table_length(request_id)
 
     def refs(self, tier: Tier, block: int) -> int:
         return self._blocks.refs(tier, block)
@@ -176,8 +181,9 @@ class StepPlan:
             return self._hit_cost(hit, n)[0]
         target = self.pool.blocks_for(req.num_computed_tokens + req.slots_for(n), kind)
         rid = req.request_id
-        held = self._swapped_in.get(rid, self.held(req) if self.is_resident(req) else 0)
-        return max(0, target - held)
+        # NOTE: a table's released entries count: new blocks extend it past its end
+        spans = self.pool.table_length(rid) if self.is_resident(req) else 0
+        return max(0, target - spans)
 
     def _start_hit(self, req: Request, kind: CacheKind) -> PrefixHit | None:
         """The cached prefix ``req`` starts with now: its lookup, cut short before the first

@@ -137,7 +137,13 @@ def simulate(
     loop = EngineLoop(
         runner=runner,
         policy=make_sim_policy(setup),
-        blocks=BlockManager(setup.block_size, device, host, prefix_caching=setup.prefix_caching),
+        blocks=BlockManager(
+            setup.block_size,
+            device,
+            host,
+            prefix_caching=setup.prefix_caching,
+            sliding_window=setup.profile.sliding_window,
+        ),
         clock=clock,
         max_model_len=setup.profile.max_model_len,
     )

@@ -158,7 +158,11 @@ def _run(
             runner=runners[i],
             policy=make_sim_policy(setup),
             blocks=BlockManager(
-                setup.block_size, device, host, prefix_caching=setup.prefix_caching
+                setup.block_size,
+                device,
+                host,
+                prefix_caching=setup.prefix_caching,
+                sliding_window=setup.profile.sliding_window,
             ),
             clock=clocks[i],
             max_model_len=setup.profile.max_model_len,
