@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from operator import countOf, itemgetter, methodcaller
 from typing import Literal
 
 from pydantic import Field
@@ -34,15 +35,17 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.output import RunnerCapabilities
 from quanta.core.plan import StepPlan
-from quanta.core.request import CacheKind, Request
+from quanta.core.request import CacheKind, Request, blocks_for
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.common import residents
+from quanta.policies.common import outside, residents
 from quanta.policies.fcfs import ReactivePreemption
 from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack
 from quanta.policies.packers import chunk
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
 from quanta.policies.systems import ProfileOptions, Stages, System
+
+_tier = itemgetter(0)
 
 CacheMode = Literal["hybrid", "kv", "hidden"]
 Fallback = Literal["zero", "decay"]
@@ -101,9 +104,7 @@ class AdaptivePacker(Packer):
         ranking: Ranking,
         placement: Placement,
     ) -> None:
-        waiting = [
-            r for r in lane.order if not plan.is_resident(r) and r.request_id not in plan.moved
-        ]
+        waiting = list(outside(lane.order, plan))
         running = residents(lane.order, plan)
         live = len(view.waiting) + len(view.swapped) + len(view.running)
         rho = self.rho if self.rho is not None else self.cost.rho(view.block_size)
@@ -167,20 +168,25 @@ class AdaptivePacker(Packer):
     ) -> tuple[list[Request], list[Item]]:
         reqs: list[Request] = []
         items: list[Item] = []
-        pool, now = step.view.pool, step.view.now
+        plan, now, size = step.plan, step.view.now, step.view.block_size
+        left, chunked = step.tokens(), step.chunked  # NOTE: the plan does not change here
+        mean = self._mean_output()  # ``steps_ahead`` of every request once one has finished
         for req in queue:
-            n = step.chunk(req)
+            n = chunk(req, req.num_uncomputed_tokens if left is None else left, chunked)
             if n == 0:
                 continue
-            total = req.num_context_tokens + n
-            kv, hidden = self._open_kinds(req, step.plan.cache_kind(req), switchable)
+            held = plan.cache_kind(req)
+            kv, hidden = self._open_kinds(req, held, switchable)
             # NOTE: a cached prefix's blocks are shared, so its K/V costs the pool only the
-            # rest; hidden states are never shared (a hidden start computes from token 0)
-            hit = step.plan.prefix_hit(req)
-            shared = len(hit.of(Tier.DEVICE)) if hit is not None else 0
-            m = pool.blocks_for(total) - shared
-            half = pool.blocks_for(req.num_computed_tokens + n, CacheKind.HIDDEN)
-            steps = self.steps_ahead(req) if kv and hidden else 1.0
+            # rest; hidden states are never shared (a hidden start computes from token 0).
+            # Only a request that holds no cache has a hit.
+            hit = plan.prefix_hit(req) if held is None else None
+            shared = countOf(map(_tier, hit.blocks), Tier.DEVICE) if hit is not None else 0
+            m = blocks_for(req.num_context_tokens + n, size) - shared
+            half = blocks_for(req.num_computed_tokens + n, size, CacheKind.HIDDEN)
+            steps = 1.0
+            if kv and hidden:
+                steps = mean if mean is not None else self.steps_ahead(req)
             items.append(Item(self.value(req, now), m, half, kv, hidden, n, steps))
             reqs.append(req)
         return reqs, items
@@ -202,9 +208,14 @@ class AdaptivePacker(Packer):
 
         NOTE: a hidden cache is kept until the request finishes or is evicted, so choosing
         it over KV costs rho * m per step for all of those steps, not for this one only."""
-        if self._finished:
-            return self._finished_tokens / self._finished
+        mean = self._mean_output()
+        if mean is not None:
+            return mean
         return float(max(1, req.params.max_tokens - req.num_output_tokens))
+
+    def _mean_output(self) -> float | None:
+        """The mean output of the requests finished so far (None: none has)."""
+        return self._finished_tokens / self._finished if self._finished else None
 
     def value(self, req: Request, now: float) -> float:
         """p_i after the SLO fallback: past the TTFT SLO before its first token, or past the
@@ -262,7 +273,7 @@ class _Step:
 
 
 def _pending(queue: list[Request], now: float) -> float:
-    return sum(r.pending_time(now) for r in queue)
+    return sum(map(methodcaller("pending_time", now), queue))
 
 
 class AptOptions(ProfileOptions):

@@ -5,13 +5,17 @@ bisection the step-time limits search with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from operator import attrgetter
 
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request, RequestStatus
+from quanta.core.view import SchedulerView
 
 ONLINE, OFFLINE = "online", "offline"
 """The priority classes (``RequestMetadata.priority_class``) and the lanes named after them."""
+
+_WAITING = RequestStatus.WAITING
 
 QUEUE_RANK = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
 """vLLM's queues in the order they are served: running, then swapped, then waiting."""
@@ -22,9 +26,32 @@ def is_online(req: Request) -> bool:
     return req.metadata.priority_class != OFFLINE
 
 
+def by_class(order: Iterable[Request]) -> tuple[list[Request], list[Request]]:
+    """``order`` split into its online and its offline requests, order kept (``is_online``
+    read inline: with a long queue a call per request and class was much of the step)."""
+    order = list(order)
+    return (
+        [r for r in order if r.metadata.priority_class != OFFLINE],
+        [r for r in order if r.metadata.priority_class == OFFLINE],
+    )
+
+
 def arrival_key(req: Request) -> tuple[int, float, str]:
     """vLLM's order: by queue, then by arrival (the id breaks ties, so the order is total)."""
     return (QUEUE_RANK[req.status], req.arrival_time, req.request_id)
+
+
+_by_arrival = attrgetter("arrival_time", "request_id")
+
+
+def arrival_order(view: SchedulerView) -> list[Request]:
+    """The view's candidates in ``arrival_key`` order: the view keeps its queues apart, so
+    each is sorted alone (by a key read in C, once per request per step)."""
+    return [
+        *sorted(view.running, key=_by_arrival),
+        *sorted(view.swapped, key=_by_arrival),
+        *sorted(view.waiting, key=_by_arrival),
+    ]
 
 
 def evictable(req: Request, plan: StepPlan) -> bool:
@@ -32,9 +59,27 @@ def evictable(req: Request, plan: StepPlan) -> bool:
     return plan.is_resident(req) and req.request_id not in plan.chosen
 
 
+def on_device(order: Iterable[Request], plan: StepPlan) -> list[Request]:
+    """``order``'s requests that are resident after the plan's moves, order kept.
+
+    NOTE: a waiting request is never resident (it holds no blocks until it runs), and with a
+    long queue almost every request is waiting: its status is read before any call."""
+    return [r for r in order if r.status is not _WAITING and plan.is_resident(r)]
+
+
 def residents(order: list[Request], plan: StepPlan) -> list[Request]:
     """``order``'s requests that a packer may continue or evict, order kept."""
-    return [r for r in order if evictable(r, plan)]
+    chosen = plan.chosen
+    return [r for r in on_device(order, plan) if r.request_id not in chosen]
+
+
+def outside(order: list[Request], plan: StepPlan) -> Iterator[Request]:
+    """``order``'s requests that are neither resident nor moved this step (they may start
+    or resume), order kept; lazily, since a packer mostly stops at the first that does not
+    fit. The plan's moves between two reads must not change who is resident."""
+    for r in order:
+        if (r.status is _WAITING or not plan.is_resident(r)) and r.request_id not in plan.moved:
+            yield r
 
 
 def largest(hi: int, fits: Callable[[int], bool]) -> int:

@@ -30,17 +30,17 @@ from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.calibration import CalibratedCost
-from quanta.policies.common import OFFLINE, ONLINE, arrival_key, is_online, largest
+from quanta.policies.common import OFFLINE, ONLINE, arrival_order, by_class, largest
 from quanta.policies.coserve_packer import CoservePacker
 from quanta.policies.coserve_placement import CoservePlacement
 from quanta.policies.fcfs import FCFSOptions, fcfs_stages
-from quanta.policies.stages import Lane, Lanes, Ordering, Ranking
+from quanta.policies.stages import Lane, Lanes, Ordering, Ranking, Turns
 from quanta.policies.systems import ProfileOptions, Stages, System, SystemOptions
 
 
-def tpot_slo(req: Request, default: float) -> float:
-    """The request's own TPOT SLO in seconds, else ``default``."""
-    ms = req.metadata.tpot_slo_ms
+def _tpot(ms: float | None, default: float) -> float:
+    """A request's own TPOT SLO (``ms``, None when it has none) in seconds, else
+    ``default``."""
     return default if ms is None else ms / 1000
 
 
@@ -75,9 +75,9 @@ class ClassOrder(Ordering):
         self.config = config
 
     def rank(self, view: SchedulerView) -> Ranking:
-        order = sorted(view.candidates, key=lambda r: (not is_online(r), *arrival_key(r)))
-        seats = self.config.max_num_seqs
-        return Ranking(order, {r.request_id: float(i // seats) for i, r in enumerate(order)})
+        online, offline = by_class(arrival_order(view))
+        order = online + offline
+        return Ranking(order, Turns(order, self.config.max_num_seqs))
 
 
 class ClassLanes(Lanes):
@@ -101,11 +101,12 @@ class ClassLanes(Lanes):
         self.tpot_slo_s = tpot_slo_s
 
     def split(self, ranking: Ranking, view: SchedulerView) -> list[Lane]:
-        online = [r for r in ranking.order if is_online(r)]
-        offline = self.hold(online, [r for r in ranking.order if not is_online(r)])
+        online, offline = by_class(ranking.order)
+        offline = self.hold(online, offline)
         if not online or self.cost is None:
             return [Lane(ONLINE, online), Lane(OFFLINE, offline)]
-        tpot = min(tpot_slo(r, self.tpot_slo_s) for r in online)
+        # NOTE: each SLO once: most requests carry none of their own
+        tpot = min(_tpot(ms, self.tpot_slo_s) for ms in {r.metadata.tpot_slo_ms for r in online})
         # NOTE: before packing, the residents are exactly the running requests.
         decodes = [
             r.num_computed_tokens

@@ -147,8 +147,8 @@ class _StepTime:
         self, cost: CostModel | None, limit: float | None, ranking: Ranking, plan: StepPlan
     ) -> None:
         self.cost, self.limit = cost, limit
-        by_id = {r.request_id: r for r in ranking.order}
-        self.chunks = [(n, by_id[rid].num_context_tokens) for rid, n in plan.run]
+        order, pos = ranking.order, ranking.position()
+        self.chunks = [(n, order[pos[rid]].num_context_tokens) for rid, n in plan.run]
 
     def fit(self, req: Request, n: int, chunked: bool) -> int:
         """The most of ``n`` tokens of ``req`` the step can take (0: none)."""

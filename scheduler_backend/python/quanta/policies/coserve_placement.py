@@ -24,7 +24,7 @@ from quanta.core.plan import StepPlan
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.common import is_online
+from quanta.policies.common import is_online, on_device
 from quanta.policies.stages import Placement, Ranking
 
 
@@ -64,7 +64,7 @@ class CoservePlacement(Placement):
 
     def victims(self, ranking: Ranking, plan: StepPlan) -> list[Request]:
         """Offline residents only: checkpointed ones first, then lowest-ranked first."""
-        offline = [r for r in reversed(ranking.order) if not is_online(r) and plan.is_resident(r)]
+        offline = [r for r in on_device(reversed(ranking.order), plan) if not is_online(r)]
         return sorted(offline, key=lambda r: not plan.is_checkpointed(r))  # stable
 
     def yield_mode(self, req: Request, plan: StepPlan) -> PreemptMode:
@@ -72,15 +72,15 @@ class CoservePlacement(Placement):
         return PreemptMode.SWAP if plan.is_checkpointed(req) else self.evict_mode
 
     def after_batch(self, view: SchedulerView, plan: StepPlan, ranking: Ranking) -> None:
-        by_id = {r.request_id: r for r in ranking.order}
-        ran = [by_id[rid] for rid, _ in plan.run if rid in by_id]
+        order, pos = ranking.order, ranking.position()
+        ran = [order[pos[rid]] for rid, _ in plan.run if rid in pos]
         offline_only = bool(ran) and not any(is_online(r) for r in ran)
         # NOTE: only while no online request is live: one arriving next step would evict what
         # was just brought back (measured: prefetch during ON phases doubled preemptions)
         if self.prefetch and ran and not any(is_online(r) for r in ranking.order):
             self._prefetch(plan, ranking)
         if self.safepoints and offline_only:
-            chunks = [(n, by_id[rid].num_context_tokens) for rid, n in plan.run]
+            chunks = [(n, order[pos[rid]].num_context_tokens) for rid, n in plan.run]
             assert self.cost is not None  # NOTE: checked at construction
             plan.abort_when = MissesTTFT(view.now + self.cost.step_time(chunks), self)
         if self.checkpoint:
@@ -98,10 +98,8 @@ class CoservePlacement(Placement):
         ran = dict(plan.run)
         residents = [
             r
-            for r in reversed(ranking.order)
-            if not is_online(r)
-            and plan.is_resident(r)
-            and r.num_computed_tokens + ran.get(r.request_id, 0) > 0
+            for r in on_device(reversed(ranking.order), plan)
+            if not is_online(r) and r.num_computed_tokens + ran.get(r.request_id, 0) > 0
         ]
         for req in residents[: math.ceil(len(residents) * pressure)]:
             upto = req.num_computed_tokens + ran.get(req.request_id, 0)

@@ -29,9 +29,11 @@ trusts names: a client sending each request under a new name is always first in 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from itertools import count
+from operator import attrgetter, itemgetter
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -40,12 +42,11 @@ from quanta.core.decision import Decision
 from quanta.core.output import RunnerOutput
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
-from quanta.policies.common import QUEUE_RANK
 from quanta.policies.fair_state import Counters, Lift
 from quanta.policies.fair_stores import fairness_state
 from quanta.policies.interactions import InteractionTracker
 from quanta.policies.memory_share import hold_back
-from quanta.policies.stages import Ordering, Ranking
+from quanta.policies.stages import Ordering, Ranking, Turns
 from quanta.policies.systems import SharedStateOptions, Stages, System
 from quanta.policies.throttle import OITAdmission
 
@@ -53,8 +54,25 @@ Unauthenticated = Literal["pool", "max", "min"]
 POOL = "(unauthenticated)"  # the tenant every unauthenticated request counts as, with "pool"
 
 
+_arrival_time = attrgetter("arrival_time")
+_last = itemgetter(-1)
+
+
+class _Served(dict[str, float]):
+    """Users' counters as read during one ranking: each user's once, however many of its
+    requests wait (the counters do not change while a ranking sorts)."""
+
+    def __init__(self, service: Counters) -> None:
+        super().__init__()
+        self._service = service
+
+    def __missing__(self, user: str) -> float:
+        self[user] = served = self._service.of(user)
+        return served
+
+
 class _CounterOrder(Ordering):
-    """Residents by arrival, then everyone else by the key ``_key``."""
+    """Residents by arrival, then everyone else by their ``_keys``."""
 
     def __init__(
         self,
@@ -88,19 +106,20 @@ class _CounterOrder(Ordering):
             self.service.leave(self.user(request))
 
     def rank(self, view: SchedulerView) -> Ranking:
+        """Running requests by arrival, then the swapped, then the waiting, each by their
+        ``_keys`` and arrival (a stable sort: ties keep the view's order)."""
         self.service.sync()  # NOTE: a shared store's counters, read once for the whole sort
-        order = sorted(view.candidates, key=lambda r: self._rank_key(r, view.now))
-        seats = self.config.max_num_seqs
-        return Ranking(order, {r.request_id: float(i // seats) for i, r in enumerate(order)})
+        order = sorted(view.running, key=_arrival_time)
+        for queue in (view.swapped, view.waiting):
+            # NOTE: decorated, so the sort compares in C; the index keeps it stable
+            keys = zip(self._keys(queue, view.now), map(_arrival_time, queue), count(), queue)
+            order += map(_last, sorted(keys))
+        return Ranking(order, Turns(order, self.config.max_num_seqs))
 
-    def _rank_key(self, r: Request, now: float) -> tuple[float, ...]:
-        group = QUEUE_RANK[r.status]
-        if group == 0:
-            return (0, 0, 0.0, r.arrival_time)
-        return (group, *self._key(r, now), r.arrival_time)
-
-    def _key(self, r: Request, now: float) -> tuple[float, ...]:
-        return (self.service.of(self.user(r)),)
+    def _keys(self, queue: Sequence[Request], now: float) -> list[Any]:
+        """Each request's rank within its queue, least served first: its user's counter."""
+        served = _Served(self.service)
+        return list(map(served.__getitem__, map(self.user, queue)))
 
 
 class VTCOrder(_CounterOrder):
@@ -248,9 +267,13 @@ class WSCOrder(_CounterOrder):
             self._weights.clear()
 
     # -- ordering --------------------------------------------------------------------------
-    def _key(self, r: Request, now: float) -> tuple[float, ...]:
-        fresh = 0 if self.tracker.continues(r, now) else 1
-        return (fresh, self.service.of(self.user(r)))
+    def _keys(self, queue: Sequence[Request], now: float) -> list[Any]:
+        """Calls that continue an open interaction first, then the least-served user's."""
+        served, continues = _Served(self.service), self.tracker.continues
+        return [
+            (0 if continues(r, now) else 1, served[user])
+            for r, user in zip(queue, map(self.user, queue), strict=True)
+        ]
 
 
 def _stage(r: Request) -> int:

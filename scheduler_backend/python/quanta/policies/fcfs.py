@@ -15,9 +15,9 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.common import arrival_key
+from quanta.policies.common import arrival_order
 from quanta.policies.packers import InOrderPacker
-from quanta.policies.stages import Ordering, Placement, Ranking
+from quanta.policies.stages import Ordering, Placement, Ranking, Turns
 from quanta.policies.systems import Stages, System, SystemOptions
 
 
@@ -29,10 +29,9 @@ class ArrivalOrder(Ordering):
         self.cost = cost
 
     def rank(self, view: SchedulerView) -> Ranking:
-        order = sorted(view.candidates, key=arrival_key)
+        order = arrival_order(view)
         q = self.cost.min_iteration_time if self.cost is not None else 1.0
-        seats = self.config.max_num_seqs
-        return Ranking(order, {r.request_id: (i // seats) * q for i, r in enumerate(order)})
+        return Ranking(order, Turns(order, self.config.max_num_seqs, q))
 
 
 class ReactivePreemption(Placement):

@@ -21,15 +21,18 @@ what the host link copies during the shortest iteration.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from operator import attrgetter
 
 from quanta.core.decision import PreemptMode
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.stages import Placement, Ranking
+from quanta.policies.common import on_device
+from quanta.policies.stages import Placement, Ranking, Turns
 
 MEMORY_MODES = ("proactive", "reactive", "recompute")
 
@@ -63,6 +66,28 @@ def mlfq_enst(
     return {rid: min(t_promote[rid], t_exec[level]) for rid, level in levels.items()}
 
 
+_request_id = attrgetter("request_id")
+
+
+class _Rank(Mapping[str, tuple[float, int]]):
+    """(ENST, position) of a request of the ranking, read on demand: proactive moves ask
+    for the few requests they consider, not for the whole queue."""
+
+    __slots__ = ("_enst", "_pos")
+
+    def __init__(self, enst: Mapping[str, float], pos: Mapping[str, int]) -> None:
+        self._enst, self._pos = enst, pos
+
+    def __getitem__(self, request_id: str) -> tuple[float, int]:
+        return self._enst[request_id], self._pos[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pos)
+
+    def __len__(self) -> int:
+        return len(self._pos)
+
+
 class ReactiveSwap(Placement):
     """Swap only when forced: eviction to host, swap-in when the job is chosen."""
 
@@ -72,7 +97,7 @@ class ReactiveSwap(Placement):
     def victims(self, ranking: Ranking, plan: StepPlan) -> list[Request]:
         """Residents, largest ENST first, lower priority breaking ties."""
         pos = ranking.position()
-        residents = [r for r in ranking.order if plan.is_resident(r)]
+        residents = on_device(ranking.order, plan)
         return sorted(
             residents, key=lambda r: (-ranking.next_turn[r.request_id], -pos[r.request_id])
         )
@@ -135,17 +160,24 @@ class ProactiveSwap(ReactiveSwap):
 
     def after_batch(self, view: SchedulerView, plan: StepPlan, ranking: Ranking) -> None:
         reserve = self.reserve(view)
-        enst = ranking.next_turn
-        rank = {r.request_id: (enst[r.request_id], i) for i, r in enumerate(ranking.order)}
-        idle = [r for r in ranking.order if r.request_id not in plan.chosen]
-        idle.sort(key=lambda r: rank[r.request_id])
-        upcoming = idle[: self.max_batch_size]  # the likeliest to run next
+        enst, pos = ranking.next_turn, ranking.position()
+        rank = _Rank(enst, pos)
+        chosen = plan.chosen
+        idle = [r for r in ranking.order if r.request_id not in chosen]
+        # NOTE: the first MaxBatchSize of the idle by (ENST, position): with turns by
+        # position the idle are in that order already, else the keys are read in C (with a
+        # long queue, a key call per request was much of the step)
+        if isinstance(enst, Turns):
+            upcoming = idle[: self.max_batch_size]
+        else:
+            ids = list(map(_request_id, idle))
+            keys = zip(map(enst.__getitem__, ids), map(pos.__getitem__, ids), idle, strict=True)
+            upcoming = [r for _, _, r in heapq.nsmallest(self.max_batch_size, keys)]
         keep = {r.request_id for r in upcoming}
         victims = [  # idle residents, largest (ENST, position) first
             r
-            for r in ranking.order
-            if plan.is_resident(r)
-            and r.request_id not in plan.chosen
+            for r in on_device(ranking.order, plan)
+            if r.request_id not in chosen
             and r.request_id not in plan.moved
             and r.request_id not in keep
             and plan.held(r) > 0

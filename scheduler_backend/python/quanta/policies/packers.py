@@ -21,7 +21,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
-from quanta.policies.common import evictable, residents
+from quanta.policies.common import evictable, outside, residents
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
 
 
@@ -54,12 +54,11 @@ class InOrderPacker(Packer):
         placement: Placement,
     ) -> None:
         queue = residents(lane.order, plan)
-        others = [
-            r for r in lane.order if not plan.is_resident(r) and r.request_id not in plan.moved
-        ]
         if not self._continue(queue, plan, lane, placement):
             return
-        for req in others:
+        # NOTE: read after the residents continued, which moved nobody (they would have
+        # returned above), so the requests outside are those there were before
+        for req in outside(lane.order, plan):
             n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
             if n == 0 or not plan.has_room(n) or plan.blocks_to_grow(req, n) > plan.free_device:
                 return
@@ -123,7 +122,7 @@ class PriorityPacker(Packer):
         keep = int(self.headroom * view.total_device_blocks) if in_use else 0
         seats = plan.seats if plan.seats is not None else len(lane.order)
         # NOTE: blocks held by evictable residents ranked below the walk's position.
-        below = sum(plan.frees(r) for r in lane.order if evictable(r, plan))
+        below = sum(plan.frees(r) for r in residents(lane.order, plan))
         prefills: list[Request] = []
         for req in lane.order:
             if evictable(req, plan):

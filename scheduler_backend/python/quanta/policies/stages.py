@@ -23,8 +23,10 @@ the ledger the applier checks the decision with.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from operator import attrgetter
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import Decision, PreemptMode
@@ -32,6 +34,13 @@ from quanta.core.output import RunnerCapabilities, RunnerOutput
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
+from quanta.policies.common import on_device
+
+_request_id = attrgetter("request_id")
+
+
+def _positions(order: Sequence[Request]) -> dict[str, int]:
+    return dict(zip(map(_request_id, order), range(len(order)), strict=True))
 
 
 class Stage:
@@ -54,15 +63,43 @@ class Stage:
         (its preemptions and swap-ins did)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Ranking:
     """Live requests, highest priority first, and when each is next expected to run."""
 
     order: list[Request]
     next_turn: Mapping[str, float]
 
-    def position(self) -> dict[str, int]:
-        return {r.request_id: i for i, r in enumerate(self.order)}
+    def position(self) -> Mapping[str, int]:
+        """Each request's index in ``order`` (read only: several stages of a step share it)."""
+        return self._position
+
+    @cached_property
+    def _position(self) -> dict[str, int]:
+        return _positions(self.order)
+
+
+class Turns(Mapping[str, float]):
+    """Next turns by position in ``order``: the i-th request is ``i // seats`` steps of
+    ``quantum`` seconds away. Read lazily: most steps read no turn at all, and building a
+    dict of every waiting request's turn each step cost as much as the ranking."""
+
+    __slots__ = ("_order", "_pos", "_quantum", "_seats")
+
+    def __init__(self, order: Sequence[Request], seats: int, quantum: float = 1.0) -> None:
+        self._order, self._seats, self._quantum = order, seats, quantum
+        self._pos: dict[str, int] | None = None
+
+    def __getitem__(self, request_id: str) -> float:
+        if self._pos is None:
+            self._pos = _positions(self._order)
+        return (self._pos[request_id] // self._seats) * self._quantum
+
+    def __iter__(self) -> Iterator[str]:
+        return map(_request_id, self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +161,7 @@ class Placement(Stage):
 
     def victims(self, ranking: Ranking, plan: StepPlan) -> list[Request]:
         """Residents in the order a packer may evict them: lowest priority first."""
-        return [r for r in reversed(ranking.order) if plan.is_resident(r)]
+        return on_device(reversed(ranking.order), plan)
 
     def yield_mode(self, req: Request, plan: StepPlan) -> PreemptMode:
         """How ``req`` leaves when a packer evicts it (the placement's mode, unless the

@@ -31,6 +31,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.loop import EngineLoop
 from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
 from quanta.core.request import Request, RequestStatus, SamplingParams
+from quanta.core.safepoint import StepAborted
 from quanta.policies import make_policy
 
 
@@ -51,15 +52,21 @@ class StepTiming:
 
 class _StampRunner:
     """Samples a fixed token for every row that samples and notes when it was called: what
-    the loop did before that call is the step's scheduling."""
+    the loop did before that call is the step's scheduling.
 
-    capabilities = RunnerCapabilities()
+    It offers what the model runner offers for a multi-head model, so every system can be
+    timed: a hidden cache (it keeps no cache of either kind, so both read alike) and layer
+    safepoints (its one "layer" ends at a safepoint that honours the step's abort signal)."""
+
+    capabilities = RunnerCapabilities(hidden_cache=True, layer_safepoints=True)
 
     def __init__(self) -> None:
         self.called = 0.0
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self.called = time.thread_time()
+        if so.abort is not None and so.abort.is_set():
+            raise StepAborted(layer=0)
         return RunnerOutput(
             tuple(s.request_id for s in so.seqs), tuple(5 if s.sample else None for s in so.seqs)
         )

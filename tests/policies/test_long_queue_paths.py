@@ -1,0 +1,235 @@
+"""The paths that keep a step short with a long queue decide exactly as the plain algorithms
+they replaced: Apt-Serve's greedy walked from a heap and stopped early against a full sort,
+the orderings' sorts per queue against one sort of every candidate by the old keys, and turns
+read lazily against the dicts built before. On random items, and at every step of a seeded
+workload through the loop for each system the schedule-step bench times."""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from quanta.core.blocks import BlockManager
+from quanta.core.clock import VirtualClock
+from quanta.core.config import SchedulerConfig
+from quanta.core.loop import EngineLoop
+from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
+from quanta.core.request import CacheKind, Request, RequestMetadata, SamplingParams
+from quanta.core.view import SchedulerView
+from quanta.policies import adaptive, make_policy
+from quanta.policies.common import QUEUE_RANK, arrival_key, is_online
+from quanta.policies.coserve import ClassOrder
+from quanta.policies.fair import WSCOrder, _CounterOrder
+from quanta.policies.fcfs import ArrivalOrder
+from quanta.policies.knapsack import Item, _has_room, greedy_knapsack, options
+from quanta.policies.mlfq import PriorityOrder
+from quanta.policies.stages import Ranking, Turns
+
+
+def sorted_walk(
+    items: list[Item],
+    memory: int,
+    factor: float,
+    *,
+    seats: int | None = None,
+    tokens: int | None = None,
+    chunked: bool = False,
+) -> dict[int, CacheKind]:
+    """The greedy as it was: every increment sorted, the whole order walked."""
+    opts = [options(it, factor, memory) for it in items]
+    alone = [_has_room(it, seats, tokens, chunked) for it in items]
+    steps = []
+    for i, choices in enumerate(opts):
+        prev_w, prev_v = 0, 0.0
+        for stage, (_, w, v) in enumerate(choices):
+            steps.append((-(v - prev_v) / (w - prev_w), i, stage, w - prev_w, v - prev_v))
+            prev_w, prev_v = w, v
+    steps.sort()
+    chosen: dict[int, CacheKind] = {}
+    total = 0.0
+    for _, i, stage, dw, dv in steps:
+        if dw > memory:
+            continue
+        if stage == 0:
+            if not _has_room(items[i], seats, tokens, chunked):
+                continue
+            seats = None if seats is None else seats - 1
+            tokens = None if tokens is None else tokens - min(items[i].tokens, tokens)
+        elif i not in chosen:
+            continue
+        chosen[i] = opts[i][stage][0]
+        memory -= dw
+        total += dv
+    best = None
+    for i, choices in enumerate(opts):
+        for kind, _, v in choices:
+            if alone[i] and (best is None or v > best[0]):
+                best = (v, i, kind)
+    if best is not None and best[0] > total:
+        return {best[1]: best[2]}
+    return chosen
+
+
+item_strategy = st.builds(
+    Item,
+    value=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5]),  # NOTE: few values, so ratios tie
+    kv_blocks=st.integers(1, 8),
+    hidden_blocks=st.integers(1, 4),
+    kv=st.booleans(),
+    hidden=st.booleans(),
+    tokens=st.integers(0, 6),
+    hidden_steps=st.sampled_from([1.0, 2.0]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    items=st.lists(item_strategy, max_size=12),
+    memory=st.integers(0, 30),
+    factor=st.sampled_from([0.0, 0.05, 0.1, 0.5]),
+    seats=st.none() | st.integers(0, 5),
+    tokens=st.none() | st.integers(0, 12),
+    chunked=st.booleans(),
+)
+def test_the_heap_walk_chooses_as_the_sorted_walk(items, memory, factor, seats, tokens, chunked):
+    kw = {"seats": seats, "tokens": tokens, "chunked": chunked}
+    got = greedy_knapsack(items, memory, factor, **kw)
+    want = sorted_walk(items, memory, factor, **kw)
+    assert list(got.items()) == list(want.items())  # the order taken too
+
+
+def test_turns_read_as_the_dict_of_positions():
+    order = [Request(f"r{i}", [1], SamplingParams(max_tokens=1), 0.0, i) for i in range(10)]
+    turns = Turns(order, 4, 0.25)
+    assert dict(turns) == {r.request_id: (i // 4) * 0.25 for i, r in enumerate(order)}
+    assert len(turns) == 10 and list(turns) == [r.request_id for r in order]
+    ranking = Ranking(order, turns)
+    assert ranking.position() == {r.request_id: i for i, r in enumerate(order)}
+
+
+# -- every step of a seeded workload ------------------------------------------------------------
+class _InstantRunner:
+    """Samples token 5 for every row that samples; offers all an engine may offer."""
+
+    capabilities = RunnerCapabilities(hidden_cache=True, layer_safepoints=True)
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return RunnerOutput(
+            tuple(s.request_id for s in so.seqs), tuple(5 if s.sample else None for s in so.seqs)
+        )
+
+
+def _old_order(ordering: object, view: SchedulerView) -> list[Request]:
+    """One sort of every candidate by the key each ordering sorted with before."""
+    if isinstance(ordering, ClassOrder):
+        return sorted(view.candidates, key=lambda r: (not is_online(r), *arrival_key(r)))
+    if isinstance(ordering, ArrivalOrder):
+        return sorted(view.candidates, key=arrival_key)
+    assert isinstance(ordering, _CounterOrder)
+
+    def key(r: Request) -> tuple[float, ...]:
+        group = QUEUE_RANK[r.status]
+        if group == 0:
+            return (0, 0, 0.0, r.arrival_time)
+        served = (ordering.service.of(ordering.user(r)),)
+        if isinstance(ordering, WSCOrder):
+            served = (0 if ordering.tracker.continues(r, view.now) else 1, *served)
+        return (group, *served, r.arrival_time)
+
+    return sorted(view.candidates, key=key)
+
+
+def _checked_rank(ordering: object, checks: list[int], wrong: list[str]):
+    """``ordering.rank`` that notes every step whose ranking differs from the old one (the
+    loop contains what a policy raises, so a mismatch is noted, not raised)."""
+    rank = ordering.rank
+
+    def checked(view: SchedulerView) -> Ranking:
+        ranking = rank(view)
+        if isinstance(ordering, PriorityOrder):  # NOTE: rank joins and promotes: sort after
+            jobs = sorted((ordering.jobs[r.request_id] for r in view.candidates), key=ordering._key)
+            want = [j.request for j in jobs]
+        else:
+            want = _old_order(ordering, view)
+        if [r.request_id for r in ranking.order] != [r.request_id for r in want]:
+            wrong.append(f"rank at {view.now}")
+        checks[0] += 1
+        return ranking
+
+    return checked
+
+
+@pytest.mark.parametrize("system", ["fcfs", "sj-mlfq", "fair", "vtc", "conserve", "apt"])
+def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monkeypatch):
+    rng = random.Random(7)
+    checks, wrong = [0, 0], []
+
+    def greedy(*args: object, **kwargs: object) -> dict[int, CacheKind]:
+        got = greedy_knapsack(*args, **kwargs)
+        if list(got.items()) != list(sorted_walk(*args, **kwargs).items()):
+            wrong.append("greedy")
+        checks[1] += 1
+        return got
+
+    monkeypatch.setattr(adaptive, "greedy_knapsack", greedy)
+    clock = VirtualClock()
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128)
+    policy = make_policy(system, config)
+    policy.ordering.rank = _checked_rank(policy.ordering, checks, wrong)
+    loop = EngineLoop(
+        runner=_InstantRunner(),
+        policy=policy,
+        blocks=BlockManager(16, 120, 60, prefix_caching=True),
+        clock=clock,
+        max_model_len=1024,
+    )
+    shared = [rng.randrange(1, 50) for _ in range(64)]  # NOTE: a prefix some prompts share
+    requests: list[Request] = []
+    for i in range(120):  # NOTE: faster than they are served, so a queue builds
+        prompt = shared[: rng.choice([0, 16, 48])] + [rng.randrange(1, 50) for _ in range(20)]
+        meta = RequestMetadata(
+            tenant=f"t{rng.randrange(3)}",
+            tenant_authenticated=rng.random() < 0.7,
+            priority_class=rng.choice(["online", "offline"]),
+        )
+        params = SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True, temperature=0)
+        request = Request(f"r{i}", prompt, params, clock.now(), i, metadata=meta)
+        loop.submit(request, lambda _: None)
+        requests.append(request)
+        if i % 3 == 0:
+            loop.step()
+            clock.advance(rng.choice([0.01, 0.05, 0.3]))
+    loop.run_until_idle()
+    assert wrong == []
+    assert [r.error for r in requests if r.error] == []
+    assert checks[0] > 100
+    assert checks[1] > 100 or system != "apt"
+
+
+def test_the_first_jobs_by_turn_are_the_first_of_a_full_sort():
+    """ProactiveSwap takes the MaxBatchSize idle jobs of smallest (ENST, position): from a
+    heap over keys read in C, or, for turns by position, the first ones as they stand."""
+    rng = random.Random(3)
+    ids = [f"j{i}" for i in range(200)]
+    enst = {rid: rng.choice([0.0, 0.5, 1.0, 2.5]) for rid in ids}
+    pos = {rid: i for i, rid in enumerate(ids)}
+    full = sorted(ids, key=lambda rid: (enst[rid], pos[rid]))[:16]
+    keys = zip(map(enst.__getitem__, ids), map(pos.__getitem__, ids), ids, strict=True)
+    assert [rid for _, _, rid in heapq.nsmallest(16, keys)] == full
+    order = [Request(rid, [1], SamplingParams(max_tokens=1), 0.0, i) for i, rid in enumerate(ids)]
+    turns = Turns(order, 8, 0.1)
+    assert sorted(ids, key=lambda rid: (turns[rid], pos[rid]))[:16] == ids[:16]
+
+
+@pytest.mark.parametrize("system", ["fcfs", "sj-mlfq", "fair", "vtc", "conserve", "apt"])
+def test_the_schedule_step_bench_times_every_system(system):
+    """Its stand-in runner offers what the model runner offers a multi-head model (layer
+    safepoints, the hidden cache), so ConServe and Apt-Serve are timed too."""
+    from quanta_lab.sim.step_time import time_steps, workload_prompts
+
+    timing = time_steps(workload_prompts("chat", 40), system, prefix_caching=True,
+                        max_num_seqs=4, steps=3)  # fmt: skip
+    assert timing.steps == 3 and timing.num_waiting > 0 and timing.median_ms > 0
