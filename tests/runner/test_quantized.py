@@ -298,6 +298,9 @@ def test_build_records_the_quantization_and_stores_codes(checkpoint, tmp_path):
     assert all(n.endswith("down_proj.weight") for n in q.not_quantized)
     stored = load_file(str(tmp_path / "e" / "model.safetensors"))
     assert stored["model.layers.0.self_attn.q_proj.qweight"].dtype == torch.uint8
+    # scales and mins as the int4 kernel reads them: fp16, no wider
+    assert stored["model.layers.0.self_attn.q_proj.scales"].dtype == torch.float16
+    assert stored["model.layers.0.self_attn.q_proj.mins"].dtype == torch.float16
     assert "model.layers.0.self_attn.q_proj.weight" not in stored
     assert "model.embed_tokens.weight" in stored  # the embedding is not quantized
     assert read_manifest(tmp_path / "e") == m
@@ -332,7 +335,7 @@ def test_gguf_keep_writes_kept_tensors_with_q_and_k_rows_unpermuted(checkpoint, 
     for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj"):
         base = f"model.layers.1.{name}"
         weight = QuantizedWeight.from_tensors(
-            {p: got[f"{base}.{p}"] for p in ("qweight", "scales", "zeros")}
+            {p: got[f"{base}.{p}"] for p in ("qweight", "scales", "mins")}
         )
         assert torch.allclose(weight.dequantize(), want[f"{base}.weight"], atol=1e-6), name
 
@@ -592,3 +595,115 @@ def test_the_head_can_take_another_mode_than_the_layers(checkpoint, tmp_path):
     stored = load_file(str(tmp_path / "e" / "model.safetensors"))
     assert stored["lm_head.qweight"].dtype == torch.int8
     assert stored["model.layers.0.mlp.gate_proj.qweight"].dtype == torch.uint8
+
+
+# -- what the file stores -------------------------------------------------------------------
+@pytest.mark.parametrize(("mode", "symmetric"), [("int4", False), ("int4", True), ("int8", True)])
+def test_stored_scales_and_mins_are_as_narrow_as_served_and_read_back_exactly(mode, symmetric):
+    """int4 scales and mins are stored in fp16 (what ``native-int4`` reads) and per-channel
+    int8 scales in fp32 (what ``native-int8`` multiplies by); the weight read back is the
+    one quantized, bit for bit. A format-1 engine's fp32 scales and ``zeros`` read the same."""
+    w = quantize(_weight(), mode, 32, symmetric)
+    stored = w.tensors()
+    assert stored["scales"].dtype == (torch.float16 if mode == "int4" else torch.float32)
+    assert ("mins" in stored) == (mode == "int4" and not symmetric)
+    assert "zeros" not in stored
+    assert torch.equal(QuantizedWeight.from_tensors(stored).dequantize(), w.dequantize())
+    old = {"qweight": w.qweight, "scales": w.scales} | (
+        {} if w.zeros is None else {"zeros": w.zeros}
+    )
+    assert torch.equal(QuantizedWeight.from_tensors(old).dequantize(), w.dequantize())
+
+
+def test_a_scale_fp16_would_move_is_refused_rather_than_stored():
+    w = quantize(_weight(), "int4", 32, True)
+    moved = QuantizedWeight("int4", w.qweight, w.scales * (1 + 2**-14), None)
+    with pytest.raises(ValueError, match="fp16"):
+        moved.tensors()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("quantization", ["keep", "int4"])
+def test_a_ggufs_q8_0_table_is_stored_as_codes_and_answers_as_its_float_twin(
+    tmp_path, quantization
+):
+    """SmolLM2's GGUF layout: Q4_1 linears and a Q8_0 token embedding the head is tied to.
+    The engine stores the table's int8 codes and fp16 block scales, as the file does (no
+    float copy on disk); a lookup dequantizes the rows it reads, and the tied head holds the
+    table dequantized at load (no kernel reads grouped int8 faster). fp32: the answers equal
+    the dequantized twin's; bf16: the embedding rows and the head's logits are the float
+    table's, rounded once."""
+    from quanta.runner.quantized_table import QuantizedEmbedding
+
+    path = tmp_path / "m.gguf"
+    expected = write_gguf(_tied(tmp_path), path, qtype=Q.Q4_1, embedding_qtype=Q.Q8_0)
+    engine = tmp_path / "e"
+    m = build_engine_dir(path, engine, _options(dtype="float32", quantization=quantization))
+    q = m.quantization
+    assert q is not None and q.mode == "int4" and q.kept["Q8_0"] == 1 and not q.dequantized
+    assert not q.embedding  # --quantize-embedding's record: the table was not re-quantized
+    stored = load_file(str(engine / "model.safetensors"))
+    assert stored["model.embed_tokens.qweight"].dtype == torch.int8
+    assert stored["model.embed_tokens.scales"].dtype == torch.float16
+    assert "model.embed_tokens.weight" not in stored and "lm_head.weight" not in stored
+    reference = write_dequantized(engine, tmp_path / "reference")
+    assert _answers(engine, "float32") == _answers(reference, "float32")
+    build_engine_dir(path, tmp_path / "b", _options(dtype="bfloat16", quantization=quantization))
+    model = _model(tmp_path / "b", "bfloat16")
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(embedding, QuantizedEmbedding) and not embedding.shared
+    assert not isinstance(head, QuantizedLinear)
+    table = torch.from_numpy(expected["model.embed_tokens.weight"]).to(torch.bfloat16)
+    ids = torch.tensor([0, 5, 17, 5, table.shape[0] - 1])
+    assert torch.equal(embedding(ids), table[ids])
+    x = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    want = (x.float() @ table.float().T).to(torch.bfloat16)
+    assert torch.allclose(head(x).float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.engine
+def test_a_ggufs_q4_0_table_is_the_tied_heads_and_stored_once(tmp_path):
+    """A Q4_0 token embedding tied to the head: kept, and the head's int4 product reads
+    it, the lookup reading the head's packed rows: no float table on disk or in memory."""
+    from quanta.runner.quantized_table import QuantizedEmbedding
+
+    path = tmp_path / "m.gguf"
+    expected = write_gguf(_tied(tmp_path), path, qtype=Q.Q4_0)
+    engine = tmp_path / "e"
+    m = build_engine_dir(path, engine, _options(dtype="bfloat16", quantization="keep"))
+    assert m.quantization is not None and not m.quantization.dequantized
+    stored = load_file(str(engine / "model.safetensors"))
+    assert stored["model.embed_tokens.qweight"].dtype == torch.uint8
+    assert "model.embed_tokens.weight" not in stored and "lm_head.weight" not in stored
+    model = _model(engine, "bfloat16")
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(head, QuantizedLinear)
+    assert isinstance(embedding, QuantizedEmbedding)
+    assert embedding.shared == (head.kernel in quantized.ROW_KERNELS)
+    table = torch.from_numpy(expected["model.embed_tokens.weight"]).to(torch.bfloat16)
+    ids = torch.tensor([0, 5, 17, 5, table.shape[0] - 1])
+    assert torch.equal(embedding(ids), table[ids])
+    reference = write_dequantized(engine, tmp_path / "reference")
+    want = _logprobs(reference, "float32")
+    rounding = float((_logprobs(reference, "bfloat16") - want).abs().max())
+    error = float((_logprobs(engine, "bfloat16") - want).abs().max())
+    assert error <= 2 * rounding + 1e-3, (error, rounding)
+
+
+@pytest.mark.engine
+def test_the_engine_cache_rebuilds_an_engine_an_older_quanta_wrote(tmp_path):
+    """A cached engine of an older format (fp32 scales, a float table) still loads, but
+    ``engine_for_gguf`` rebuilds it in today's layout rather than serve it."""
+    from quanta.build.engine_cache import engine_for_gguf
+    from quanta.build.manifest import ENGINE_FORMAT
+
+    gguf_file = tmp_path / "m.gguf"
+    write_gguf(_tied(tmp_path), gguf_file, qtype=Q.Q4_1, embedding_qtype=Q.Q8_0)
+    cache = tmp_path / "cache"
+    engine = engine_for_gguf(gguf_file, dtype="float32", quantization="keep", cache=cache)
+    path = engine / "quanta_engine.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"format": 1}))
+    assert engine_for_gguf(gguf_file, dtype="float32", quantization="keep", cache=cache) == engine
+    manifest = read_manifest(engine)
+    assert manifest is not None and manifest.format == ENGINE_FORMAT

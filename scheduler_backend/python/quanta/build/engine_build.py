@@ -44,6 +44,7 @@ from quanta.build.manifest import (
 from quanta.build.quantization import (
     QuantPlan,
     gguf_keep_types,
+    gguf_keeps_table,
     quant_manifest,
     quant_plan,
     quantized_weight_bytes,
@@ -139,7 +140,9 @@ def _build_from_gguf(
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.gguf-", dir=out.parent) as tmp:
         keep = gguf_keep_types(options.quantization)
         advance = progress("reading the GGUF file" if keep else "dequantizing the GGUF file", 1)
-        summary = gguf_to_checkpoint(gguf, Path(tmp), keep=keep)
+        summary = gguf_to_checkpoint(
+            gguf, Path(tmp), keep=keep, keep_table=gguf_keeps_table(options)
+        )
         advance(1)
         source = Source(
             path=str(gguf.resolve()),

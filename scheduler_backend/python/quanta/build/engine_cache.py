@@ -13,7 +13,7 @@ import torch
 
 from quanta.build.engine_build import BuildOptions, Progress, build_engine_dir
 from quanta.build.fetch import cache_dir
-from quanta.build.manifest import read_manifest, sha256_file
+from quanta.build.manifest import ENGINE_FORMAT, read_manifest, sha256_file
 from quanta.runner.model_runner import resolve_dtype
 
 
@@ -69,6 +69,8 @@ def _matches(
         return False
     manifest = read_manifest(engine)
     if manifest is None or manifest.source.sha256 != digest or manifest.dtype != dtype:
+        return False
+    if manifest.format != ENGINE_FORMAT:  # built by an older Quanta: rebuilt in today's layout
         return False
     if manifest.quantization is None:
         return quantization is None

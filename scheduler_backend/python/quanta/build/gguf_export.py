@@ -11,6 +11,7 @@ quantized with the ``gguf`` library's reference quantizer.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -52,13 +53,16 @@ def write_gguf(
     out: Path,
     *,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    embedding_qtype: gguf.GGMLQuantizationType | None = None,
     arch: str | None = None,
     tokenizer_model: str = "gpt2",
     pre: str | None = None,
     chat_template: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``checkpoint`` as GGUF to ``out``; returns the HF-named float32 arrays a correct
-    reader must recover (after quantization, in HF's row order). ``arch`` defaults to the
+    reader must recover (after quantization, in HF's row order). ``embedding_qtype``: the
+    token embedding's type where it differs from the rest (llama.cpp's Q4 files hold a Q8_0
+    ``token_embd``). ``arch`` defaults to the
     checkpoint's model_type, ``pre`` to what the checkpoint's tokenizer.json splits like;
     ``arch``, ``tokenizer_model`` and ``pre`` may name what Quanta cannot read, for the
     tests of its refusals."""
@@ -85,7 +89,9 @@ def write_gguf(
     writer.add_rope_freq_base(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
     rotary = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     writer.add_rope_dimension_count(int(head_dim * rotary))
-    _add_rope_scaling(writer, config.get("rope_scaling") or rope)
+    rope_tensors = _add_rope_scaling(
+        writer, config, config.get("rope_scaling") or rope, int(head_dim * rotary)
+    )
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if config.get("sliding_window") and arch == "gemma2":
@@ -109,11 +115,14 @@ def write_gguf(
             array_gguf = array + np.float32(layout.norm_offset)
         else:
             array_gguf = array
-        data, kind = _quantized(array_gguf, qtype)
+        own = embedding_qtype if embedding_qtype and name.endswith("embed_tokens.weight") else qtype
+        data, kind = _quantized(array_gguf, own)
         writer.add_tensor(gguf_name(name, layout), data, raw_dtype=kind)
         # NOTE: rows are quantized one by one, so quantizing commutes with the row permutation:
         # what a correct reader recovers is the HF array quantized in place.
-        expected[name] = gguf.quants.dequantize(*_quantized(array, qtype)).reshape(array.shape)
+        expected[name] = gguf.quants.dequantize(*_quantized(array, own)).reshape(array.shape)
+    for name, factors in rope_tensors.items():
+        writer.add_tensor(name, factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -121,15 +130,58 @@ def write_gguf(
     return expected
 
 
-def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict) -> None:
-    """Linear and yarn scaling as llama.cpp's converter records them."""
+def _add_rope_scaling(
+    writer: gguf.GGUFWriter, config: dict, rope: dict, rot_dim: int
+) -> dict[str, np.ndarray]:
+    """Rope scaling as llama.cpp's converter records it: linear and yarn in the metadata;
+    LLaMA 3's as per-frequency factors (``rope_freqs``) and Phi-3's longrope as two factor
+    tensors with the original context and attention factor in the metadata. Returns the
+    tensors to write."""
     kind = rope.get("rope_type", rope.get("type"))
-    if kind not in ("linear", "yarn"):
-        return
-    writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
-    writer.add_rope_scaling_factor(rope["factor"])
-    if kind == "yarn":
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if kind in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if kind == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        return {}
+    if kind == "llama3":
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        return {"rope_freqs.weight": _llama3_factors(rope, config, theta, rot_dim)}
+    if kind == "longrope":
+        original = config.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings"
+        )
+        scale = config["max_position_embeddings"] / original
+        attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(attn)
+        return {
+            "rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+            "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32),
+        }
+    return {}
+
+
+def _llama3_factors(rope: dict, config: dict, theta: float, dim: int) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for LLaMA 3 scaling: the divisor of each frequency
+    (1 for short wavelengths, ``factor`` for long ones, a blend between), computed as its
+    converter does (the original context defaulting to LLaMA 3's 8192)."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = config.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings", 8192
+    )
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _checkpoint_template(checkpoint: Path) -> str | None:

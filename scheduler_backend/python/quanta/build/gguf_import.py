@@ -21,6 +21,7 @@ Three things differ from an HF export and are undone here:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from tokenizers import (
 )
 
 from quanta.build.gguf_arch import ARCHITECTURES, TOP_TENSORS, GgufArch
-from quanta.build.gguf_kept import GgufKept, kept_weight
+from quanta.build.gguf_kept import KEEPABLE, GgufKept, kept_weight
 from quanta.build.steps.base import BuildError
 
 # llama.cpp's token types (llama_token_type): 2 unknown, 3 control (special), 4 user-defined
@@ -57,6 +58,7 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}", 1)
 _GEMMA2_27B_LAYERS = 46
 SHARD_BYTES = 1 << 30
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_ROPE_TENSORS = ("rope_freqs", "rope_factors")  # llama.cpp's per-frequency rope factors
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,16 @@ def _by_n(item: tuple[str, int]) -> tuple[int, str]:
     return (-item[1], item[0])
 
 
-def gguf_to_checkpoint(path: Path, out: Path, keep: frozenset[str] = frozenset()) -> GgufSummary:
+def gguf_to_checkpoint(
+    path: Path, out: Path, keep: frozenset[str] = frozenset(), keep_table: bool = False
+) -> GgufSummary:
     """Write an HF-layout float32 checkpoint of the GGUF file ``path`` into the directory
     ``out`` (which must exist and be empty); raises ``BuildError`` naming what cannot be read.
 
     Linear weights of a type in ``keep`` (``gguf_kept.KEEPABLE``) are written quantized
-    (``X.qweight``/``X.scales``/``X.zeros``) instead of dequantized."""
+    (``X.qweight``/``X.scales``/``X.mins``) instead of dequantized; with ``keep_table`` so is
+    a token embedding of any type ``KEEPABLE`` names (llama.cpp's ``token_embd`` is often
+    Q8_0 beside Q4 linears), which a lookup dequantizes row by row."""
     reader = _open(path)
     meta = _Metadata(reader)
     arch_name = meta.get("general.architecture")
@@ -105,8 +111,8 @@ def gguf_to_checkpoint(path: Path, out: Path, keep: frozenset[str] = frozenset()
     tensors = {t.name: t for t in reader.tensors}
     config = _config(meta, tensors, path, arch)
     tokenizer = _tokenizer(meta, path)
-    kept = GgufKept() if keep else None
-    _write_weights(tensors, config, arch, out, path, keep, kept)
+    kept = GgufKept() if keep or keep_table else None
+    _write_weights(tensors, config, arch, out, path, keep, kept, keep_table)
     _write_json(out / "config.json", config)
     special = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
@@ -180,9 +186,6 @@ def _config(meta: _Metadata, tensors: dict[str, Any], path: Path, arch: GgufArch
         if not arch.partial_rotary:
             raise BuildError(f"{path.name}: partial rotary embeddings ({rot_dim} of {head_dim})")
         config["partial_rotary_factor"] = int(rot_dim) / head_dim
-    for name in tensors:
-        if name.startswith(("rope_freqs", "rope_factors")):
-            raise BuildError(f"{path.name}: per-frequency rope factors ({name}) are not supported")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise BuildError(f"{path.name}: no token_embd.weight tensor")
@@ -201,11 +204,17 @@ def _config(meta: _Metadata, tensors: dict[str, Any], path: Path, arch: GgufArch
         # stored as float32: 1e-05 reads back as 9.9999997e-06; HF's configs say 1e-05
         "rms_norm_eps": _f32(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-6)),
         "rope_theta": _f32(meta.get(key("rope.freq_base"), 10000.0)),
-        "rope_scaling": _rope_scaling(meta, key, path),
+        "rope_scaling": _rope_scaling(
+            meta, key, path, tensors, arch, head_dim if rot_dim is None else int(rot_dim)
+        ),
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
         **arch.extra_config,
     }
+    longrope = config["rope_scaling"] or {}
+    if "original_max_position_embeddings" in longrope and arch.name == "phi3":
+        # Phi-3's config holds it beside max_position_embeddings, as well
+        config["original_max_position_embeddings"] = longrope["original_max_position_embeddings"]
     if arch.name == "qwen3":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     window = meta.get(key("attention.sliding_window"))
@@ -254,7 +263,29 @@ def _f32(value: float) -> float:
     return float(f"{float(value):.7g}")
 
 
-def _rope_scaling(meta: _Metadata, key: Callable[[str], str], path: Path) -> dict[str, Any] | None:
+def _rope_scaling(
+    meta: _Metadata,
+    key: Callable[[str], str],
+    path: Path,
+    tensors: dict[str, Any],
+    arch: GgufArch,
+    rot_dim: int,
+) -> dict[str, Any] | None:
+    """HF's ``rope_scaling`` for what the file records: linear and yarn in its metadata,
+    LLaMA 3's as a ``rope_freqs`` tensor, Phi-3's longrope as two factor tensors."""
+    factor_tensors = sorted(n for n in tensors if n.startswith(_ROPE_TENSORS))
+    if factor_tensors == ["rope_freqs.weight"] and arch.name == "llama":
+        theta = float(meta.get(key("rope.freq_base"), 10000.0))
+        factors = _factors(tensors["rope_freqs.weight"])
+        return _llama3_scaling(factors, meta, key, theta, rot_dim, path)
+    longrope = ["rope_factors_long.weight", "rope_factors_short.weight"]
+    if factor_tensors == longrope and arch.name == "phi3":
+        return _longrope_scaling(tensors, meta, key, path)
+    if factor_tensors:
+        raise BuildError(
+            f"{path.name}: per-frequency rope factors ({', '.join(factor_tensors)}) are "
+            f"not supported for {arch.name} (LLaMA 3's rope_freqs and Phi-3's longrope are)"
+        )
     kind = meta.get(key("rope.scaling.type"))
     if kind in (None, "none"):
         return None
@@ -267,6 +298,79 @@ def _rope_scaling(meta: _Metadata, key: Callable[[str], str], path: Path) -> dic
     raise BuildError(f"{path.name}: rope scaling {kind!r} is not supported (only linear and yarn)")
 
 
+def _factors(tensor: Any) -> np.ndarray:
+    return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+
+
+def _llama3_scaling(
+    factors: np.ndarray,
+    meta: _Metadata,
+    key: Callable[[str], str],
+    theta: float,
+    rot_dim: int,
+    path: Path,
+) -> dict[str, Any]:
+    """LLaMA 3's scaling from llama.cpp's ``rope_freqs``: each frequency's divisor, 1 below
+    the short wavelength ``original / high_freq_factor``, ``factor`` above the long one
+    ``original / low_freq_factor``, a blend linear in ``1 / wavelength`` between.
+
+    The file records the divisors, not the settings. ``factor`` is the largest; LLaMA 3's
+    own settings (``low_freq_factor`` 1, ``high_freq_factor`` 4, the file's original context
+    or 8192) are tried first, then the two wavelengths fitted to the blended divisors (with
+    ``low_freq_factor`` 1: only the wavelengths enter HF's formula), rounded to 4 digits,
+    then to 7. The first settings that give back the file's divisors are taken; where
+    none do, the build stops."""
+    factor = float(factors.max())
+    inv_freq = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    wavelen = 2 * np.pi / inv_freq
+    tried = [(4.0, int(meta.get(key("rope.scaling.original_context_length"), 8192)))]
+    blended = (factors > 1) & (factors < factor)
+    if factor > 1 and int(blended.sum()) >= 2:
+        # 1/f = (1 - s)/factor + s, and s = (original/wavelen - 1) / (high - 1)
+        s = (1 / factors[blended].astype(np.float64) - 1 / factor) / (1 - 1 / factor)
+        slope, offset = np.polyfit(1 / wavelen[blended], s, 1)
+        high, original = 1 - 1 / offset, round(slope * (-1 / offset))
+        tried += [(float(f"{high:.4g}"), original), (_f32(high), original)]
+    for high, original in tried:
+        smooth = (original / wavelen - 1) / (high - 1)
+        blend = 1 / ((1 - smooth) / factor + smooth)
+        want = np.where(wavelen < original / high, 1.0, np.where(wavelen > original, factor, blend))
+        if np.allclose(want, factors, rtol=1e-5, atol=0):
+            return {
+                "rope_type": "llama3",
+                "factor": _f32(factor),
+                "low_freq_factor": 1.0,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    raise BuildError(
+        f"{path.name}: rope_freqs.weight is not LLaMA 3's scaling for any setting tried "
+        f"(factor {factor}); such per-frequency factors are not supported"
+    )
+
+
+def _longrope_scaling(
+    tensors: dict[str, Any], meta: _Metadata, key: Callable[[str], str], path: Path
+) -> dict[str, Any]:
+    """Phi-3's longrope from llama.cpp's ``rope_factors_long``/``_short`` and its original
+    context; the attention factor only where it is not the one HF derives from the two
+    context lengths (``sqrt(1 + ln(max / original) / ln(original))``)."""
+    original = int(meta.require(key("rope.scaling.original_context_length"), path))
+    context = int(meta.get(key("context_length"), original))
+    scale = context / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    rope: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": [float(x) for x in _factors(tensors["rope_factors_long.weight"])],
+        "short_factor": [float(x) for x in _factors(tensors["rope_factors_short.weight"])],
+        "original_max_position_embeddings": original,
+    }
+    attn = meta.get(key("rope.scaling.attn_factor"))
+    if attn is not None and abs(float(attn) - derived) > 1e-6 * derived:
+        rope["attention_factor"] = _f32(attn)
+    return rope
+
+
 # -- weights ------------------------------------------------------------------------------------
 def _write_weights(
     tensors: dict[str, Any],
@@ -276,12 +380,13 @@ def _write_weights(
     path: Path,
     keep: frozenset[str],
     kept: GgufKept | None,
+    keep_table: bool,
 ) -> None:
     """Dequantize tensor by tensor (or keep quantized) into safetensors shards of at most
     SHARD_BYTES."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for hf_name, tensor in _hf_tensors(tensors, config, arch, path, keep, kept):
+    for hf_name, tensor in _hf_tensors(tensors, config, arch, path, keep, kept, keep_table):
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append({})
@@ -307,9 +412,12 @@ def _hf_tensors(
     path: Path,
     keep: frozenset[str] = frozenset(),
     kept: GgufKept | None = None,
+    keep_table: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for name, tensor in tensors.items():
+        if name.startswith(_ROPE_TENSORS):  # read into the config's rope_scaling
+            continue
         hf_name = _hf_name(name, arch)
         if hf_name is None:
             raise BuildError(
@@ -322,9 +430,11 @@ def _hf_tensors(
             rope_heads = kv_heads
         type_name = tensor.tensor_type.name
         linear = hf_name.endswith("proj.weight") or hf_name == "lm_head.weight"
+        table = keep_table and hf_name == TOP_TENSORS["token_embd.weight"]
+        kept_here = type_name in keep if linear else table and type_name in KEEPABLE
         if kept is not None and type_name not in _FLOAT_TYPES:
-            kept.count(type_name, linear and type_name in keep)
-        if linear and type_name in keep:
+            kept.count(type_name, kept_here, linear)
+        if kept_here:
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))
             permute = None
             if rope_heads is not None:

@@ -31,7 +31,9 @@ _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 @dataclass
 class GgufKept:
-    """What a GGUF build kept quantized and what it dequantized, per tensor type."""
+    """What a GGUF build kept quantized and what it dequantized, per tensor type; ``modes``,
+    ``groups`` and ``symmetric`` describe the kept linears (a kept token embedding counts in
+    ``kept`` only)."""
 
     kept: dict[str, int] = field(default_factory=dict)
     dequantized: dict[str, int] = field(default_factory=dict)
@@ -39,10 +41,10 @@ class GgufKept:
     groups: list[int] = field(default_factory=list)
     symmetric: bool = True
 
-    def count(self, type_name: str, kept: bool) -> None:
-        table = self.kept if kept else self.dequantized
-        table[type_name] = table.get(type_name, 0) + 1
-        if kept:
+    def count(self, type_name: str, kept: bool, linear: bool = True) -> None:
+        counts = self.kept if kept else self.dequantized
+        counts[type_name] = counts.get(type_name, 0) + 1
+        if kept and linear:
             mode = KEEPABLE[type_name]
             if mode not in self.modes:
                 self.modes.append(mode)

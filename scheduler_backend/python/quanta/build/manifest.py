@@ -23,7 +23,9 @@ from quanta.families import known_family
 from quanta.shape import ModelShape
 
 MANIFEST_FILE = "quanta_engine.json"
-ENGINE_FORMAT = 1
+# 2: int4 and grouped int8 scales stored in fp16 and int4 zero points as fp16 ``mins``
+# (``quanta.runner.quantized``); a format-1 engine (fp32 scales and ``zeros``) still loads.
+ENGINE_FORMAT = 2
 Dtype = Literal["float32", "float16", "bfloat16"]
 DeviceKind = Literal["cpu", "cuda"]
 

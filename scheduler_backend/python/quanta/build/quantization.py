@@ -223,6 +223,15 @@ def gguf_keep_types(mode: str | None) -> frozenset[str]:
     return frozenset(t for t, kept_mode in KEEPABLE.items() if kept_mode == mode)
 
 
+def gguf_keeps_table(options: BuildOptions) -> bool:
+    """Whether a GGUF's quantized token embedding is kept as the file holds it: whenever the
+    build quantizes, unless ``--quantize-embedding`` or ``--quantize-lm-head`` asks the table
+    (or a tied head, written from it) quantized anew."""
+    return options.quantization is not None and not (
+        options.quantize_embedding or options.quantize_lm_head
+    )
+
+
 def quant_plan(
     options: BuildOptions, config: ModelConfig, prequantized: frozenset[str], checkpoint: Path
 ) -> QuantPlan | None:

@@ -5,13 +5,19 @@ linear ``X``, in place of ``X.weight``), groups running along the input dimensio
 
 - ``X.qweight``: int8 ``[out, in]`` (int8), or uint8 ``[out, in/2]`` (int4: column ``2j`` in
   the low nibble of byte ``j``, ``2j+1`` in the high one, unsigned 0..15);
-- ``X.scales``: float32 ``[out, in/group]`` (int8 per output channel: ``[out, 1]``);
-- ``X.zeros``: float32 ``[out, in/group]``, int4 only and absent when symmetric.
+- ``X.scales``: ``[out, in/group]``, fp16 for int4 and grouped int8 (GGUF's Q8_0), as the
+  GGUF file holds them and the int4 kernel reads them; fp32 for int8 per output channel
+  (``[out, 1]``), as its kernel multiplies;
+- ``X.mins``: fp16 ``[out, in/group]``, the weight at code 0 (GGUF Q4_1's ``m``), int4 only
+  and absent when symmetric.
 
-The weight is ``q * scale`` (int8) and ``(q - 8) * scale + zero`` (int4). The int4 form is
-torch's own ``_weight_int4pack_mm_for_cpu`` convention (checked numerically in
+The weight is ``q * scale`` (int8) and ``(q - 8) * scale + zero`` (int4), with ``zero = min +
+8 scale`` computed in fp32 at load. The int4 form is torch's own
+``_weight_int4pack_mm_for_cpu`` convention (checked numerically in
 ``tests/runner/test_quantized.py``), so llama.cpp's Q4_0 (``d * (q - 8)``) is ``zero = 0`` and Q4_1
 (``d * q + m``) is ``zero = m + 8d``: both are kept exactly, without a round trip through bf16.
+Engines of format 1 (``quanta.build.manifest.ENGINE_FORMAT``) stored fp32 scales and
+``X.zeros`` instead of ``X.mins``; they load as they are.
 
 Kernels, chosen at load (``kernel`` names the one that runs):
 
@@ -68,7 +74,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 # tinygemm's k-tiles per inner loop on CUDA: 8 (as torch's own int4 tests use) asks the
 # input width to be a multiple of 8 * 16 columns.
 CUDA_INNER_K_TILES = 8
-QUANT_SUFFIXES = (".qweight", ".scales", ".zeros")
+QUANT_SUFFIXES = (".qweight", ".scales", ".mins", ".zeros")
+# fp16's smallest subnormal: the least int4 scale that is stored (in fp16) as more than 0.
+_FP16_LEAST = 2.0**-24
 # Kernels whose layout ``QuantizedLinear.rows`` reads back (not torch's int4pack tiles).
 ROW_KERNELS = ("native-int8", "native-int4", "int8pack", "dequant")
 
@@ -103,19 +111,31 @@ class QuantizedWeight:
 
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
-        """From the ``qweight``/``scales``/``zeros`` of one linear (suffixes without dots)."""
+        """From the stored ``qweight``/``scales``/``mins`` of one linear (suffixes without
+        dots); a format-1 engine's ``zeros`` are read as they are."""
         q = tensors["qweight"]
         mode = "int8" if q.dtype == torch.int8 else "int4"
         if mode == "int4" and q.dtype != torch.uint8:
             raise ValueError(f"qweight of dtype {q.dtype}: expected int8 or uint8 (int4)")
         scales = tensors["scales"].float()
-        zeros = tensors.get("zeros")
+        zeros, mins = tensors.get("zeros"), tensors.get("mins")
+        if mins is not None:
+            zeros = mins.float() + 8 * scales
         return QuantizedWeight(mode, q, scales, None if zeros is None else zeros.float())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"qweight": self.qweight, "scales": self.scales}
+        """The stored form (module docstring): what the kernels read, no wider. Scales that
+        fp16 does not hold exactly (a weight not from ``quantize`` or a GGUF file) raise."""
+        if self.mode == "int8" and self.group_size == self.in_features:
+            return {"qweight": self.qweight, "scales": self.scales}
+        scales = self.scales.half()
+        if not torch.equal(scales.float(), self.scales.float()):
+            raise ValueError("int4 and grouped int8 scales are stored in fp16, which moves these")
+        out = {"qweight": self.qweight, "scales": scales}
         if self.zeros is not None:
-            out["zeros"] = self.zeros
+            # NOTE: exact where zero = min + 8 scale was (as ``quantize`` and a GGUF's Q4_1
+            # give: fp16 min and scale, summed in fp32).
+            out["mins"] = _mins(self).half()
         return out
 
     def codes(self) -> torch.Tensor:
@@ -143,6 +163,8 @@ def quantize(weight: torch.Tensor, mode: str, group_size: int, symmetric: bool) 
     int8 is symmetric per output channel (``group_size`` is ignored: the torch kernel takes one
     scale per channel). int4 is per group of ``group_size`` input columns; symmetric maps
     ``[-8 s, 7 s]`` with ``s = absmax / 8`` (zero = 0), asymmetric maps ``[min, max]`` onto 0..15.
+    int4 scales and mins are rounded to fp16 before the codes are chosen, so the stored fp16
+    values are the ones the codes were fitted to.
     """
     w = weight.detach().float()
     out_features, in_features = w.shape
@@ -160,17 +182,22 @@ def quantize(weight: torch.Tensor, mode: str, group_size: int, symmetric: bool) 
     g = w.view(out_features, in_features // group_size, group_size)
     zeros: torch.Tensor | None
     if symmetric:
-        scale = (g.abs().amax(dim=-1) / 8).clamp(min=1e-12)
+        scale = _fp16((g.abs().amax(dim=-1) / 8).clamp(min=_FP16_LEAST))
         codes = torch.round(g / scale[..., None]) + 8
         zeros = None
     else:
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        lo, hi = _fp16(g.amin(dim=-1)), g.amax(dim=-1)
+        scale = _fp16(((hi - lo) / 15).clamp(min=_FP16_LEAST))
         codes = torch.round((g - lo[..., None]) / scale[..., None])
         zeros = lo + 8 * scale  # (q - 8) * scale + zero == q * scale + lo
     u = codes.clamp(0, 15).to(torch.uint8).view(out_features, in_features)
     packed = u[:, 0::2] | (u[:, 1::2] << 4)
     return QuantizedWeight("int4", packed.contiguous(), scale, zeros)
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to fp16's values, kept in fp32."""
+    return t.half().float()
 
 
 def concat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:

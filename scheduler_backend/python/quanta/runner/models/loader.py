@@ -100,19 +100,25 @@ def load_weights(
             f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})"
         )
     model.tie_weights()  # type: ignore[operator]
-    _share_quantized_table(model)
+    _share_quantized_table(model, dtype)
 
 
-def _share_quantized_table(model: nn.Module) -> None:
-    """A tied head whose embedding's table is stored quantized (``--quantize-embedding``)
-    is that same quantized table."""
+def _share_quantized_table(model: nn.Module, dtype: torch.dtype) -> None:
+    """A tied head whose embedding's table is stored quantized (``--quantize-embedding``, a
+    GGUF's kept ``token_embd``) is that same quantized table, except a grouped int8 one
+    (GGUF Q8_0): no kernel reads that faster than dequantizing the whole table every step,
+    so the head holds it dequantized to ``dtype`` once, as a float engine's head is (the file
+    stays small; memory holds the codes for the lookup and the float head)."""
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or hasattr(head, "quantized"):
         return
     for module in model.modules():
         table = getattr(module, "quantized", None)
         if isinstance(module, nn.Embedding) and table is not None and module.weight is head.weight:
-            head.quantized = table  # type: ignore[assignment]
+            if table.mode == "int8" and table.group_size != table.in_features:
+                head.weight = nn.Parameter(table.dequantize(dtype), requires_grad=False)
+            else:
+                head.quantized = table  # type: ignore[assignment]
 
 
 def _with_head(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
