@@ -62,6 +62,10 @@
  * bf16 for the tiles, which pays from 16 rows (520 us against 670 us at 32 rows and 1.5 ms
  * for the pair dot products; at 8 rows the direct path's 435 us wins). */
 #define AMX_ROWS 5
+/* Rows of x per pass over a bf16 weight's panels (panel_product_bf16). One thread, OPT-125M
+ * layer's four products at 3072 rows: 72 ms unblocked, 63-66 ms at 256-1024 rows a pass
+ * (identical results: each output is the same sum); at 768 rows no difference. */
+#define ROW_BLOCK 512
 #define AMX_INT4_ROWS 16
 
 int quanta_panel_available(void) { return QUANTA_PANEL; }
@@ -157,6 +161,10 @@ static inline __m512 bias16(const uint16_t *bias, int64_t col, __mmask16 m) {
                 : _mm512_setzero_ps();
 }
 
+/* max(0, v) per lane with torch's relu's NaN: vmaxps returns its second operand where
+ * either is NaN. */
+static inline __m512 relu16(__m512 v) { return _mm512_max_ps(_mm512_setzero_ps(), v); }
+
 /* Pair kp of row r of x as a 32-bit word (zero-padded past an odd k). */
 static inline int32_t pair(const uint16_t *x, int64_t k, int64_t kp) {
     uint32_t lo = x[2 * kp], hi = 2 * kp + 1 < k ? x[2 * kp + 1] : 0;
@@ -178,7 +186,7 @@ static inline __m512bh widen(const int8_t *codes) {
  * scale multiplies the fp32 sum. */
 static inline __attribute__((always_inline)) void panel_rows(
     uint16_t *y, const uint16_t *x, const void *panel, int int8, const float *scales,
-    const uint16_t *bias, int R, int64_t n, int64_t k, int64_t n0) {
+    const uint16_t *bias, int relu, int R, int64_t n, int64_t k, int64_t n0) {
     const int64_t pairs = (k + 1) / 2, even = k / 2, size = int8 ? 1 : 2;
     __m512 acc[ROWS][PANEL / 16];
     for (int r = 0; r < R; r++)
@@ -212,6 +220,7 @@ static inline __attribute__((always_inline)) void panel_rows(
         __m512 s = scales ? _mm512_maskz_loadu_ps(m, scales + col) : _mm512_set1_ps(1.0f);
         for (int r = 0; r < R; r++) {
             __m512 sum = scales ? _mm512_fmadd_ps(acc[r][v], s, b) : _mm512_add_ps(acc[r][v], b);
+            if (relu) sum = relu16(sum);
             __m256bh out = _mm512_cvtneps_pbh(sum);
             _mm256_mask_storeu_epi16(y + r * n + col, m, (__m256i)out);
         }
@@ -221,14 +230,14 @@ static inline __attribute__((always_inline)) void panel_rows(
 /* Every row of x against one panel, ROWS rows at a time (the panel stays in L2). */
 static inline __attribute__((always_inline)) void panel_all(
     uint16_t *y, const uint16_t *x, const void *panel, int int8, const float *scales,
-    const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t n0) {
+    const uint16_t *bias, int relu, int64_t rows, int64_t n, int64_t k, int64_t n0) {
     int64_t r = 0;
     for (; r + ROWS <= rows; r += ROWS)
-        panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, ROWS, n, k, n0);
+        panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, relu, ROWS, n, k, n0);
     switch (rows - r) {
-    case 3: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, 3, n, k, n0); break;
-    case 2: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, 2, n, k, n0); break;
-    case 1: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, 1, n, k, n0); break;
+    case 3: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, relu, 3, n, k, n0); break;
+    case 2: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, relu, 2, n, k, n0); break;
+    case 1: panel_rows(y + r * n, x + r * k, panel, int8, scales, bias, relu, 1, n, k, n0); break;
     default: break;
     }
 }
@@ -259,8 +268,8 @@ static void configure_tiles(int m) {
 /* Every row of x against one bf16 panel on AMX tiles, 16 rows at a time (k a multiple of
  * 32); the epilogue (scale, bias, one rounding to bf16) is panel_rows'. */
 static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
-                      const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
-                      int64_t k, int64_t n0) {
+                      const float *scales, const uint16_t *bias, int relu, int64_t rows,
+                      int64_t n, int64_t k, int64_t n0) {
     float out[16 * PANEL] __attribute__((aligned(64)));
     const int64_t chunks = k / 32, pair_row = PANEL * 2;
     int configured = 0;
@@ -299,7 +308,8 @@ static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
             const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales + col) : _mm512_set1_ps(1.0f);
             for (int r = 0; r < m; r++) {
                 const __m512 acc = _mm512_load_ps(out + r * PANEL + v * 16);
-                const __m512 sum = scales ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
+                __m512 sum = scales ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
+                if (relu) sum = relu16(sum);
                 _mm256_mask_storeu_epi16(y + (r0 + r) * n + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
             }
         }
@@ -309,15 +319,15 @@ static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
 #endif
 
 static void panel_all_bf16(uint16_t *y, const uint16_t *x, const uint16_t *panel,
-                           const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
-                           int64_t k, int64_t n0) {
+                           const float *scales, const uint16_t *bias, int relu, int64_t rows,
+                           int64_t n, int64_t k, int64_t n0) {
 #if QUANTA_AMX
     if (amx_ready && rows >= AMX_ROWS && k % 32 == 0) {
-        panel_amx(y, x, panel, scales, bias, rows, n, k, n0);
+        panel_amx(y, x, panel, scales, bias, relu, rows, n, k, n0);
         return;
     }
 #endif
-    panel_all(y, x, panel, 0, scales, bias, rows, n, k, n0);
+    panel_all(y, x, panel, 0, scales, bias, relu, rows, n, k, n0);
 }
 
 #if QUANTA_VNNI
@@ -461,17 +471,42 @@ static int quanta_panel_i8_vnni(uint16_t *y, const uint16_t *x, const int8_t *pa
 static void panel_all_i8(uint16_t *y, const uint16_t *x, const int8_t *panel,
                          const float *scales, const uint16_t *bias, int64_t rows, int64_t n,
                          int64_t k, int64_t n0) {
-    panel_all(y, x, panel, 1, scales, bias, rows, n, k, n0);
+    panel_all(y, x, panel, 1, scales, bias, 0, rows, n, k, n0);
+}
+
+/* Every panel against ROW_BLOCK rows of x at a time, then the next rows: the block of x stays
+ * in cache while the panels pass over it, where a whole prefill's x (3072 rows of 3072
+ * columns: 18 MiB) would come from the far caches or memory once per panel. */
+static void panel_product_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                               const uint16_t *bias, int relu, int64_t rows, int64_t n,
+                               int64_t k, int threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, stride = ((k + 1) / 2) * PANEL * 2;
+    for (int64_t r0 = 0, m; r0 < rows; r0 += m) {
+        /* A short tail joins the block before it, so that every block of a product of
+         * AMX_ROWS rows or more runs on the same kernel (a row's bits never depend on the
+         * rows beside it). */
+        m = rows - r0 >= ROW_BLOCK + AMX_ROWS ? ROW_BLOCK : rows - r0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t p = 0; p < panels; p++)
+            panel_all_bf16(y + r0 * n, x + r0 * k, packed + p * stride, NULL, bias, relu, m, n,
+                           k, p * PANEL);
+    }
 }
 
 /* y [rows, n] = x [rows, k] W^T (+ bias [n]); W packed by quanta_panel_pack; bf16,
  * contiguous rows. */
 void quanta_panel_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
                       const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int threads) {
-    const int64_t panels = (n + PANEL - 1) / PANEL, stride = ((k + 1) / 2) * PANEL * 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t p = 0; p < panels; p++)
-        panel_all_bf16(y, x, packed + p * stride, NULL, bias, rows, n, k, p * PANEL);
+    panel_product_bf16(y, x, packed, bias, 0, rows, n, k, threads);
+}
+
+/* quanta_panel_bf16 with ReLU applied to the fp32 sum before its one rounding: the same
+ * values as rounding first (rounding keeps signs and zero), without a second pass over y
+ * (OPT's fc1 output at prefill: a [tokens, 4 * hidden] tensor read and written again). */
+void quanta_panel_bf16_relu(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                           const uint16_t *bias, int64_t rows, int64_t n, int64_t k,
+                           int threads) {
+    panel_product_bf16(y, x, packed, bias, 1, rows, n, k, threads);
 }
 
 /* y [rows, n] = x [rows, k] (codes * scales)^T (+ bias [n]); codes packed by
@@ -500,7 +535,7 @@ void quanta_panel_i8(uint16_t *y, const uint16_t *x, const int8_t *packed, const
             if (wide) {
                 for (int64_t i = 0; i < stride; i += 32)
                     _mm512_storeu_si512((void *)(wide + i), (__m512i)widen(codes + i));
-                panel_all_bf16(y, x, wide, scales, bias, rows, n, k, p * PANEL);
+                panel_all_bf16(y, x, wide, scales, bias, 0, rows, n, k, p * PANEL);
             } else {  // no memory for the scratch: the slower direct path, never a failure
                 panel_all_i8(y, x, codes, scales, bias, rows, n, k, p * PANEL);
             }
@@ -706,7 +741,7 @@ int quanta_panel_i4(uint16_t *y, const uint16_t *x, const uint8_t *packed, const
 #if QUANTA_AMX
             if (wide && tiles) {
                 dequantize_panel_i4(wide, codes, sm + p * sm_stride, pairs, group);
-                panel_amx(y, x, wide, NULL, bias, rows, n, k, p * PANEL);
+                panel_amx(y, x, wide, NULL, bias, 0, rows, n, k, p * PANEL);
                 continue;
             }
 #endif
@@ -734,6 +769,12 @@ int quanta_panel_i4(uint16_t *y, const uint16_t *x, const uint8_t *packed, const
 
 void quanta_panel_bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
                       const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int threads) {
+    (void)y, (void)x, (void)packed, (void)bias, (void)rows, (void)n, (void)k, (void)threads;
+}
+
+void quanta_panel_bf16_relu(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                           const uint16_t *bias, int64_t rows, int64_t n, int64_t k,
+                           int threads) {
     (void)y, (void)x, (void)packed, (void)bias, (void)rows, (void)n, (void)k, (void)threads;
 }
 

@@ -59,6 +59,8 @@ class PanelLibrary:
         self._product = library.quanta_panel_bf16
         self._product.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         self._product.restype = None
+        self._product_relu = library.quanta_panel_bf16_relu
+        self._product_relu.argtypes, self._product_relu.restype = self._product.argtypes, None
         self._pack_i8 = library.quanta_panel_pack_i8
         self._pack_i8.argtypes, self._pack_i8.restype = [p, p, i64, i64], None
         self._product_i8 = library.quanta_panel_i8
@@ -144,10 +146,18 @@ class PanelLibrary:
         return self._run(self._product_i8, x, n, (packed.data_ptr(), scales.data_ptr()), bias)
 
     def product(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        *,
+        relu: bool = False,
     ) -> torch.Tensor:
-        """``x [rows, K] W^T (+ bias)`` in bf16, on torch's thread count."""
-        return self._run(self._product, x, n, (packed.data_ptr(),), bias)
+        """``x [rows, K] W^T (+ bias)`` in bf16, on torch's thread count; with ``relu`` the
+        ReLU rides on the product's rounding instead of a second pass over ``y``."""
+        fn = self._product_relu if relu else self._product
+        return self._run(fn, x, n, (packed.data_ptr(),), bias)
 
     @staticmethod
     def _run(
