@@ -189,3 +189,75 @@ def test_quantized_engines_run_their_gpu_kernels(tmp_path, quantization):
     want = _logprobs(_llm(reference))
     rounding = float((_logprobs(_llm(reference, dtype="bfloat16")) - want).abs().max())
     assert float((_logprobs(llm) - want).abs().max()) <= 2 * rounding + 1e-3
+
+
+def _cuda_step(heads: int, kv_heads: int, dtype: torch.dtype):
+    """A mixed step on the GPU (a prompt, a chunk after cached context, short and long decode
+    rows, blocks shuffled) and its layer cache, full of earlier tokens' K/V."""
+    from types import SimpleNamespace
+
+    block_size, head_dim, num_blocks = 16, 64, 512
+    pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    seqs = []
+    for start, n in [(0, 37), (700, 20), (9, 1), (1500, 1), (2100, 1)]:
+        table = [pool.pop() for _ in range(-(-(start + n) // block_size))]
+        seqs.append(SimpleNamespace(token_ids=(1,) * n, start_pos=start, block_table=tuple(table),
+                                    hidden=False))  # fmt: skip
+    tokens = sum(len(s.token_ids) for s in seqs)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(tokens, h, head_dim, generator=g, device="cuda", dtype=dtype)
+               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g,
+                        device="cuda", dtype=dtype)  # fmt: skip
+    return seqs, q, k, v, cache, block_size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (12, 4), (32, 4)])
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+def test_triton_attention_matches_the_torch_path(monkeypatch, dtype, heads, kv_heads, decode_only):
+    """The compiled kernels against SDPA and the packed decode kernel; a decode-only step's
+    contexts of 1,500 and 2,100 tokens run split and merged."""
+    pytest.importorskip("triton")
+    from quanta.runner.attention import build_metadata, paged_attention
+    from quanta.runner.decode_kernel import decode_kernel
+
+    seqs, q, k, v, cache, block_size = _cuda_step(heads, kv_heads, dtype)
+    if decode_only:
+        rows = sum(len(s.token_ids) for s in seqs[:2])
+        seqs, q, k, v = seqs[2:], q[rows:], k[rows:], v[rows:]
+    kernel, _ = decode_kernel("eager", heads=heads, kv_heads=kv_heads, head_dim=64, dtype=dtype)
+    device = torch.device("cuda")
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "torch")
+    torch_meta = build_metadata(seqs, block_size, cache.shape[1], device, kernel)
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "triton")
+    triton_meta = build_metadata(seqs, block_size, cache.shape[1], device, kernel)
+    assert torch_meta.paged is None and triton_meta.paged is not None
+    assert (triton_meta.paged.num_splits > 1) == decode_only
+    torch_cache = cache.clone()
+    want = paged_attention(q, k, v, torch_cache, torch_meta, 0.125)
+    got = paged_attention(q, k, v, cache, triton_meta, 0.125)
+    assert torch.equal(cache, torch_cache)  # the K/V write kernel stores what index_copy does
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_triton_attention_keeps_the_greedy_tokens(model_dir, monkeypatch):
+    """The engine's tokens with the Triton kernels equal the torch path's, chunked prefill
+    (a chunk after cached context beside decode rows) included."""
+    pytest.importorskip("triton")
+    from quanta.runner import triton_attention
+
+    calls = []
+    launch = triton_attention.paged_attention
+    monkeypatch.setattr(
+        triton_attention, "paged_attention", lambda *a, **kw: calls.append(1) or launch(*a, **kw)
+    )
+    sched = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8}
+    params = [GREEDY, SEEDED] * 2
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "torch")
+    plain = _tokens(_llm(model_dir, scheduler=sched), PROMPTS, params)
+    assert not calls
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "triton")
+    assert _tokens(_llm(model_dir, scheduler=sched), PROMPTS, params) == plain
+    assert calls
