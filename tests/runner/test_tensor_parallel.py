@@ -1,6 +1,6 @@
 """Tensor parallelism (``quanta.runner.tensor_parallel``): two ranks on gloo compute what one
 process computes, for OPT (multi-head, tied head), LLaMA (multi-head and grouped-query,
-untied head) and the layer kit's Qwen2, Qwen3, Phi-3 and Gemma 2; preempted, swapped and
+untied head) and the layer kit's Qwen2, Qwen3, Mistral, Phi-3 and Gemma 2; preempted, swapped and
 recomputed requests come out unchanged; a step of preemptible work stops on every rank at
 once; a rank that dies fails its requests with a clear error, never a hang, and the next
 request gets fresh workers."""
@@ -75,26 +75,30 @@ def test_generation_with_two_ranks_equals_one_greedy_and_seeded(model_dir):
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
 
 
-@pytest.fixture(scope="module", params=["qwen2-tiny", "qwen3-tiny", "phi3-tiny", "gemma2-tiny"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen2-tiny", "qwen3-tiny", "mistral-tiny", "phi3-tiny", "gemma2-tiny"],
+)
 def kit_model_dir(request, tiny_checkpoint, tmp_path_factory) -> Path:
-    """A layer-kit preset; Gemma 2's with an 8-token window (the preset's is 4096), so its
-    alternating local layers cut what prompts and generations outgrow."""
+    """A layer-kit preset; Mistral's and Gemma 2's with an 8-token window (the presets' is
+    4096), so Mistral's every layer and Gemma 2's alternating local layers cut what prompts
+    and generations outgrow."""
     import json
     import shutil
 
     preset = tiny_checkpoint(request.param)
-    if request.param != "gemma2-tiny":
+    if request.param not in ("mistral-tiny", "gemma2-tiny"):
         return preset
-    model_dir = shutil.copytree(preset, tmp_path_factory.mktemp("gemma2") / "windowed")
+    model_dir = shutil.copytree(preset, tmp_path_factory.mktemp(request.param) / "windowed")
     config_file = model_dir / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "sliding_window": 8}))
     return model_dir
 
 
 def test_kit_families_with_two_ranks_give_the_logits_and_tokens_of_one(kit_model_dir):
-    """The layer kit's own splits: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Phi-3's
-    fused qkv and gate_up cut per segment, Gemma 2's soft-capping, sandwich norms and
-    alternating windows."""
+    """The layer kit's own splits: Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
+    Mistral's window in every layer, Phi-3's fused qkv and gate_up cut per segment, Gemma 2's
+    soft-capping, sandwich norms and alternating windows."""
     ids = [(7 * j + 3) % 500 for j in range(45)]
     expected_logits = _runner(kit_model_dir).forward_logits(ids, chunk_size=16)
     tp = _runner(kit_model_dir, tp=2)

@@ -69,9 +69,6 @@ class ModelPreset(BaseModel):
     @model_validator(mode="after")
     def _check_shape(self) -> Self:
         known_family(self.shape.family)
-        if self.shape.num_heads * self.shape.head_dim != self.shape.hidden_size:
-            # NOTE: the families' HF configs derive head_dim from these two
-            raise ValueError("hidden_size must be num_heads * head_dim")
         get_family(self.family).check_preset(self)
         return self
 
@@ -94,8 +91,10 @@ def _shape(
     kv_heads: int,
     ffn: int,
     context: int,
+    head_dim: int | None = None,
 ) -> ModelShape:
-    """A preset's shape: head_dim is hidden / heads, as the families' HF configs derive it."""
+    """A preset's shape: head_dim is hidden / heads unless the model states its own (Gemma-2-2B's
+    8 heads of 256 over a hidden of 2304; Qwen3-0.6B's 16 of 128 over 1024)."""
     return ModelShape(
         family=family,
         vocab_size=vocab,
@@ -103,7 +102,7 @@ def _shape(
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=hidden // heads,
+        head_dim=head_dim or hidden // heads,
         intermediate_size=ffn,
         max_position_embeddings=context,
     )
@@ -143,32 +142,58 @@ PRESETS: dict[str, ModelPreset] = {
         ),
     )
 }
-# The layer kit's families: a tiny preset each for tests, and the published shape of one
-# real model each (its config.json's sizes) for the simulator, cost model and benchmarks.
-_KIT_SHAPES = {
-    "qwen2": ("qwen2-tiny", "qwen2.5-0.5b", (151936, 896, 24, 14, 2, 4864, 32768), 1e-6, 1e6),
-    "qwen3": ("qwen3-tiny", "qwen3-8b", (151936, 4096, 36, 32, 8, 12288, 40960), 1e-6, 1e6),
-    "mistral": ("mistral-tiny", "mistral-7b", (32000, 4096, 32, 32, 8, 14336, 32768), 1e-5, 1e6),
-    "phi3": ("phi3-tiny", "phi3-mini", (32064, 3072, 32, 32, 32, 8192, 4096), 1e-5, 1e4),
-    "gemma2": ("gemma2-tiny", None, (), 1e-6, 1e4),
+# The layer kit's families, with the RMSNorm epsilon and RoPE base their real models use.
+_KIT_FAMILIES: dict[str, tuple[float, float]] = {
+    "qwen2": (1e-6, 1e6),
+    "qwen3": (1e-6, 1e6),
+    "mistral": (1e-5, 1e6),
+    "phi3": (1e-5, 1e4),
+    "gemma2": (1e-6, 1e4),
 }
-# The real models whose LM head is their embedding, as their config.json says.
-_TIED = {"qwen2.5-0.5b"}
-for _family, (_tiny, _real, _sizes, _eps, _theta) in _KIT_SHAPES.items():
-    PRESETS[_tiny] = ModelPreset(
-        name=_tiny,
+# Published shapes of real models (their config.json's sizes: family, vocab, hidden, layers,
+# heads, KV heads, ffn, context, and head_dim where it is not hidden / heads) for the
+# simulator, the cost model and GPU benchmarks, and whether their LM head is the embedding.
+_REAL_SHAPES: dict[str, tuple[tuple[str, int, int, int, int, int, int, int, int | None], bool]] = {
+    "qwen2.5-0.5b": (("qwen2", 151936, 896, 24, 14, 2, 4864, 32768, None), True),
+    "qwen3-0.6b": (("qwen3", 151936, 1024, 28, 16, 8, 3072, 40960, 128), True),
+    "qwen3-8b": (("qwen3", 151936, 4096, 36, 32, 8, 12288, 40960, None), False),
+    "mistral-7b": (("mistral", 32000, 4096, 32, 32, 8, 14336, 32768, None), False),
+    "phi3-mini": (("phi3", 32064, 3072, 32, 32, 32, 8192, 4096, None), False),
+    "gemma-2-2b": (("gemma2", 256000, 2304, 26, 8, 4, 9216, 8192, 256), True),
+}
+# llama-100m's shape in each family (8 layers, hidden 768, 12 heads, ffn 2048, vocab 32000, so
+# runs compare across families), with the family's own features: Mistral's 4096 window (the
+# real one, wider than the 2048 context), Gemma 2's soft-caps and alternating layers (and its
+# tied head: 25M parameters fewer), Qwen2's q/k/v biases and 2 KV heads (as Qwen2.5-0.5B),
+# Qwen3's q/k norms. Phi-3-mini has no grouped-query
+# attention, so its shape keeps 12 KV heads.
+_BENCH_KV_HEADS = {"qwen2": 2, "mistral": 4, "phi3": 12, "gemma2": 4, "qwen3": 4}
+
+for _family, (_eps, _theta) in _KIT_FAMILIES.items():
+    PRESETS[f"{_family}-tiny"] = ModelPreset(
+        name=f"{_family}-tiny",
         shape=_shape(_family, TINY_VOCAB_SIZE, 64, 2, 4, 2, 176, 512),
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
     )
-    if _real is not None:
-        PRESETS[_real] = ModelPreset(
-            name=_real,
-            shape=_shape(_family, *_sizes),
-            rope_theta=_theta,
-            rms_norm_eps=_eps,
-            tie_word_embeddings=_real in _TIED,
-        )
+for _family, _kv_heads in _BENCH_KV_HEADS.items():
+    _eps, _theta = _KIT_FAMILIES[_family]
+    PRESETS[f"{_family}-100m"] = ModelPreset(
+        name=f"{_family}-100m",
+        shape=_shape(_family, 32000, 768, 8, 12, _kv_heads, 2048, 2048),
+        rope_theta=_theta,
+        rms_norm_eps=_eps,
+        tie_word_embeddings=_family == "gemma2",
+    )
+for _name, (_sizes, _tied) in _REAL_SHAPES.items():
+    _eps, _theta = _KIT_FAMILIES[_sizes[0]]
+    PRESETS[_name] = ModelPreset(
+        name=_name,
+        shape=_shape(*_sizes),
+        rope_theta=_theta,
+        rms_norm_eps=_eps,
+        tie_word_embeddings=_tied,
+    )
 
 
 def get_preset(preset: str | ModelPreset) -> ModelPreset:

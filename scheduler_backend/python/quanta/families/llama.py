@@ -102,14 +102,14 @@ def tensor_specs(preset: ModelPreset) -> list[TensorSpec]:
     """Stored tensors in HF order: no biases, RMSNorm weights of one, an untied lm_head."""
     shape = preset.shape
     h, f, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
-    kv = shape.num_kv_heads * shape.head_dim
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     out: list[TensorSpec] = [("model.embed_tokens.weight", (v, h), "normal")]
     for i in range(shape.num_layers):
         lp = f"model.layers.{i}."
-        out += linear(lp + "self_attn.q_proj", h, h)
+        out += linear(lp + "self_attn.q_proj", q, h)
         out += linear(lp + "self_attn.k_proj", kv, h)
         out += linear(lp + "self_attn.v_proj", kv, h)
-        out += linear(lp + "self_attn.o_proj", h, h)
+        out += linear(lp + "self_attn.o_proj", h, q)
         out += linear(lp + "mlp.gate_proj", f, h)
         out += linear(lp + "mlp.up_proj", f, h)
         out += linear(lp + "mlp.down_proj", h, f)

@@ -40,6 +40,9 @@ def check_preset(preset: ModelPreset) -> None:
         raise ValueError("opt presets need word_embed_proj_dim")
     if preset.shape.num_kv_heads != preset.shape.num_heads:
         raise ValueError("opt is multi-head attention: num_kv_heads must equal num_heads")
+    if preset.shape.num_heads * preset.shape.head_dim != preset.shape.hidden_size:
+        # NOTE: OPTConfig has no head_dim; its attention derives it as hidden / heads
+        raise ValueError("opt's hidden_size must be num_heads * head_dim")
     if (preset.rope_theta, preset.rms_norm_eps) != (None, None):
         raise ValueError("rope_theta and rms_norm_eps are LLaMA fields")
 
