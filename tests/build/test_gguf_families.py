@@ -23,6 +23,7 @@ from quanta.build.engine_build import BuildOptions, build_engine_dir
 from quanta.build.gguf_export import write_gguf
 from quanta.build.gguf_import import gguf_to_checkpoint
 from quanta.build.quantization import write_dequantized
+from quanta.build.steps import BuildError
 from quanta.build.tokenizer import special_token_ids, write_tokenizer
 from quanta.core.request import SamplingParams
 from quanta.frontends.offline import LLM
@@ -69,7 +70,7 @@ def _checkpoint(model_type: str, path: Path, seed: int, **extra: Any) -> Any:
         eos_token_id=ids["eos_token_id"],
         pad_token_id=ids.get("pad_token_id") or 0,
         **COMMON,
-        **(FAMILIES[model_type] | extra),
+        **(FAMILIES.get(model_type, {}) | extra),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -157,6 +158,90 @@ def test_qwen2_yarn_rope_scaling_is_read(tmp_path):
     with torch.no_grad():
         want = hf_model(torch.tensor([prompt])).logits[0]
     assert (runner.forward_logits(prompt) - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        # blends two frequencies: the two wavelengths are fitted to the file's factors
+        {"factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        # blends one: LLaMA 3.2's own settings are tried (its original context is 8192)
+        {"factor": 32.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ],
+)
+def test_llama3_rope_freqs_are_read_as_hfs_llama3_scaling(tmp_path, rope):
+    """llama.cpp writes LLaMA 3's scaling as per-frequency divisors (``rope_freqs``), not
+    as settings: the import turns them back into HF's ``llama3`` rope_scaling, and the
+    engine's logits are the HF model's, past the original context too."""
+    rope = {"rope_type": "llama3", "low_freq_factor": 1.0, "rope_theta": 10000.0} | rope
+    if rope["factor"] == 32.0:
+        rope["rope_theta"] = 500000.0
+    hf_model = _checkpoint("llama", tmp_path / "ck", seed=10, rope_parameters=rope)
+    path, out = _import(tmp_path / "ck", tmp_path)
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    scaling = json.loads((out / "config.json").read_text())["rope_scaling"]
+    assert scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
+    runner = ModelRunner(out, num_device_blocks=32, num_host_blocks=0, dtype="float32")
+    prompt = torch.randint(3, 400, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0]
+    got = runner.forward_logits(prompt)
+    assert (got - want).abs().max().item() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_phi3_longrope_is_read_as_hf_holds_it_and_served(tmp_path):
+    """Phi-3's longrope (two factor tensors, the original context and attention factor in
+    the metadata) becomes the rope_scaling HF's config holds, and the engine built from the
+    file gives the HF model's logits on both sides of the original context."""
+    half = 8  # head_dim 16
+    rope = {
+        "rope_type": "longrope",
+        "long_factor": [1.0 + 0.5 * i for i in range(half)],
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "rope_theta": 10000.0,
+    }
+    hf_model = _checkpoint(
+        "phi3", tmp_path / "ck", seed=11, rope_parameters=rope, original_max_position_embeddings=64
+    )
+    path, out = _import(tmp_path / "ck", tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    scaling = config["rope_scaling"]
+    assert scaling["rope_type"] == "longrope" and "attention_factor" not in scaling
+    for name in ("long_factor", "short_factor"):  # as HF reads them: in float32
+        assert np.array_equal(np.float32(scaling[name]), np.float32(rope[name]))
+    assert scaling["original_max_position_embeddings"] == 64
+    assert config["original_max_position_embeddings"] == 64
+    assert config["max_position_embeddings"] == COMMON["max_position_embeddings"]
+    runner = ModelRunner(out, num_device_blocks=32, num_host_blocks=0, dtype="float32")
+    for length in (40, 100):  # short factors, then long ones
+        prompt = torch.randint(3, 400, (length,), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            want = hf_model(prompt[None]).logits[0]
+        got = runner.forward_logits(prompt.tolist())
+        assert (got - want).abs().max().item() < 1e-4, length
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    options = BuildOptions(kv_cache_memory=1 << 20, host_cache_memory=0)
+    build_engine_dir(path, tmp_path / "engine", options)  # served: no refusal at build time
+
+
+def test_rope_factors_of_another_form_are_refused(tmp_path):
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+    writer.add_tensor("rope_freqs.weight", np.array([1, 3, 2, 5, 1, 7, 2, 9], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "hf"
+    out.mkdir()
+    with pytest.raises(BuildError, match=r"rope_freqs\.weight is not LLaMA 3's"):
+        gguf_to_checkpoint(path, out)
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])

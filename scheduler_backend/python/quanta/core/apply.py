@@ -75,7 +75,7 @@ class DecisionApplier:
             assert hit is not None
             bm.reserve(Tier.HOST, hit.of(Tier.HOST))
         for rid in d.swap_in:  # NOTE: a plan never credits what a swap-in frees on the host
-            bm.reserve(Tier.HOST, bm.block_table(rid))
+            bm.reserve(Tier.HOST, bm.held_blocks(rid))
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         try:
@@ -185,6 +185,7 @@ class DecisionApplier:
             num_draft_tokens=drafts,
             num_proposals=r.num_lookahead_tokens if sample else 0,
             min_p=p.min_p,
+            num_prompt_tokens=r.num_prompt_tokens,
         )
 
 

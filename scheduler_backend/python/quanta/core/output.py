@@ -99,6 +99,10 @@ class ScheduledSeq:
     num_proposals: int = 0
     # Tokens less likely than min_p times the most likely one are not sampled (0: off).
     min_p: float = 0.0
+    # The request's prompt length, unchanged by recompute (whose chunks re-run the generated
+    # tokens too): some rotations depend on it (longrope). 0: not given; the runner then takes
+    # what it can see, the context up to this chunk's end.
+    num_prompt_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -15,8 +15,8 @@ from quanta.shape import ModelShape
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling; ``rope_type`` is "linear", "llama3" or "yarn" ("default" means
-    None). The llama3 and yarn fields are HF's names; each type reads its own."""
+    """RoPE frequency scaling; ``rope_type`` is "linear", "llama3", "yarn" or "longrope"
+    ("default" means None). The fields are HF's names; each type reads its own."""
 
     rope_type: str
     factor: float
@@ -26,8 +26,12 @@ class RopeScaling:
     # yarn
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    attention_factor: float | None = None
+    attention_factor: float | None = None  # yarn and longrope
     truncate: bool = True
+    # longrope: per-frequency divisors of the rotation, the long ones for requests that
+    # outgrow ``original_max_position_embeddings`` (``quanta.runner.layers.rotary``)
+    long_factor: tuple[float, ...] = ()
+    short_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from quanta.families.spec import INIT_STD, SpecialTokens, TensorSpec, linear
 if TYPE_CHECKING:
     from quanta.build.presets import ModelPreset
 
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
 # The special tokens of every kit family's random checkpoints (the LLaMA tokenizer's layout).
 TOKENS = SpecialTokens(tokens=("<unk>", "<s>", "</s>"), bos="<s>", pad=None)
 
@@ -34,6 +34,8 @@ def parse_rope(raw: dict[str, Any], family: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_theta": theta, "partial_rotary_factor": partial}
     if rope_type == "default":
         return out | {"rope_scaling": None}
+    if rope_type == "longrope":
+        return out | {"rope_scaling": _longrope(raw, params, partial, family)}
     if "factor" not in params:
         raise ValueError(f"{family}: rope type {rope_type!r} needs a 'factor'")
     factor = float(params["factor"])
@@ -57,6 +59,42 @@ def parse_rope(raw: dict[str, Any], family: str) -> dict[str, Any]:
             fields["attention_factor"] = float(params["attention_factor"])
         fields["truncate"] = bool(params.get("truncate", True))
     return out | {"rope_scaling": RopeScaling(**fields)}
+
+
+def _longrope(
+    raw: dict[str, Any], params: dict[str, Any], partial: float, family: str
+) -> RopeScaling:
+    """LongRoPE (Phi-3's 128k and 3.5 models): a long and a short set of per-frequency
+    factors. As HF reads it, the config's top-level ``original_max_position_embeddings`` comes
+    first, and a missing ``factor`` is the ratio of the two context lengths (it sets the
+    default attention factor)."""
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    half = int(head_dim * partial) // 2
+    factors: dict[str, tuple[float, ...]] = {}
+    for key in ("long_factor", "short_factor"):
+        values = tuple(float(v) for v in params.get(key) or ())
+        if len(values) != half:
+            raise ValueError(
+                f"{family}: longrope's {key} needs {half} values (one per rotated frequency), "
+                f"has {len(values)}"
+            )
+        factors[key] = values
+    original = int(
+        raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or raw.get("max_position_embeddings", 4096)
+    )
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(raw.get("max_position_embeddings", original)) / original
+    attention = params.get("attention_factor")
+    return RopeScaling(
+        rope_type="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        attention_factor=None if attention is None else float(attention),
+        **factors,
+    )
 
 
 def _default_layer_types(raw: dict[str, Any], num_layers: int, family: str) -> list[str]:

@@ -25,10 +25,12 @@ from quanta.core.loop import EngineLoop
 from quanta.core.pooling import PoolingParams
 from quanta.core.request import Request, RequestMetadata, SamplingParams
 from quanta.core.sizes import format_size
+from quanta.core.window import kv_window
 from quanta.policies import make_policy
 from quanta.runner import ModelRunner, load_model_config
 from quanta.runner.cpu import cpu_isa
 from quanta.runner.devices import device_memory_bytes
+from quanta.runner.layers.rotary import by_prompt_length
 from quanta.runner.model_runner import resolve_dtype
 from quanta.runner.models.config import ModelConfig
 from quanta.structured import Grammars
@@ -214,7 +216,10 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
             cache.block_size,
             num_device,
             num_host,
-            prefix_caching=config.enable_prefix_caching,
+            # NOTE: under longrope a token's keys depend on its request's prompt length, not
+            # only on the tokens, so blocks cannot be shared by content.
+            prefix_caching=config.enable_prefix_caching and not by_prompt_length(model_config),
+            sliding_window=_release_window(config, model_config),
         ),
         clock=clock,
         max_model_len=max_model_len,
@@ -223,6 +228,15 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     )
     grammars = Grammars(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
     return Engine(config, model_config, tokenizer, runner, loop, clock, grammars)
+
+
+def _release_window(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The window behind which a request's blocks go back to the pool: only where every layer
+    slides (``quanta.core.window``), and not with a draft model, whose own layers read the
+    same block tables over the whole context."""
+    if _draft_model(config) is not None:
+        return 0
+    return kv_window(model_config.sliding_windows)
 
 
 def _draft_model(config: EngineConfig) -> Path | None:

@@ -32,11 +32,18 @@ from quanta.core.output import (
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.core.safepoint import AbortSignal, StepAborted
 from quanta.runner import decode_chain, native_prefill, panel_linear
-from quanta.runner.attention import AttentionMetadata, HiddenShard, PagedSeq, build_metadata
+from quanta.runner.attention import (
+    AttentionMetadata,
+    HiddenShard,
+    PagedSeq,
+    build_metadata,
+    with_prompt_lens,
+)
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
 from quanta.runner.draft import DraftModel
 from quanta.runner.layer_ops import layer_ops
+from quanta.runner.layers.rotary import by_prompt_length
 from quanta.runner.lazy_zeros import zeros_on_demand
 from quanta.runner.linear import fuse_model, onednn_supports, resolve_kernel
 from quanta.runner.logits import process_logits, token_logprob, token_logprobs
@@ -451,7 +458,9 @@ class ModelRunner:
         outputs = []
         with torch.inference_mode(), self._tp_call(lambda: ("logits", list(token_ids), chunk_size)):
             for start in range(0, len(token_ids), step):
-                chunk = _Chunk(tuple(token_ids[start : start + step]), start, table)
+                chunk = _Chunk(
+                    tuple(token_ids[start : start + step]), start, table, False, len(token_ids)
+                )
                 batch = self._prepare([chunk], num_blocks)
                 hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta)
                 outputs.append(self.model.compute_logits(hidden).float())
@@ -504,6 +513,8 @@ class ModelRunner:
             self._hidden_shard,
             self.prefill_kernel,
         )
+        if by_prompt_length(self.model_config):
+            meta = with_prompt_lens(meta, seqs, self.device)
         max_pos = max(positions)
         if max_pos >= self.model_config.max_model_len:
             raise ValueError(
@@ -560,7 +571,7 @@ class _Batch:
 class _Chunk:
     """A minimal ``PagedSeq`` for ``forward_logits``."""
 
-    __slots__ = ("block_table", "hidden", "start_pos", "token_ids")
+    __slots__ = ("block_table", "hidden", "num_prompt_tokens", "start_pos", "token_ids")
 
     def __init__(
         self,
@@ -568,11 +579,13 @@ class _Chunk:
         start_pos: int,
         block_table: tuple[int, ...],
         hidden: bool = False,
+        num_prompt_tokens: int = 0,
     ):
         self.token_ids = token_ids
         self.start_pos = start_pos
         self.block_table = block_table
         self.hidden = hidden
+        self.num_prompt_tokens = num_prompt_tokens
 
 
 def offers_hidden_cache(config: ModelConfig) -> bool:

@@ -61,7 +61,10 @@ def worker_step(so: SchedulerOutput) -> WorkerStep:
     """What the workers need of a step (no sampling state, no signal: they cannot pickle and
     only rank 0 uses them)."""
     return WorkerStep(
-        seqs=tuple((s.token_ids, s.start_pos, s.block_table, s.hidden) for s in so.seqs),
+        seqs=tuple(
+            (s.token_ids, s.start_pos, s.block_table, s.hidden, s.num_prompt_tokens)
+            for s in so.seqs
+        ),
         swap_out=so.swap_out,
         swap_in=so.swap_in,
         checkpoint=so.checkpoint,

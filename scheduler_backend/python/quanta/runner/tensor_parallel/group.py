@@ -54,8 +54,8 @@ class WorkerStep:
     """What a worker needs of one ``SchedulerOutput``: the tokens and block tables to run,
     the block copies, and whether the step may stop at a safepoint."""
 
-    seqs: tuple[tuple[tuple[int, ...], int, tuple[int, ...], bool], ...]  # tokens, start,
-    # block table, hidden cache
+    seqs: tuple[tuple[tuple[int, ...], int, tuple[int, ...], bool, int], ...]  # tokens,
+    # start, block table, hidden cache, prompt length
     swap_out: tuple[tuple[int, int], ...]
     swap_in: tuple[tuple[int, int], ...]
     checkpoint: tuple[tuple[int, int], ...]

@@ -125,7 +125,9 @@ def forward_logits(runner: Any, token_ids: list[int], chunk_size: int | None) ->
     step = chunk_size or len(token_ids)
     with torch.inference_mode():
         for start in range(0, len(token_ids), step):
-            chunk = _Chunk(tuple(token_ids[start : start + step]), start, table)
+            chunk = _Chunk(
+                tuple(token_ids[start : start + step]), start, table, False, len(token_ids)
+            )
             batch = runner._prepare([chunk], num_blocks)
             runner.model(batch.input_ids, batch.positions, cache, batch.meta)
             _serve(runner)
