@@ -38,6 +38,8 @@ NOT_RUN = {
     "bash scripts/test.sh": "the test suite itself: CI runs it (.ci/run)",
     "source .venv/bin/activate": "a shell built-in; these tests already run inside the venv",
     "bench/peer/setup_vllm.sh": "installs vLLM's CPU build (GBs from the network), by hand",
+    "bench/peer/families.sh": "one `quanta bench peer` per family and dtype: needs the vLLM "
+    "venv, and takes most of an hour",
     "quanta bench peer": "needs the vLLM venv above; tests/lab/test_bench_peer.py covers the "
     "harness",
     "bench/lm_eval/run.sh": "installs lm-evaluation-harness (network) and evaluates a real "
@@ -46,8 +48,7 @@ NOT_RUN = {
     "clients against a server (minutes); the routes and fields they use are covered by "
     "tests/frontends/openai (tokenizer routes, batched prompts, embeddings and responses, "
     "gateway metrics)",
-    "docker ": "builds and runs the image: tests/project/test_container.py (the docker tier) "
-    "does",
+    "docker ": "builds and runs the image: tests/project/test_container.py (the docker tier) does",
     "bash scripts/docker-base.sh": "debootstraps Debian (root, minutes): "
     "tests/project/test_container.py runs it",
     "python loadtests/fair_replicas.py": "starts two replicas (and Redis) for each mode and "

@@ -1,11 +1,15 @@
-"""The decode chain (all of a decode step's LLaMA layers in one C call) computes exactly what
-the layer-by-layer path computes: the same hidden states and the same K/V, bit for bit, at
-any batch, with int8 panel products, and stopping at the same safepoints; it never takes a
-step it cannot run (prefill chunks, hidden-cache rows), and engines whose kernels it does not
-call keep the layer-by-layer path."""
+"""The decode chain (all of a decode step's layers in one C call) computes exactly what the
+layer-by-layer path computes: the same hidden states and the same K/V, bit for bit, at any
+batch, with int8 panel products, for every family of the layer kit (Qwen3's q/k norms,
+Mistral's and Gemma 2's sliding windows shorter than the context, Gemma 2's sandwich norms,
+GeGLU, soft-capping and query scale, Qwen2's q/k/v biases, Phi-3's fused products and a
+partial rotation, OPT's LayerNorm, biases, ReLU MLP and learned positions), and stopping at
+the same safepoints; it never takes a step it cannot run (prefill chunks, hidden-cache rows),
+and engines whose kernels it does not call keep the layer-by-layer path."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,9 +39,35 @@ def native_attention(monkeypatch) -> None:
     monkeypatch.setenv("QUANTA_ATTENTION_KERNEL", "native")
 
 
+# Sliding windows shorter than the test's contexts (up to 50 tokens), so they cut.
+WINDOW = 8
+# Each family's tiny preset, and config changes: Phi-4-mini's partial rotation on Phi-3's layer.
+FAMILIES = {
+    "qwen2-tiny": {},
+    "qwen3-tiny": {},
+    "mistral-tiny": {"sliding_window": WINDOW},
+    "phi3-tiny": {},
+    "phi3-tiny-partial": {"partial_rotary_factor": 0.5},
+    "gemma2-tiny": {"sliding_window": WINDOW},
+    "opt-tiny": {},
+}
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint("llama-tiny", tmp_path_factory.mktemp("ck") / "llama-tiny", seed=4)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_checkpoint(request, tmp_path_factory) -> Path:
+    """A kit family's tiny checkpoint, its config changed as ``FAMILIES`` says."""
+    preset = request.param.removesuffix("-partial")
+    path = make_checkpoint(preset, tmp_path_factory.mktemp("ck") / request.param, seed=5)
+    config_path = path / "config.json"
+    config_path.write_text(
+        json.dumps(json.loads(config_path.read_text()) | FAMILIES[request.param])
+    )
+    return path
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
@@ -75,11 +105,11 @@ def _both_paths(runner: ModelRunner, seqs: list[_Seq], safepoints=None):
     """(hidden states, K/V cache after the step) through the chain and layer by layer, each
     from the same cache."""
     model = runner.model
-    chain = model.model.chain
+    chain = model.decoder.chain
     before = runner.device_kv_cache.clone()
     batch = runner._prepare(seqs, BLOCKS)
     with torch.inference_mode():
-        assert chain.takes(model.model.embed_tokens(batch.input_ids), batch.meta)
+        assert chain.takes(model.decoder.embed_tokens(batch.input_ids), batch.meta)
     results = []
     for path in (chain, None):
         model.use_decode_chain(path)
@@ -103,6 +133,34 @@ def test_chain_equals_the_layer_by_layer_path(checkpoint, lens):
     assert not torch.equal(kv_chained, torch.zeros_like(kv_chained))
 
 
+def test_chain_equals_the_layer_by_layer_path_for_every_family(family_checkpoint):
+    runner = _runner(family_checkpoint)
+    assert runner.layer_path == "chain"
+    config = runner.model_config
+    assert set(config.sliding_windows) <= {0, WINDOW}
+    if "partial_rotary_factor" in FAMILIES[family_checkpoint.name]:
+        assert runner.model.decoder.layers[0].self_attn.rotary_dim == config.head_dim // 2
+    (chained, kv_chained), (layered, kv_layered) = _both_paths(
+        runner, _prefilled(runner, (9, 33, 1, 50))
+    )
+    assert torch.equal(chained, layered)
+    assert torch.equal(kv_chained, kv_layered)
+
+
+def test_family_generation_is_the_same_with_and_without_the_chain(family_checkpoint, monkeypatch):
+    """Greedy answers through the whole engine, past the sliding window."""
+    prompts = ["Hello there", "1 2 3 4 5 6 7 8 9"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    answers = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv(decode_chain.ENABLE_ENV, enabled)
+        with LLM(str(family_checkpoint), dtype="bfloat16") as llm:
+            path = llm.engine.describe()["layer_path"]
+            assert path == ("chain" if enabled == "1" else "layer-by-layer")
+            answers.append([out.token_ids for out in llm.generate(prompts, params)])
+    assert answers[0] == answers[1]
+
+
 def test_chain_runs_quantized_panel_products(quantized_engine):
     mode, engine = quantized_engine
     runner = _runner(engine)
@@ -116,7 +174,7 @@ def test_chain_checks_the_same_safepoints_and_stops_there(checkpoint):
     num_layers = runner.model_config.num_layers
     seqs = _prefilled(runner, (6, 12))
     calls: list[list[int]] = [[], []]
-    for i, path in enumerate((runner.model.model.chain, None)):
+    for i, path in enumerate((runner.model.decoder.chain, None)):
         runner.model.use_decode_chain(path)
         batch = runner._prepare(seqs, BLOCKS)
         with torch.inference_mode():
@@ -149,13 +207,13 @@ def test_chain_checks_the_same_safepoints_and_stops_there(checkpoint):
 
 
 def _ops(runner: ModelRunner):
-    return runner.model.model.layers[0].self_attn.ops
+    return runner.model.decoder.layers[0].self_attn.ops
 
 
 def test_chain_leaves_prefills_and_hidden_rows_to_the_layers(checkpoint, tmp_path):
     runner = _runner(checkpoint)
     decode = _prefilled(runner, (8,))
-    chain = runner.model.model.chain
+    chain = runner.model.decoder.chain
     row = torch.empty(1, 64, dtype=torch.bfloat16)
     assert chain.takes(row, runner._prepare(decode, BLOCKS).meta)
     mixed = runner._prepare([*decode, _Seq((3, 4, 5), 0, (20,))], BLOCKS)
@@ -164,7 +222,7 @@ def test_chain_leaves_prefills_and_hidden_rows_to_the_layers(checkpoint, tmp_pat
     mha = _runner(make_checkpoint("llama-tiny-mha", tmp_path / "mha", seed=1))
     assert mha.layer_path == "chain"
     hidden = mha._prepare([_Seq((3,), 0, (21,), hidden=True)], BLOCKS)
-    assert not mha.model.model.chain.takes(row, hidden.meta)
+    assert not mha.model.decoder.chain.takes(row, hidden.meta)
 
 
 def test_engines_the_chain_cannot_run_keep_the_layers(checkpoint, tmp_path, monkeypatch):

@@ -168,6 +168,24 @@ def test_panel_kernel_gives_a_row_the_same_bits_at_every_batch_from_5_rows():
 
 
 @needs_panel
+def test_panel_kernel_rows_past_its_row_blocks_keep_their_bits_and_fused_relu():
+    """A long prefill passes over the panels 512 rows at a time (a short tail joins the
+    block before it): a row's bits are the same at any row count, and the ReLU riding on
+    the product equals torch's ReLU after it."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(130, 96, generator=gen).bfloat16()
+    b = torch.randn(130, generator=gen).bfloat16()
+    x = torch.randn(1100, 96, generator=gen).bfloat16()
+    layer = PanelLinear(w, b, "none", panel_linear.load())
+    relu = PanelLinear(w, b, "relu", panel_linear.load())
+    whole = layer(x)
+    for rows in (5, 511, 512, 513, 516, 517, 1024, 1028, 1029):
+        assert torch.equal(layer(x[:rows]), whole[:rows])
+        assert torch.equal(layer(x[-rows:]), whole[-rows:])
+    assert torch.equal(relu(x), torch.relu(whole))
+
+
+@needs_panel
 def test_panel_kernel_matches_onednn_and_keeps_one_copy(checkpoint):
     """The engine's bf16 products through the panel kernel agree with oneDNN's as two bf16
     kernels can (a few bf16 steps of the logits' scale), and only the packed weight stays."""
@@ -376,3 +394,104 @@ def test_native_rope_rounds_as_torch_does(dtype, rows, heads, head_dim):
     else:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(a[:, heads * head_dim :], fused[:, heads * head_dim :].nan_to_num())
+
+
+@needs_native_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rope_rotates_a_partial_share_of_each_head(dtype):
+    """A partial rotation (Phi-4-mini's): the first 24 of each 64-wide head turn, as torch's
+    operators turn them, and the rest of the head is left as it was."""
+    native, torch_ops = layer_ops(CPU), TorchLayerOps()
+    gen = torch.Generator().manual_seed(7)
+    rows, heads, head_dim, rotated = 5, 6, 64, 24
+    fused = (torch.randn(rows, heads * head_dim, generator=gen) * 8).to(dtype)
+    angles = torch.randn(rows, rotated, generator=gen) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    a, b = fused.clone(), fused.clone()
+    native.rope_(a.view(rows, heads, head_dim)[..., :rotated], cos, sin)
+    torch_ops.rope_(b.view(rows, heads, head_dim)[..., :rotated], cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    rest = (slice(None), slice(None), slice(rotated, None))
+    assert torch.equal(a.view(rows, heads, head_dim)[rest], fused.view(rows, heads, head_dim)[rest])
+
+
+def _within_bf16_steps(
+    got: torch.Tensor, want: torch.Tensor, steps: int, atol: float | torch.Tensor = 1e-6
+) -> bool:
+    """``got`` at most ``steps`` bf16 rounding steps of ``want``'s magnitude (or ``atol``)
+    from it."""
+    got, want = got.float(), want.float()
+    return bool(((got - want).abs() <= want.abs() * steps * 2**-8 + atol).all())
+
+
+@needs_native_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_native_gemma_norm_layer_norm_geglu_and_relu_agree_with_torch(dtype, rows):
+    """Gemma's (1 + w) RMSNorm, LayerNorm with bias, GELU(tanh) * up and ReLU: the residual
+    stream bit-identical, the results within a bf16 step or two (each rounds where torch
+    does, from fp32 values computed in another order) or the last fp32 bits; ReLU exact."""
+    native, torch_ops = layer_ops(CPU), TorchLayerOps()
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 577, generator=gen) * 50).to(dtype)
+    residual = torch.randn(rows, 577, generator=gen).to(dtype)
+    weight, bias = (torch.randn(2, 577, generator=gen) * 2).to(dtype)
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    # a step of the larger of the two terms the bias adds: their sum may cancel
+    biased = 2**-8 * bias.float().abs()
+    for norm, atol in (
+        (lambda ops, r: ops.rms_norm(x, r, weight, 1e-6, 1.0), 1e-6),
+        (lambda ops, r: ops.layer_norm(x, r, weight, bias, 1e-5), biased),
+        (lambda ops, r: ops.layer_norm(x, None, weight, bias, 1e-5), biased),
+    ):
+        r1, r2 = residual.clone(), residual.clone()
+        got, want = norm(native, r1), norm(torch_ops, r2)
+        assert torch.equal(r1, r2)
+        if dtype == torch.bfloat16:
+            assert _within_bf16_steps(got, want, 1, atol)
+        else:
+            torch.testing.assert_close(got, want, **close)
+    gate_up = (torch.randn(rows, 2 * 1537, generator=gen) * 4).to(dtype)
+    # tanh is computed by another library: where it nears -1 (gate below -4) the results
+    # are some 1e-7 apart, 0 on one side
+    got, want = native.gelu_tanh_mul(gate_up), torch_ops.gelu_tanh_mul(gate_up)
+    if dtype == torch.bfloat16:  # two roundings, either may land a step apart
+        assert _within_bf16_steps(got, want, 2, atol=1e-5)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    h = gate_up.clone()
+    h[0, :3] = torch.tensor([float("nan"), -0.0, float("-inf")])
+    got, want = native.relu_(h.clone()), torch_ops.relu_(h.clone())
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (0, 5.0), (7, 2.0), (100, None)])
+def test_native_decode_attends_over_a_sliding_window_with_soft_capped_scores(
+    dtype, window, softcap
+):
+    """Each row over its last ``window`` slots only (all with 0 or a wider window), its
+    scaled scores soft-capped: as HF's eager sequence computes it, row by row."""
+    native = native_decode.load()
+    if native is None:
+        pytest.skip("no C compiler here")
+    rows, cache, batch = _decode_case([1, 6, 40, 17], 8, 2, dtype, seed=3)
+    with torch.inference_mode():
+        got = native(rows, cache[0], cache[1], batch.slots, batch.bounds, 0.3, window, softcap)
+    bounds = batch.bounds.tolist()
+    for b in range(len(batch.lens)):
+        slots = batch.slots[bounds[b] : bounds[b + 1]]
+        slots = slots[-window:] if window else slots
+        keys = cache[0, slots].float().repeat_interleave(4, dim=1)  # [L, H, D]
+        vals = cache[1, slots].float().repeat_interleave(4, dim=1)
+        scores = torch.einsum("hd,lhd->hl", rows[b].float(), keys) * 0.3
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        want = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals)
+        tolerance = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(got[b].float(), want, **tolerance)

@@ -20,6 +20,13 @@ past a row's context may hold inf/NaN from an earlier owner, and a masked score 
 multiplies its value); that copy and fill were 56% of a batch-32 decode step. Here a stale
 slot is never read, so NaN-safety holds by construction.
 
+A sliding-window model's blocks that no window reaches any more go back to the pool; their
+block-table entries are ``RELEASED`` (``quanta.core.window``), always the table's first ones.
+Attention starts each sequence at its first held block, the window's first: a prefill chunk's
+``block_ids`` begin at table index ``window_start_block``, and a decode row's slots (and its
+``lens``, ``bounds``) at that block's first slot, so no released block id is ever read. Only
+windowed layers meet such a sequence: its context is longer than the window.
+
 Hidden-cache sequences (Apt-Serve) keep each layer's attention input instead of K and V: a
 layer's cache viewed as ``[2 * num_blocks * block_size, hidden]`` gives a block room for
 ``2 * block_size`` such vectors (K and V are each as wide as the hidden state in multi-head
@@ -31,14 +38,24 @@ chunks through SDPA, single-token rows through the same packed decode kernel.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
+from quanta.core.window import first_held
+
+if TYPE_CHECKING:
+    from quanta.runner.triton_attention import PagedBatch
+
+# On CUDA: "triton" (the default where triton is installed) or "torch" (the SDPA and packed
+# decode path, kept for comparison).
+CUDA_ATTENTION_ENV = "QUANTA_CUDA_ATTENTION"
 
 
 class PagedSeq(Protocol):
@@ -88,8 +105,10 @@ class PrefillChunk:
     token_start: int
     token_end: int
     context_len: int
-    block_ids: torch.Tensor  # [num_context_blocks]
+    block_ids: torch.Tensor  # [num_context_blocks - window_start_block]
     mask: torch.Tensor | None  # [n, context_len] bool; None means plain causal (start_pos == 0)
+    # Table index of ``block_ids[0]``; the blocks before it were released (sliding window).
+    window_start_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +116,12 @@ class DecodeBatch:
     """All single-token rows of the step, attended together over their packed contexts."""
 
     token_index: torch.Tensor  # [B] rows of the packed batch
-    slots: torch.Tensor  # [N] flat cache slots of every row's context, row after row
+    # [N] flat cache slots of every row's context, row after row: from its first held block
+    # (a sliding window's first) to its own token
+    slots: torch.Tensor
     owner: torch.Tensor  # [N] which of the B rows each slot belongs to
     kernel: DecodeKernel  # the runner's choice (``quanta.runner.decode_kernel``)
-    lens: tuple[int, ...]  # each row's context length (its share of ``slots``)
+    lens: tuple[int, ...]  # each row's share of ``slots`` (its context length, none released)
     bounds: torch.Tensor  # [B + 1] row b's slots are ``slots[bounds[b]:bounds[b + 1]]``
 
 
@@ -128,6 +149,8 @@ class HiddenBatch:
     prefills: tuple[PrefillChunk, ...]  # block_ids: the chunk's context rows in the buffer
     decode: DecodeBatch | None  # slots: each row's context rows in the buffer
     shard: HiddenShard | None = None  # tensor parallelism: what this rank stores
+    # [P] each cached token's request's prompt length, where the rotation needs it
+    past_prompt_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +164,13 @@ class AttentionMetadata:
     hidden: HiddenBatch | None = None
     # Runs the KV prefill chunks it serves (``PrefillKernel.serves``); None: SDPA runs all.
     prefill_kernel: PrefillKernel | None = None
+    # [T] each row's request's prompt length, where the rotation needs it (longrope picks
+    # its frequencies by it, ``quanta.runner.layers.rotary``); None elsewhere.
+    prompt_lens: torch.Tensor | None = None
+    # CUDA: the step as the Triton kernels read it (``quanta.runner.triton_attention``); set,
+    # ``paged_attention`` runs every row through them (``prefills`` and ``decode`` stay for
+    # the layers that attend elsewhere: sliding windows, soft-caps).
+    paged: PagedBatch | None = None
 
 
 def build_metadata(
@@ -168,6 +198,10 @@ def build_metadata(
         offset += len(seq.token_ids)
     meta = _kv_metadata(kv, block_size, device, decode_kernel, prefill_kernel)
     if not hidden:
+        if _triton_attention(device):
+            from quanta.runner.triton_attention import paged_batch
+
+            return replace(meta, paged=paged_batch(seqs, block_size, device))
         return meta
     kv_rows = [o + i for o, seq, _ in kv for i in range(len(seq.token_ids))]
     return AttentionMetadata(
@@ -182,6 +216,30 @@ def build_metadata(
     )
 
 
+def with_prompt_lens(
+    meta: AttentionMetadata, seqs: Sequence[PagedSeq], device: torch.device
+) -> AttentionMetadata:
+    """``meta`` with each row's request's prompt length (``prompt_lens``), and each
+    hidden-cache sequence's for its cached tokens (``HiddenBatch.past_prompt_lens``), for
+    rotations that depend on it (``quanta.runner.layers.rotary``). A sequence that does not
+    give it (``num_prompt_tokens`` 0 or absent: a test's or the draft model's chunks) counts
+    its context up to this chunk's end, which is right for a whole prompt, a prompt's last
+    chunk and a decode."""
+    lens = torch.tensor(
+        [getattr(s, "num_prompt_tokens", 0) or s.start_pos + len(s.token_ids) for s in seqs],
+        dtype=torch.long,
+    )
+    counts = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.long)
+    rows = torch.repeat_interleave(lens, counts).to(device)
+    if meta.hidden is None:
+        return replace(meta, prompt_lens=rows)
+    # NOTE: the hidden batch holds its sequences' cached tokens in step order, all of each
+    hidden = torch.tensor([s.hidden for s in seqs], dtype=torch.bool)
+    past = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)[hidden]
+    past_lens = torch.repeat_interleave(lens[hidden], past).to(device)
+    return replace(meta, prompt_lens=rows, hidden=replace(meta.hidden, past_prompt_lens=past_lens))
+
+
 def _checked_table(seq: PagedSeq, per_block: int, num_blocks: int) -> list[int]:
     """The blocks ``seq``'s context spans (``per_block`` tokens each), checked."""
     n = len(seq.token_ids)
@@ -193,8 +251,12 @@ def _checked_table(seq: PagedSeq, per_block: int, num_blocks: int) -> list[int]:
             f"sequence needs {num_ctx_blocks} blocks for {context_len} tokens, "
             f"block table has {len(seq.block_table)} (tokens this step: {n})"
         )
-    if min(table) < 0 or max(table) >= num_blocks:
+    first = first_held(table)
+    held = table[first:]
+    if not held or min(held) < 0 or max(held) >= num_blocks:
         raise ValueError(f"block id out of range [0, {num_blocks}) in {table}")
+    if seq.start_pos < first * per_block:
+        raise ValueError(f"tokens from {seq.start_pos} written into a released block: {table}")
     return table
 
 
@@ -212,6 +274,7 @@ def _kv_metadata(
     tables = [table for _, _, table in entries]
     starts = [seq.start_pos for _, seq, _ in entries]
     counts = [len(seq.token_ids) for _, seq, _ in entries]
+    firsts = [first_held(table) * block_size for table in tables]  # first readable positions
     prefills = [
         _prefill_chunk(o, seq.start_pos, len(seq.token_ids), table, device)
         for o, seq, table in entries
@@ -222,12 +285,14 @@ def _kv_metadata(
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
     decode_lens: list[int] = []
+    decode_firsts: list[int] = []
     for index, (o, seq, _) in enumerate(entries):
         n = len(seq.token_ids)
         if n == 1 or _verifies(seq):
             decode_rows.extend(range(o, o + n))
             decode_seqs.extend([index] * n)
             decode_lens.extend(range(seq.start_pos + 1, seq.start_pos + n + 1))
+            decode_firsts.extend([firsts[index]] * n)
     slot_table = _slot_table(tables, block_size)  # [S, max_blocks * block_size]
     lens = torch.tensor([s + n for s, n in zip(starts, counts, strict=True)], dtype=torch.long)
     start_t = torch.tensor(starts, dtype=torch.long)
@@ -236,8 +301,11 @@ def _kv_metadata(
     decode = None
     if decode_rows:
         ctx = slot_table[torch.tensor(decode_seqs, dtype=torch.long)]
-        ctx_lens = torch.tensor(decode_lens, dtype=torch.long)
-        owned = positions[None, :] < ctx_lens[:, None]
+        ctx_firsts = torch.tensor(decode_firsts, dtype=torch.long)
+        ctx_ends = torch.tensor(decode_lens, dtype=torch.long)
+        at = positions[None, :]
+        owned = (at >= ctx_firsts[:, None]) & (at < ctx_ends[:, None])
+        ctx_lens = ctx_ends - ctx_firsts
         decode = DecodeBatch(
             token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
             slots=ctx[owned].to(device),
@@ -252,6 +320,19 @@ def _kv_metadata(
         decode=decode,
         prefill_kernel=prefill_kernel if prefills else None,
     )
+
+
+def _triton_attention(device: torch.device) -> bool:
+    """Whether a step on ``device`` attends through the Triton kernels: on CUDA where triton
+    is installed and ``QUANTA_CUDA_ATTENTION=triton`` asks for them. The torch path stays the
+    default until the kernels have been compiled and checked on a GPU (their tests so far ran
+    under Triton's CPU interpreter only)."""
+    if device.type != "cuda":
+        return False
+    choice = os.environ.get(CUDA_ATTENTION_ENV, "").strip() or "torch"
+    if choice not in ("triton", "torch"):
+        raise ValueError(f"{CUDA_ATTENTION_ENV}={choice!r}: use triton or torch")
+    return choice == "triton" and importlib.util.find_spec("triton") is not None
 
 
 def _verifies(seq: PagedSeq) -> bool:
@@ -357,12 +438,14 @@ def _slot_table(tables: list[list[int]], block_size: int) -> torch.Tensor:
 def _prefill_chunk(
     offset: int, start_pos: int, n: int, table: list[int], device: torch.device
 ) -> PrefillChunk:
+    first = first_held(table)
     return PrefillChunk(
         token_start=offset,
         token_end=offset + n,
         context_len=start_pos + n,
-        block_ids=torch.tensor(table, dtype=torch.long, device=device),
+        block_ids=torch.tensor(table[first:], dtype=torch.long, device=device),
         mask=_chunk_mask(start_pos, n, device),
+        window_start_block=first,
     )
 
 
@@ -392,6 +475,12 @@ def paged_attention(
     With hidden-cache sequences in the step, ``hidden_input`` ([T, hidden], what q, k and v
     were projected from) is stored for them instead, and ``project_kv`` turns their cached
     inputs back into K and V."""
+    if meta.paged is not None:
+        from quanta.runner import triton_attention
+
+        return triton_attention.paged_attention(
+            q, k, v, layer_cache, meta.slot_mapping, meta.paged, scale
+        )
     _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
     flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
     k_new, v_new = k, v
@@ -413,6 +502,8 @@ def paged_attention(
     out = torch.empty_like(q)
     native = meta.prefill_kernel
     for chunk in meta.prefills:
+        if chunk.window_start_block:
+            raise ValueError("full attention over a context whose first blocks were released")
         rows = q[chunk.token_start : chunk.token_end]
         if native is not None and native.serves(rows, flat[0]):
             start = chunk.context_len - rows.shape[0]

@@ -1,5 +1,7 @@
 """A decode step's decoder layers in one C call (``decode_chain.c``), for every layer of
-the kit (``quanta.runner.layers``) that declares itself LLaMA's (``decode_chain_blocker``).
+the kit (``quanta.runner.layers``) whose ``decode_chain_blocker`` finds nothing it cannot
+compute: each layer's options (norm kind, q/k norms, sliding window, soft-cap, attention
+scale, sandwich norms, MLP kind, rotated features) are flags of its row in the table.
 
 Once the panel kernel streamed a batch-1 step's weights near memory speed, what was left of
 the step was Python: each of SmolLM2-135M's 30 layers dispatched some 27 torch operators and
@@ -24,6 +26,7 @@ import ctypes
 import functools
 import logging
 import os
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -33,6 +36,8 @@ from torch import nn
 from quanta.runner import native_decode, panel_linear
 from quanta.runner.attention import AttentionMetadata
 from quanta.runner.layer_ops import NativeLayerOps, TorchLayerOps
+from quanta.runner.layers.mlp import GatedMLP
+from quanta.runner.layers.norms import LayerNorm
 from quanta.runner.linear import PanelLinear
 from quanta.runner.models.safepoints import Safepoints
 
@@ -40,11 +45,16 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_chain.c")
 FLAGS = ("-O2", "-shared", "-fPIC")
-# int64 slots per layer in the table ``decode_chain.c`` reads (``struct layer``): two norm
-# weights, then (packed weight, scales, bias, kind, group) for q/k/v, o, gate/up and down.
-LAYER_SLOTS = 22
+# 8-byte slots per layer in the table ``decode_chain.c`` reads (``struct layer``): four norms
+# (weight, bias), q/k norm weights, (packed weight, scales, bias, kind, group) for q/k/v, o,
+# gate/up and down, four int64 flags, four doubles.
+LAYER_SLOTS = 38
 # ``struct product``'s kind: which panel kernel reads the weight
 _KINDS = {"native": 0, "native-int8": 1, "native-int4": 2}
+# ``struct layer``'s norm_kind and mlp_kind
+NORM_RMS, NORM_RMS_OFFSET, NORM_LAYER = 0, 1, 2
+_GATED_MLPS = {"silu": 0, "gelu_pytorch_tanh": 1}
+_PLAIN_MLPS = {"relu": 2}
 ENABLE_ENV = "QUANTA_DECODE_CHAIN"
 
 
@@ -62,8 +72,6 @@ class DecodeChain:
         kernels: Sequence[int],
         layers: Sequence[int],
         shape: Sequence[int],
-        eps: float,
-        scale: float,
         keep: Sequence[torch.Tensor],
     ) -> None:
         self._fn = fn
@@ -71,7 +79,6 @@ class DecodeChain:
         self._layers = (ctypes.c_int64 * len(layers))(*layers)
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
         self.num_layers = len(layers) // LAYER_SLOTS
-        self._eps, self._scale = eps, scale
         self._keep = tuple(keep)  # the tensors whose addresses the table holds
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -90,7 +97,7 @@ class DecodeChain:
     def run(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         safepoints: Safepoints | None,
@@ -119,14 +126,14 @@ class DecodeChain:
         residual: torch.Tensor,
         first: int,
         last: int,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
         decode = meta.decode
         assert decode is not None and kv_cache.is_contiguous()
         # held here: C reads them through their addresses for the whole call
-        cos, sin = rope[0].contiguous(), rope[1].contiguous()
+        cos, sin = (None, None) if rope is None else (rope[0].contiguous(), rope[1].contiguous())
         layer_stride, value_offset = kv_cache.stride(0), kv_cache.stride(1)
         status = self._fn(
             self._kernels,
@@ -134,13 +141,11 @@ class DecodeChain:
             first,
             last,
             self._shape,
-            self._eps,
-            self._scale,
             x.data_ptr(),
             residual.data_ptr(),
             int(first == 0),
-            cos.data_ptr(),
-            sin.data_ptr(),
+            None if cos is None else cos.data_ptr(),
+            None if sin is None else sin.data_ptr(),
             kv_cache.data_ptr(),
             layer_stride,
             value_offset,
@@ -164,7 +169,7 @@ def layer_by_layer(model: nn.Module) -> Iterator[None]:
     if use is None:
         yield
         return
-    chain = model.model.chain  # type: ignore[union-attr]
+    chain = model.decoder.chain  # type: ignore[union-attr]
     use(None)
     try:
         yield
@@ -188,34 +193,88 @@ def build(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) -> Decode
     addresses = ops.addresses
     if attend is None or addresses is None:
         return None
-    norm, rope, silu_mul = addresses
-    kernels = (*panel.addresses, norm, rope, attend.address, silu_mul)
+    norm, norm_offset, layer_norm, rope, silu_mul, gelu_tanh_mul, relu = addresses
+    kernels = (*panel.addresses, norm, norm_offset, layer_norm, rope, attend.address, silu_mul,
+               gelu_tanh_mul, relu)  # fmt: skip
     table: list[int] = []
     keep: list[torch.Tensor] = []
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        keep += norms
-        table += [t.data_ptr() for t in norms]
-        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            spec = _product(proj)
-            assert spec is not None
-            tensors, kind, group = spec
-            keep += [t for t in tensors if t is not None]
-            table += [0 if t is None else t.data_ptr() for t in tensors]
-            table += [kind, group]
-    first = model.model.layers[0]  # type: ignore[union-attr,index]
+    layers = model.decoder.layers  # type: ignore[union-attr]
+    for layer in layers:
+        table += _layer_row(layer, keep)
     config = model.config  # type: ignore[union-attr]
-    attn = first.self_attn
+    attn = layers[0].self_attn
     shape = (
         config.hidden_size,
         attn.num_heads,
         attn.num_kv_heads,
         attn.head_dim,
-        first.mlp.down_proj.in_features,
+        layers[0].mlp.down_proj.in_features,
     )
-    eps = first.input_layernorm.eps
-    return DecodeChain(library, kernels, table, shape, eps, attn.head_dim**-0.5, keep)
+    return DecodeChain(library, kernels, table, shape, keep)
+
+
+def _layer_row(layer: nn.Module, keep: list[torch.Tensor]) -> list[int]:
+    """``layer``'s row of the table (``struct layer``); the tensors it points at are added to
+    ``keep``."""
+
+    def address(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        keep.append(t)
+        return t.data_ptr()
+
+    attn, mlp = layer.self_attn, layer.mlp
+    row: list[int] = []
+    for norm in _layer_norms(layer):
+        row += [address(norm.weight), address(getattr(norm, "bias", None))]
+    if not getattr(layer, "sandwich", False):
+        row += [0, 0, 0, 0]
+    for name in ("q_norm", "k_norm"):
+        row.append(address(getattr(attn, name).weight) if attn.qk_norm else 0)
+    for proj in _products(layer):
+        spec = _product(proj)
+        assert spec is not None
+        tensors, kind, group = spec
+        row += [address(t) for t in tensors] + [kind, group]
+    norm = layer.norms[0]
+    kind = _mlp_kind(mlp)
+    assert kind is not None
+    row += [_norm_kind(norm), kind, attn.rotary_dim, attn.window]
+    doubles = (norm.eps, getattr(norm, "offset", 0.0), attn.scale, attn.softcap or 0.0)
+    return row + [struct.unpack("<q", struct.pack("<d", value))[0] for value in doubles]
+
+
+# ``struct layer``'s norms in order; the sandwich ones only where the layer has them
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+          "post_feedforward_layernorm")  # fmt: skip
+
+
+def _layer_norms(layer: nn.Module) -> list[nn.Module]:
+    """The layer's norms in table order: the two before attention and MLP, and Gemma 2's
+    sandwich ones after them."""
+    norms = list(layer.norms)
+    if layer.sandwich:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    return norms
+
+
+def _norm_kind(norm: nn.Module) -> int:
+    if isinstance(norm, LayerNorm):
+        return NORM_LAYER
+    return NORM_RMS_OFFSET if norm.offset else NORM_RMS
+
+
+def _mlp_kind(mlp: nn.Module) -> int | None:
+    """``struct layer``'s mlp_kind of ``mlp``, or None where the chain does not compute it."""
+    kinds = _GATED_MLPS if isinstance(mlp, GatedMLP) else _PLAIN_MLPS
+    return kinds.get(mlp.activation)
+
+
+def _products(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """q/k/v, o, gate/up (a plain MLP's up) and down: the table's four products."""
+    attn, mlp = layer.self_attn, layer.mlp
+    up = mlp.gate_up_proj if isinstance(mlp, GatedMLP) else mlp.up_proj
+    return attn.qkv_proj, attn.o_proj, up, mlp.down_proj
 
 
 def _unsupported(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) -> str | None:
@@ -224,7 +283,7 @@ def _unsupported(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) ->
         return f"decode attention is {attention_kernel}"
     if not isinstance(ops, NativeLayerOps) or ops.addresses is None:
         return "the layer ops are torch's"
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
     if not layers or not all(hasattr(layer, "decode_chain_blocker") for layer in layers):
         return "not a decoder of the layer kit"
     config = model.config  # type: ignore[union-attr]
@@ -233,19 +292,31 @@ def _unsupported(model: nn.Module, ops: TorchLayerOps, attention_kernel: str) ->
         if blocker:
             return f"layer {i}: {blocker}"
         attn, mlp = layer.self_attn, layer.mlp
-        if layer.input_layernorm.weight.dtype != torch.bfloat16:
-            return f"layer {i} is {layer.input_layernorm.weight.dtype}, not bf16"
-        if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        norms = _layer_norms(layer)
+        qk_norms = [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+        if any(n.weight is None for n in norms):
+            return f"layer {i}'s norms have no weight"
+        if any(n.weight.dtype != torch.bfloat16 for n in norms + qk_norms):
+            return f"layer {i}'s norms are not bf16"
+        if len({(_norm_kind(n), getattr(n, "offset", 0.0)) for n in norms}) != 1:
+            return f"layer {i}'s norms differ in kind or offset"
+        if any(n.eps != norms[0].eps for n in norms + qk_norms):
             return f"layer {i}'s norms differ in eps"
+        if any(_norm_kind(n) != NORM_RMS for n in qk_norms):
+            return f"layer {i}'s q/k norms are not LLaMA's RMSNorm"
+        if _mlp_kind(mlp) is None:
+            return f"layer {i}'s MLP runs {mlp.activation}"
         if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
             config.num_heads,
             config.num_kv_heads,
             config.head_dim,
         ):
             return f"layer {i}'s heads are a shard of the model's"
-        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if _product(proj) is None:
-                return f"layer {i} runs {type(proj).__name__} products"
+        products = _products(layer)
+        if any(_product(proj) is None for proj in products):
+            return f"layer {i} runs {type(products[0]).__name__} products"
+        if getattr(products[2], "activation", "none") not in ("none", mlp.activation):
+            return f"layer {i}'s first MLP product applies another activation"
     return None
 
 
@@ -254,8 +325,9 @@ _Tensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 def _product(proj: nn.Module) -> tuple[_Tensors, int, int] | None:
     """((packed weight, scales or None, bias or None), kind, group size) of a panel product,
-    or None for any other."""
-    if getattr(proj, "activation", None) != "none":
+    or None for any other. A product's ReLU (a plain MLP's first) is the chain's own step,
+    as exact as the one the product runs after its kernel."""
+    if getattr(proj, "activation", None) not in ("none", "relu"):
         return None
     if isinstance(proj, PanelLinear):
         return (proj.packed_weight, None, proj.bias), _KINDS["native"], 0
@@ -273,7 +345,7 @@ def _library() -> ctypes._CFuncPtr | None:
         return None
     fn = library.quanta_decode_chain
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, i64, i64, p, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int, p, p,
-                   p, i64, i64, p, p, p, i64, ctypes.c_int]  # fmt: skip
+    fn.argtypes = [p, p, i64, i64, p, p, p, ctypes.c_int, p, p, p, i64, i64, p, p, p, i64,
+                   ctypes.c_int]  # fmt: skip
     fn.restype = ctypes.c_int
     return fn

@@ -84,7 +84,7 @@ def decode_kernel(
         if native_decode.supports(dtype, device):
             native = native_decode.load()
             if native is not None:
-                return _native_kernel(native), "native"
+                return native_decode.NativeDecodeKernel(native), "native"
         else:
             log.warning("native decode attention runs fp32 and bf16 on CPU, not %s", dtype)
         kernel = "compiled"
@@ -99,12 +99,6 @@ def decode_kernel(
             log.info("decode attention compiled in %.1f s", time.perf_counter() - started)
             return _torch_kernel(compiled), "compiled"
     return _torch_kernel(varlen_decode), "eager"
-
-
-def _native_kernel(native: native_decode.NativeDecode) -> DecodeKernel:
-    return lambda rows, keys, values, batch, scale: native(
-        rows, keys, values, batch.slots, batch.bounds, scale
-    )
 
 
 def _torch_kernel(fn: Callable[..., torch.Tensor]) -> DecodeKernel:

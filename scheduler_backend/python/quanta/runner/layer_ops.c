@@ -1,4 +1,5 @@
-/* Residual add + RMSNorm, the rotary embedding and SiLU * up of a decoder layer, each one call
+/* Residual add + RMSNorm (LLaMA's and Gemma's) or LayerNorm, the rotary embedding, SiLU * up,
+ * GELU(tanh) * up and ReLU of a decoder layer, each one call
  * instead of a chain of torch operators: at batch 1 a chain of 8 operators on a 576-wide row costs its dispatch, not its
  * arithmetic.
  *
@@ -77,6 +78,68 @@ void quanta_add_rms_norm(void *out, void *residual, const void *x, const void *w
     }
 }
 
+/* Gemma's RMSNorm: out = (s * rsqrt(mean(s^2) + eps)) * (offset + weight), all in fp32 and
+ * rounded once, where LLaMA's rounds the normalised row before the weight; s as above. */
+void quanta_add_rms_norm_offset(void *out, void *residual, const void *x, const void *weight,
+                                int64_t rows, int64_t dim, float eps, float offset, int dtype) {
+    float s[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t base = r * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = load(residual, base + i, dtype);
+            if (x) {
+                v = round_to(v + load(x, base + i, dtype), dtype);
+                store(residual, base + i, v, dtype);
+            }
+            s[i] = v;
+        }
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < dim; i++) acc += s[i] * s[i];
+        float inv = 1.0f / sqrtf(acc / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++)
+            store(out, base + i, (s[i] * inv) * (offset + load(weight, i, dtype)), dtype);
+    }
+}
+
+/* LayerNorm with bias: out = (s - mean) * rsqrt(var + eps) * weight + bias in fp32, rounded
+ * once (torch's layer_norm keeps bf16 rows in fp32 throughout); s as above. */
+void quanta_add_layer_norm(void *out, void *residual, const void *x, const void *weight,
+                           const void *bias, int64_t rows, int64_t dim, float eps, int dtype) {
+    float s[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t base = r * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = load(residual, base + i, dtype);
+            if (x) {
+                v = round_to(v + load(x, base + i, dtype), dtype);
+                store(residual, base + i, v, dtype);
+            }
+            s[i] = v;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) sum += s[i];
+        const float mean = sum / (float)dim;
+        float var = 0.0f;
+#pragma omp simd reduction(+ : var)
+        for (int64_t i = 0; i < dim; i++) var += (s[i] - mean) * (s[i] - mean);
+        const float inv = 1.0f / sqrtf(var / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) {
+            float h = (s[i] - mean) * inv * load(weight, i, dtype);
+            store(out, base + i, bias ? h + load(bias, i, dtype) : h, dtype);
+        }
+    }
+}
+
+/* ReLU in place on [rows, dim] (OPT's MLP): max(x, 0), NaN kept, as torch's relu. */
+void quanta_relu_(void *x, int64_t rows, int64_t dim, int dtype) {
+    for (int64_t i = 0; i < rows * dim; i++) {
+        const float v = load(x, i, dtype);
+        if (v < 0.0f) store(x, i, 0.0f, dtype);
+    }
+}
+
 int quanta_silu_mul_available(void) { return QUANTA_VECTOR_EXP; }
 
 #if QUANTA_VECTOR_EXP
@@ -130,15 +193,51 @@ void quanta_silu_mul(void *out, const void *gate_up, int64_t rows, int64_t inner
 #endif
 }
 
-/* Rotary embedding in place on the first `heads` heads of each row (q's, then k's):
- * x * cos + rotate_half(x) * sin, with cos and sin [rows, head_dim] in the element type. */
-static __attribute__((unused)) void rope_scalar(void *x, const void *cos_t, const void *sin_t, int64_t rows,
-                        int64_t heads, int64_t head_dim, int64_t row_stride, int dtype) {
+/* out [rows, inner] = gelu_tanh(gate) * up of gate_up [rows, 2 * inner] (Gemma's GeGLU):
+ * gelu_tanh(g) = (0.5 g) * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 g^3), in torch's
+ * order in fp32, rounded to the element type, times up, rounded again. tanh(u) is
+ * sign(u) * (1 - 2 / (exp(2|u|) + 1)) through libmvec's expf (as SiLU * up's exp): accurate
+ * near -1 too, so 1 + tanh(u) is 0 exactly where an fp32 tanh rounds to -1, as torch's is. */
+void quanta_gelu_tanh_mul(void *out, const void *gate_up, int64_t rows, int64_t inner,
+                          int dtype) {
+#if QUANTA_VECTOR_EXP
+    const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
+    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    const __m512 half = _mm512_set1_ps(0.5f), sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in = r * 2 * inner, at = r * inner;
+        for (int64_t i = 0; i < inner; i += 16) {
+            const int64_t n = inner - i < 16 ? inner - i : 16;
+            const __mmask16 m = (__mmask16)((1u << n) - 1);
+            __m512 g = vload(gate_up, in + i, m, dtype), u = vload(gate_up, in + inner + i, m, dtype);
+            __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+            __m512 arg = _mm512_mul_ps(beta, _mm512_add_ps(g, _mm512_mul_ps(kappa, cube)));
+            __m512 size = _mm512_abs_ps(arg);
+            __m512 e = _ZGVeN16v_expf(_mm512_add_ps(size, size));
+            __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+            t = _mm512_xor_ps(t, _mm512_and_ps(arg, sign));
+            __m512 h = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, t));
+            vstore(out, at + i, m, _mm512_mul_ps(vround(h, dtype), u), dtype);
+        }
+    }
+#else
+    (void)out, (void)gate_up, (void)rows, (void)inner, (void)dtype;
+#endif
+}
+
+/* Rotary embedding in place on the first `heads` heads of each row (q's, then k's), heads
+ * `head_stride` elements apart, the first `head_dim` features of each (all of it, or a partial
+ * rotation's share): x * cos + rotate_half(x) * sin, with cos and sin [rows, head_dim] in the
+ * element type. */
+static __attribute__((unused)) void rope_scalar(void *x, const void *cos_t, const void *sin_t,
+                                                int64_t rows, int64_t heads, int64_t head_dim,
+                                                int64_t head_stride, int64_t row_stride,
+                                                int dtype) {
     int64_t half = head_dim / 2;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t t = r * head_dim;
         for (int64_t h = 0; h < heads; h++) {
-            int64_t base = r * row_stride + h * head_dim;
+            int64_t base = r * row_stride + h * head_stride;
             for (int64_t i = 0; i < half; i++) {
                 float x1 = load(x, base + i, dtype), x2 = load(x, base + i + half, dtype);
                 float lo = round_to(x1 * load(cos_t, t + i, dtype), dtype) +
@@ -152,13 +251,12 @@ static __attribute__((unused)) void rope_scalar(void *x, const void *cos_t, cons
     }
 }
 
-/* Rotary embedding in place on the first `heads` heads of each row (q's, then k's):
- * x * cos + rotate_half(x) * sin, with cos and sin [rows, head_dim] in the element type.
+/* Rotary embedding in place, as rope_scalar above.
  * 16 lanes at a time where the CPU has AVX-512 (the same roundings, in the same order, as
  * the scalar loop: each product rounded, then their sum on the store); a prefill of 768
  * rows took 2.8 ms through the scalar loop against torch's 1.2 ms. */
 void quanta_rope(void *x, const void *cos_t, const void *sin_t, int64_t rows, int64_t heads,
-                 int64_t head_dim, int64_t row_stride, int dtype) {
+                 int64_t head_dim, int64_t head_stride, int64_t row_stride, int dtype) {
 #if QUANTA_VECTOR_EXP
     const int64_t half = head_dim / 2;
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -171,7 +269,7 @@ void quanta_rope(void *x, const void *cos_t, const void *sin_t, int64_t rows, in
             const __m512 c_hi = vload(cos_t, t + i + half, m, dtype);
             const __m512 s_hi = vload(sin_t, t + i + half, m, dtype);
             for (int64_t h = 0; h < heads; h++) {
-                const int64_t base = r * row_stride + h * head_dim;
+                const int64_t base = r * row_stride + h * head_stride;
                 const __m512 x1 = vload(x, base + i, m, dtype), x2 = vload(x, base + i + half, m, dtype);
                 const __m512 lo = _mm512_add_ps(vround(_mm512_mul_ps(x1, c_lo), dtype),
                                                 vround(_mm512_mul_ps(_mm512_xor_ps(x2, sign), s_lo), dtype));
@@ -183,6 +281,6 @@ void quanta_rope(void *x, const void *cos_t, const void *sin_t, int64_t rows, in
         }
     }
 #else
-    rope_scalar(x, cos_t, sin_t, rows, heads, head_dim, row_stride, dtype);
+    rope_scalar(x, cos_t, sin_t, rows, heads, head_dim, head_stride, row_stride, dtype);
 #endif
 }

@@ -1,17 +1,19 @@
-"""The small operations of a LLaMA decoder layer: residual add + RMSNorm, rotary embedding,
-SiLU * up. Two implementations with one meaning.
+"""The small operations of a decoder layer: residual add + RMSNorm (LLaMA's, and Gemma's
+``1 + weight``) or LayerNorm, rotary embedding, SiLU * up, GELU(tanh) * up, ReLU. Two
+implementations with one meaning.
 
 At batch 1 a decode step of SmolLM2-135M (30 layers) spent about a third of its time outside
 the weight products, most of it dispatching small operators: RMSNorm alone is eight torch
 operators on a 576-wide row, rotary embedding fourteen, and each costs microseconds of dispatch
 whatever its size (profile in ``docs/results/benchmarks.md``).
 
-``NativeLayerOps`` runs the residual add + RMSNorm, the rotary embedding and SiLU * up each
-as one call into a C kernel (``layer_ops.c``, built at load like the decode-attention
-kernel): 6-9 us against 24-35 us for the torch operators on one row. SiLU's ``exp`` is
-glibc's vector one (libmvec): a scalar ``expf`` loop was slower than torch's four operators,
-so where libmvec is missing SiLU * up stays torch's. ``TorchLayerOps`` is the same arithmetic
-in torch operators, for devices and machines without the kernel.
+``NativeLayerOps`` runs each of them as one call into a C kernel (``layer_ops.c``, built at
+load like the decode-attention kernel): 6-9 us against 24-35 us for the torch operators on
+one row. SiLU's ``exp`` is glibc's vector one (libmvec): a scalar ``expf`` loop was slower
+than torch's four operators, so where libmvec is missing SiLU * up and GELU * up stay
+torch's. ``TorchLayerOps`` is the same arithmetic in torch operators, for devices and
+machines without the kernel. The decode chain (``quanta.runner.decode_chain``) calls the same
+C functions, so both paths compute the same bits.
 
 Both round where HF transformers' eager model rounds: in bf16 the residual add, the normalised
 row before the weight, each product and sum of the rotation are rounded, as torch
@@ -48,20 +50,42 @@ class TorchLayerOps:
     name = "torch"
 
     def rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
     ) -> torch.Tensor:
         """``weight * normalise(residual + x)``; the sum is written into ``residual``. With
-        ``residual`` None, ``weight * normalise(x)``."""
+        ``residual`` None, ``weight * normalise(x)``. ``offset`` 1 is Gemma's
+        ``(1 + weight)``."""
         if residual is not None:
             x = residual.add_(x)
-        # NOTE: normalise in fp32 and cast back before the weight, exactly like HF.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if offset:  # NOTE: Gemma scales in fp32 and casts after the weight, as HF does
+            return (h * (offset + weight.float())).to(x.dtype)
+        # NOTE: normalise in fp32 and cast back before the weight, exactly like HF.
         return weight * h.to(x.dtype)
 
+    def layer_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """``layer_norm(residual + x)`` with ``weight`` and ``bias`` (either may be None),
+        the sum written into ``residual`` as ``rms_norm`` does."""
+        if residual is not None:
+            x = residual.add_(x)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
     def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate ``qk`` ``[T, heads, D]`` (a view into the fused product) in place by
-        ``cos``/``sin`` ``[T, D]``."""
+        """Rotate ``qk`` ``[T, heads, D]`` (a view into the fused product; ``D`` may be a
+        partial rotation's share of each head) in place by ``cos``/``sin`` ``[T, D]``."""
         cos, sin = cos[:, None, :], sin[:, None, :]
         qk.copy_(qk * cos + rotate_half(qk) * sin)
 
@@ -69,6 +93,15 @@ class TorchLayerOps:
         """``silu(gate) * up`` of the fused ``[T, 2 * inner]`` product."""
         inner = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` of the fused ``[T, 2 * inner]`` product (GeGLU)."""
+        inner = gate_up.shape[1] // 2
+        return F.gelu(gate_up[:, :inner], approximate="tanh") * gate_up[:, inner:]
+
+    def relu_(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(x)``, in place."""
+        return x.relu_()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -88,42 +121,80 @@ class NativeLayerOps(TorchLayerOps):
         self._norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
         self._norm.restype = None
         self._rope = library.quanta_rope
-        self._rope.argtypes = [p, p, p, i64, i64, i64, i64, ctypes.c_int]
+        self._rope.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]
         self._rope.restype = None
-        self._silu_mul = None
+        self._norm_offset = library.quanta_add_rms_norm_offset
+        self._norm_offset.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_float,
+                                      ctypes.c_int]  # fmt: skip
+        self._norm_offset.restype = None
+        self._layer_norm = library.quanta_add_layer_norm
+        self._layer_norm.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
+        self._layer_norm.restype = None
+        self._relu = library.quanta_relu_
+        self._relu.argtypes = [p, i64, i64, ctypes.c_int]
+        self._relu.restype = None
+        self._silu_mul = self._gelu_tanh_mul = None
         if library.quanta_silu_mul_available():
             self._silu_mul = library.quanta_silu_mul
-            self._silu_mul.argtypes = [p, p, i64, i64, ctypes.c_int]
-            self._silu_mul.restype = None
+            self._gelu_tanh_mul = library.quanta_gelu_tanh_mul
+            for fn in (self._silu_mul, self._gelu_tanh_mul):
+                fn.argtypes = [p, p, i64, i64, ctypes.c_int]
+                fn.restype = None
 
     @property
-    def addresses(self) -> tuple[int, int, int] | None:
-        """The norm, rotary and SiLU * up C entry points (``decode_chain`` calls them
-        directly); None where SiLU * up is torch's (no libmvec)."""
-        if self._silu_mul is None:
+    def addresses(self) -> tuple[int, ...] | None:
+        """The C entry points ``decode_chain`` calls directly: RMSNorm, Gemma's RMSNorm,
+        LayerNorm, rotary, SiLU * up, GELU(tanh) * up, ReLU; None where the gated
+        activations are torch's (no libmvec)."""
+        if self._silu_mul is None or self._gelu_tanh_mul is None:
             return None
-        address = native_decode.c_address
-        return address(self._norm), address(self._rope), address(self._silu_mul)
+        fns = (self._norm, self._norm_offset, self._layer_norm, self._rope, self._silu_mul,
+               self._gelu_tanh_mul, self._relu)  # fmt: skip
+        return tuple(native_decode.c_address(fn) for fn in fns)
 
     def rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
     ) -> torch.Tensor:
         target = x if residual is None else residual
-        code = _DTYPE_CODES.get(x.dtype)
-        if (
-            code is None
-            or x.device.type != "cpu"
-            or weight.dtype != x.dtype
-            or not (x.is_contiguous() and target.is_contiguous() and target.dtype == x.dtype)
-        ):
-            return super().rms_norm(x, residual, weight, eps)
+        code = _rows_code(x, target, weight)
+        if code is None:
+            return super().rms_norm(x, residual, weight, eps, offset)
         out = torch.empty_like(target)
         rows, dim = target.shape
-        self._norm(
+        added = None if residual is None else x.data_ptr()
+        if offset:
+            self._norm_offset(out.data_ptr(), target.data_ptr(), added, weight.data_ptr(), rows,
+                              dim, eps, offset, code)  # fmt: skip
+        else:
+            self._norm(out.data_ptr(), target.data_ptr(), added, weight.data_ptr(), rows, dim,
+                       eps, code)  # fmt: skip
+        return out
+
+    def layer_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        target = x if residual is None else residual
+        code = None if weight is None else _rows_code(x, target, weight)
+        if code is None or (bias is not None and bias.dtype != x.dtype):
+            return super().layer_norm(x, residual, weight, bias, eps)
+        out = torch.empty_like(target)
+        rows, dim = target.shape
+        self._layer_norm(
             out.data_ptr(),
             target.data_ptr(),
             None if residual is None else x.data_ptr(),
-            weight.data_ptr(),
+            weight.data_ptr(),  # type: ignore[union-attr]
+            None if bias is None else bias.data_ptr(),
             rows,
             dim,
             eps,
@@ -137,30 +208,62 @@ class NativeLayerOps(TorchLayerOps):
         if (
             code is None
             or qk.device.type != "cpu"
-            or qk.stride()[1:] != (dim, 1)
+            or qk.stride(2) != 1
+            or qk.stride(1) < dim
             or not (cos.dtype == sin.dtype == qk.dtype)
             or not (cos.is_contiguous() and sin.is_contiguous())
         ):
             super().rope_(qk, cos, sin)
             return
-        self._rope(
-            qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, qk.stride(0), code
-        )
+        self._rope(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
+                   qk.stride(1), qk.stride(0), code)  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        code = _DTYPE_CODES.get(gate_up.dtype)
-        if (
-            self._silu_mul is None
-            or code is None
-            or gate_up.device.type != "cpu"
-            or gate_up.dim() != 2
-            or not gate_up.is_contiguous()
-        ):
+        code = _matrix_code(gate_up)
+        if self._silu_mul is None or code is None:
             return super().silu_mul(gate_up)
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, code)
         return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        code = _matrix_code(gate_up)
+        if self._gelu_tanh_mul is None or code is None:
+            return super().gelu_tanh_mul(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, code)
+        return out
+
+    def relu_(self, x: torch.Tensor) -> torch.Tensor:
+        code = _matrix_code(x)
+        if code is None:
+            return super().relu_(x)
+        self._relu(x.data_ptr(), x.shape[0], x.shape[1], code)
+        return x
+
+
+def _rows_code(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The C kernels' dtype code for a norm of ``target`` (and the added ``x``), or None
+    where they cannot read it."""
+    code = _DTYPE_CODES.get(x.dtype)
+    if (
+        code is None
+        or x.device.type != "cpu"
+        or weight.dtype != x.dtype
+        or not (x.is_contiguous() and target.is_contiguous() and target.dtype == x.dtype)
+    ):
+        return None
+    return code
+
+
+def _matrix_code(x: torch.Tensor) -> int | None:
+    """The C kernels' dtype code for a contiguous ``[rows, width]`` CPU tensor, else None."""
+    code = _DTYPE_CODES.get(x.dtype)
+    if code is None or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
+        return None
+    return code
 
 
 def layer_ops(device: torch.device) -> TorchLayerOps:

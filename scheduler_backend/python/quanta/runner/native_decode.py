@@ -23,10 +23,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from quanta.runner.cpu import cpu_flags
+
+if TYPE_CHECKING:
+    from quanta.runner.attention import DecodeBatch
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +72,15 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 class NativeDecode:
     """``(rows [B, H, D], key_cache, value_cache [slots, KVH, D], slots, bounds, scale)``
-    -> ``[B, H, D]``; ``bounds`` ``[B + 1]`` delimits each row's share of ``slots``."""
+    -> ``[B, H, D]``; ``bounds`` ``[B + 1]`` delimits each row's share of ``slots``. With
+    ``window`` a row attends to its last ``window`` slots only (a sliding window), with
+    ``softcap`` its scores are soft-capped (Gemma 2)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.quanta_paged_decode
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+        i64, f32 = ctypes.c_int64, ctypes.c_float
+        fn.argtypes = [ctypes.c_void_p] * 6 + [i64] * 5 + [f32, i64, f32, ctypes.c_int]
         self._fn = fn
 
     @property
@@ -89,6 +96,8 @@ class NativeDecode:
         slots: torch.Tensor,
         bounds: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_rows, heads, dim = rows.shape
         kv_heads = key_cache.shape[1]
@@ -117,11 +126,37 @@ class NativeDecode:
             dim,
             kv_heads * dim,
             scale,
+            window,
+            softcap or 0.0,
             _DTYPE_CODES[rows.dtype],
         )
         if status != 0:
             raise MemoryError("native decode attention could not allocate its scratch space")
         return out
+
+
+class NativeDecodeKernel:
+    """The kernel as the runner's ``DecodeKernel`` (``quanta.runner.decode_kernel``). It also
+    takes a sliding window and a soft-cap, which the torch kernels do not: a layer with either
+    (``quanta.runner.layers.attention.windowed_attention``) passes them when its decode rows
+    run under this kernel, so they attend as the decode chain's rows do."""
+
+    def __init__(self, native: NativeDecode) -> None:
+        self.native = native
+
+    def __call__(
+        self,
+        rows: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+        window: int = 0,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        return self.native(
+            rows, key_cache, value_cache, batch.slots, batch.bounds, scale, window, softcap
+        )
 
 
 def load() -> NativeDecode | None:

@@ -10,6 +10,9 @@
  *
  * Layout: queries [B, H, D]; caches [slots, KVH, D] with rows `slot_stride` elements apart;
  * slots[bounds[b] .. bounds[b + 1]) are row b's context in position order; out [B, H, D].
+ * A sliding window (`window` > 0) keeps each row's last `window` slots only; a soft-cap
+ * (`softcap` > 0, Gemma 2) maps each scaled score s to softcap * tanh(s / softcap), as HF does
+ * before the softmax.
  * Grouped-query: query head h reads KV head h / (H / KVH), and a key is loaded once for its
  * whole group. Scores, softmax and the weighted sum are fp32 whatever the storage dtype.
  *
@@ -169,6 +172,29 @@ static inline float exp_nonpositive(float x) {
     return x < -87.33f ? 0.0f : (x != x ? x : y);
 }
 
+/*
+ * tanh(x) within a few ulp, written to vectorise as exp_nonpositive is (a scalar tanhf per
+ * score made Gemma 2's soft-capped decode step 3x slower at batch 32): Cephes' tanhf, an odd
+ * polynomial below |x| = 0.625, above it (1 - e) / (1 + e) with e = exp(-2|x|), where no
+ * cancellation is left. NaN stays NaN.
+ */
+static inline float tanh_vectorisable(float x) {
+    const float size = x < 0.0f ? -x : x;
+    const float z = x * x;
+    const float small =
+        ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+          1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+    const float e = exp_nonpositive(-2.0f * size);
+    const float large = (1.0f - e) / (1.0f + e);
+    return size < 0.625f ? small : (x < 0.0f ? -large : large);
+}
+
+/* Gemma 2's soft-cap of n scores in place: s -> softcap * tanh(s / softcap), as HF's. */
+static void soft_cap(float *scores, int64_t n, float softcap) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) scores[j] = tanh_vectorisable(scores[j] / softcap) * softcap;
+}
+
 /* Softmax of each of `heads` rows of n scores, in place: each row then sums to 1. */
 static void softmax_rows(float *scores, int64_t heads, int64_t n) {
     for (int64_t h = 0; h < heads; h++) {
@@ -195,13 +221,15 @@ static void softmax_rows(float *scores, int64_t heads, int64_t n) {
 int quanta_paged_decode(void *out, const void *queries, const void *key_cache,
                         const void *value_cache, const int64_t *slots, const int64_t *bounds,
                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                        int64_t slot_stride, float scale, int dtype) {
+                        int64_t slot_stride, float scale, int64_t window, float softcap,
+                        int dtype) {
     const int64_t group = heads / kv_heads;
     int64_t longest = 0;
     for (int64_t b = 0; b < rows; b++) {
         const int64_t n = bounds[b + 1] - bounds[b];
         longest = n > longest ? n : longest;
     }
+    longest = window > 0 && window < longest ? window : longest;
     float *scores = malloc(sizeof(float) * (size_t)(heads * (longest > 0 ? longest : 1)));
     float *q = malloc(sizeof(float) * (size_t)(heads * dim));
     float *acc = malloc(sizeof(float) * (size_t)(heads * dim));
@@ -212,8 +240,9 @@ int quanta_paged_decode(void *out, const void *queries, const void *key_cache,
         return -1;
     }
     for (int64_t b = 0; b < rows; b++) {
-        const int64_t *row_slots = slots + bounds[b];
-        const int64_t n = bounds[b + 1] - bounds[b];
+        const int64_t total = bounds[b + 1] - bounds[b];
+        const int64_t n = window > 0 && window < total ? window : total;
+        const int64_t *row_slots = slots + bounds[b + 1] - n;
         const int64_t first = b * heads * dim; /* the row's query and output offset */
         for (int64_t i = 0; i < heads * dim; i++) {
             q[i] = dtype == 0 ? ((const float *)queries)[first + i]
@@ -224,12 +253,14 @@ int quanta_paged_decode(void *out, const void *queries, const void *key_cache,
         } else if (dtype == 0) {
             scores_f32(q, key_cache, row_slots, n, kv_heads, group, dim, slot_stride, scale,
                        scores);
+            if (softcap > 0.0f) soft_cap(scores, heads * n, softcap);
             softmax_rows(scores, heads, n);
             weighted_sum_f32(scores, value_cache, row_slots, n, kv_heads, group, dim,
                              slot_stride, acc);
         } else {
             scores_bf16(q, key_cache, row_slots, n, kv_heads, group, dim, slot_stride, scale,
                         scores);
+            if (softcap > 0.0f) soft_cap(scores, heads * n, softcap);
             softmax_rows(scores, heads, n);
             weighted_sum_bf16(scores, value_cache, row_slots, n, kv_heads, group, dim,
                               slot_stride, acc);

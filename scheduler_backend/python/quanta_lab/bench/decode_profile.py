@@ -169,7 +169,8 @@ def _products(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
     return run
 
 
-# part name -> the decoder layer's submodule it is timed on
+# part name -> the decoder layer's submodule it is timed on (a plain MLP's, as OPT's, is
+# ``up_proj``); the two norms are the layer's ``norms``, whatever its family calls them
 _PARTS = {
     "qkv": "self_attn.qkv_proj",
     "o": "self_attn.o_proj",
@@ -177,8 +178,8 @@ _PARTS = {
     "gate_up": "mlp.gate_up_proj",
     "down": "mlp.down_proj",
     "silu*mul": "mlp",
-    "input_norm": "input_layernorm",
-    "post_norm": "post_attention_layernorm",
+    "input_norm": "",
+    "post_norm": "",
 }
 
 
@@ -187,11 +188,18 @@ def _parts(model: nn.Module, run: Callable[[], None], repeat: int) -> dict[str, 
     the forward pass (embedding, rope tables, the loop between layers)."""
     totals: dict[str, float] = defaultdict(float)
     handles = []
-    for layer in model.model.layers:  # type: ignore[union-attr]
+    decoder = model.decoder  # type: ignore[union-attr]
+    for layer in decoder.layers:
         for part, path in _PARTS.items():
-            handles += _time_module(layer.get_submodule(path), part, totals)
+            if not path:
+                module = layer.norms[part == "post_norm"]
+            elif part == "gate_up" and getattr(layer.mlp, "gate_up_proj", None) is None:
+                module = layer.mlp.up_proj
+            else:
+                module = layer.get_submodule(path)
+            handles += _time_module(module, part, totals)
     handles += _time_module(model.lm_head, "lm_head", totals)  # type: ignore[arg-type]
-    handles += _time_module(model.model, "forward", totals)  # type: ignore[arg-type]
+    handles += _time_module(decoder, "forward", totals)
     best: dict[str, float] = {}
     try:
         for _ in range(repeat):  # the parts of the run whose forward pass was quickest

@@ -1,10 +1,13 @@
 """Grouped-query self-attention with the options the served families need: q/k/v biases,
-per-head q/k RMSNorm, partial rotation, a sliding window and logit soft-capping.
+per-head q/k RMSNorm, partial rotation or none (OPT's learned positions), a sliding window
+and logit soft-capping.
 
 q, k and v are one product once fused (HF's three linears, or Phi-3's one ``qkv_proj``).
 Attention runs through ``quanta.runner.attention.paged_attention`` (its native prefill and
 decode kernels) whenever the window covers every context of the step and no soft-cap is set;
-otherwise ``windowed_attention`` below runs HF's eager sequence over the paged cache.
+otherwise ``windowed_attention`` below runs HF's eager sequence over the paged cache, but for
+decode rows under the native decode kernel, which takes the window and the soft-cap itself
+(as the decode chain calls it).
 """
 
 from __future__ import annotations
@@ -19,22 +22,32 @@ from quanta.runner.layers.norms import RMSNorm
 from quanta.runner.layers.parallel import Split
 from quanta.runner.layers.rotary import rotary_dim
 from quanta.runner.linear import ProjectionFactory
+from quanta.runner.native_decode import NativeDecodeKernel
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
     """Loads HF's q/k/v/o projections (or a fused ``qkv_proj``); after ``fuse`` q, k and v
-    are one product."""
+    are one product and the output projection is ``o_proj`` whatever the checkpoint calls it
+    (``out_name``: OPT's ``out_proj``). ``rotary`` False rotates nothing."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, fused: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        *,
+        fused: bool = False,
+        rotary: bool = True,
+        out_name: str = "o_proj",
+    ) -> None:
         super().__init__()
         dim = config.hidden_size
         qkv_bias = config.attention_bias or config.qkv_bias
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.rotary_dim = rotary_dim(config)
+        self.rotary_dim = rotary_dim(config) if rotary else 0
         self.window = config.sliding_window(layer)
         self.softcap = config.attn_logit_softcapping
         scalar = config.query_pre_attn_scalar
@@ -48,7 +61,9 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(dim, kv_width, bias=qkv_bias)
             self.v_proj = nn.Linear(dim, kv_width, bias=qkv_bias)
             self.qkv_proj = None
-        self.o_proj: nn.Module = nn.Linear(q_width, dim, bias=config.attention_bias)
+        # The output projection's attribute: the checkpoint's name until ``fuse``, then o_proj.
+        self.out_name = out_name
+        self.add_module(out_name, nn.Linear(q_width, dim, bias=config.attention_bias))
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -59,23 +74,13 @@ class Attention(nn.Module):
         """Heads (whole KV groups) by columns, the output projection by rows."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.fused:
-            return {"qkv_proj": Split.columns(q, kv, kv), "o_proj": Split.rows(q)}
+            return {"qkv_proj": Split.columns(q, kv, kv), self.out_name: Split.rows(q)}
         return {
             "q_proj": Split.columns(q),
             "k_proj": Split.columns(kv),
             "v_proj": Split.columns(kv),
-            "o_proj": Split.rows(q),
+            self.out_name: Split.rows(q),
         }
-
-    def plain(self) -> bool:
-        """LLaMA's attention exactly: what the decode chain computes."""
-        return (
-            not self.qk_norm
-            and self.rotary_dim == self.head_dim
-            and not self.window
-            and self.softcap is None
-            and self.scale == self.head_dim**-0.5
-        )
 
     def fuse(self, make: ProjectionFactory) -> int:
         if self.fused:
@@ -83,12 +88,16 @@ class Attention(nn.Module):
         else:
             self.qkv_proj = make([self.q_proj, self.k_proj, self.v_proj])
             del self.q_proj, self.k_proj, self.v_proj
-        self.o_proj = make([self.o_proj])  # type: ignore[list-item]
+        out = getattr(self, self.out_name)
+        delattr(self, self.out_name)
+        self.o_proj: nn.Module = make([out])
+        self.out_name = "o_proj"
         return 2 if self.fused else 4
 
-    def _rotated(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
+    def _rotated(self, x: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, ...]:
         """q ``[T, H, D]``, k and v ``[T, KVH, D]`` of ``x``, q and k rotated: views of the
-        fused product's columns, rotated in place (q's and k's heads in one call)."""
+        fused product's columns, rotated in place (q's and k's heads in one call); ``rope``
+        is None where nothing rotates."""
         assert self.qkv_proj is not None, "call fuse() after loading the weights"
         qkv = self.qkv_proj(x)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -98,17 +107,15 @@ class Attention(nn.Module):
             q = self.q_norm(qk[:, :heads].reshape(-1, dim)).view(tokens, heads, dim)
             k = self.k_norm(qk[:, heads:].reshape(-1, dim)).view(tokens, kv_heads, dim)
             qk = torch.cat((q, k), dim=1)
-        if self.rotary_dim == dim:
-            self.ops.rope_(qk, *rope)
-        else:
-            TorchLayerOps.rope_(self.ops, qk[..., : self.rotary_dim], *rope)
+        if rope is not None:  # all of each head, or a partial rotation's share
+            self.ops.rope_(qk[..., : self.rotary_dim], *rope)
         v = qkv[:, q_width + kv_width :].view(tokens, kv_heads, dim)
         return qk[:, :heads], qk[:, heads:], v
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: Rope,
+        rope: Rope | None,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         past_rope: Rope | None = None,
@@ -124,7 +131,7 @@ class Attention(nn.Module):
         def project_kv(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """K (rotated to each token's position) and V of cached attention inputs; the
             fused product also computes q, which is dropped."""
-            assert past_rope is not None
+            assert past_rope is not None or rope is None
             _, k_past, v_past = self._rotated(h, past_rope)
             return k_past, v_past
 
@@ -177,14 +184,22 @@ def windowed_attention(
     out = torch.empty_like(q)
     for chunk in meta.prefills:
         rows = q[chunk.token_start : chunk.token_end]
-        keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
-        vals = layer_cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
+        base = chunk.window_start_block * block_size  # its first held block's first position
+        keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)
+        vals = layer_cache[1].index_select(0, chunk.block_ids).flatten(0, 1)
+        keys, vals = keys[: chunk.context_len - base], vals[: chunk.context_len - base]
         first = chunk.context_len - rows.shape[0]
+        q_pos = torch.arange(first, chunk.context_len) - base  # NOTE: masks see differences only
         out[chunk.token_start : chunk.token_end] = _attend(
-            rows, keys, vals, torch.arange(first, chunk.context_len), scale, window, softcap
+            rows, keys, vals, q_pos, scale, window, softcap
         )
     decode = meta.decode
-    if decode is not None:
+    if decode is not None and isinstance(decode.kernel, NativeDecodeKernel):
+        # The native kernel attends over the window and soft-caps as the decode chain does.
+        rows = q.index_select(0, decode.token_index)
+        attended = decode.kernel(rows, flat[0], flat[1], decode, scale, window, softcap)
+        out.index_copy_(0, decode.token_index, attended)
+    elif decode is not None:
         bounds = decode.bounds.tolist()
         for b, row in enumerate(decode.token_index.tolist()):
             slots = decode.slots[bounds[b] : bounds[b + 1]]
@@ -212,7 +227,7 @@ def _attend(
     softcap: float | None,
 ) -> torch.Tensor:
     """Rows ``q`` [n, H, D] at positions ``q_pos`` of a context ``keys``/``vals`` [L, KVH, D]
-    starting at position 0 -> [n, H, D]."""
+    (positions counted from the context's first key) -> [n, H, D]."""
     groups = q.shape[1] // keys.shape[1]
     keys = keys.to(q.dtype).repeat_interleave(groups, dim=1)
     vals = vals.to(q.dtype).repeat_interleave(groups, dim=1)

@@ -1,9 +1,10 @@
-"""RMSNorm, LLaMA's and Gemma's, with the previous block's residual add fused in.
+"""RMSNorm (LLaMA's and Gemma's) and LayerNorm (OPT's), with the previous block's residual
+add fused in.
 
 Layers pass ``(output, residual)`` as vLLM's do: each norm first adds the previous block's
 output into the residual stream, so the add and the norm are one operation
 (``quanta.runner.layer_ops``, native where it runs). Gemma scales by ``1 + weight`` and casts
-after the scale; it keeps the torch sequence HF runs, since the native kernel has LLaMA's.
+after the scale, as HF does; the layer ops have both sequences.
 """
 
 from __future__ import annotations
@@ -26,10 +27,22 @@ class RMSNorm(nn.Module):
         self.ops: TorchLayerOps = TorchLayerOps()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.offset:
-            return self.ops.rms_norm(x, residual, self.weight, self.eps)
-        if residual is not None:
-            x = residual.add_(x)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (self.offset + self.weight.float())).to(x.dtype)
+        return self.ops.rms_norm(x, residual, self.weight, self.eps, self.offset)
+
+
+class LayerNorm(nn.Module):
+    """``weight * standardise(x) + bias`` (OPT's), with the same residual protocol as
+    ``RMSNorm``: given ``residual``, ``residual += x`` in place first. ``affine`` False has
+    neither weight nor bias (HF's ``layer_norm_elementwise_affine``); ``eps`` is torch's and
+    HF's default."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, affine: bool = True) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
+        self.ops: TorchLayerOps = TorchLayerOps()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ops.layer_norm(x, residual, self.weight, self.bias, self.eps)
