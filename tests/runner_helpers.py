@@ -18,6 +18,17 @@ from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.runner import ModelRunner
 
 VOCAB = 300
+# The sizes every tiny kit-family checkpoint shares (transformers writes it from its config):
+# big enough for grouped-query heads and two layers, small enough to run in milliseconds.
+TINY_KIT_CONFIG: dict[str, int] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+}
 
 
 def build_hf_checkpoint(

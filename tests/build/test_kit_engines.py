@@ -15,19 +15,11 @@ from quanta import SamplingParams
 from quanta.build.presets import PRESETS
 from quanta.build.tokenizer import write_tokenizer
 from quanta.cli import app
-from runner_helpers import hf_greedy, widen_weights
+from runner_helpers import TINY_KIT_CONFIG, hf_greedy, widen_weights
 from typer.testing import CliRunner
 
 WINDOW = 8
-COMMON = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "max_position_embeddings": 256,
-}
+COMMON = TINY_KIT_CONFIG
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "mistral": {"head_dim": 16, "sliding_window": WINDOW},

@@ -25,7 +25,7 @@ import pytest
 import torch
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.runner import ModelRunner
-from runner_helpers import FakeRequest, ToyScheduler, hf_greedy, widen_weights
+from runner_helpers import TINY_KIT_CONFIG, FakeRequest, ToyScheduler, hf_greedy, widen_weights
 
 pytestmark = pytest.mark.engine
 
@@ -36,15 +36,7 @@ DECODE_STEPS = 10
 K = 3.0
 # A floor, relative to the reference's largest logit, for rows where HF bf16 rounds luckily.
 FLOOR = 0.01
-COMMON = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "max_position_embeddings": 256,
-}
+COMMON = TINY_KIT_CONFIG
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": COMMON,
     "qwen2": COMMON,

@@ -12,18 +12,10 @@ import pytest
 import torch
 from quanta.core.output import SchedulerOutput
 from quanta.runner import ModelRunner
-from runner_helpers import FakeRequest, ToyScheduler, hf_greedy, widen_weights
+from runner_helpers import TINY_KIT_CONFIG, FakeRequest, ToyScheduler, hf_greedy, widen_weights
 
 WINDOW = 8
-COMMON = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "max_position_embeddings": 256,
-}
+COMMON = TINY_KIT_CONFIG
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),
     "qwen2_yarn": (

@@ -21,22 +21,12 @@ from quanta.core.request import Request, SamplingParams
 from quanta.core.window import RELEASED, kv_window
 from quanta.policies import make_policy
 from quanta.runner import ModelRunner
-from runner_helpers import hf_greedy, widen_weights
+from runner_helpers import TINY_KIT_CONFIG, hf_greedy, widen_weights
 
 pytestmark = pytest.mark.engine
 
 WINDOW, BLOCK = 16, 4
-COMMON = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "max_position_embeddings": 256,
-    "head_dim": 16,
-    "sliding_window": WINDOW,
-}
+COMMON = {**TINY_KIT_CONFIG, "head_dim": 16, "sliding_window": WINDOW}
 
 
 def _checkpoint(model_type: str, path: Path, **extra: Any) -> Any:
