@@ -52,6 +52,20 @@ static inline void store(void *p, int64_t i, float v, int dtype) {
         ((float *)p)[i] = v;
 }
 
+/* s = one row of the residual stream: residual + x, rounded to the dtype and written back to
+ * residual, when x is given, else residual as it is. Every norm below starts from it. */
+static void residual_row(float *s, void *residual, const void *x, int64_t base, int64_t dim,
+                         int dtype) {
+    for (int64_t i = 0; i < dim; i++) {
+        float v = load(residual, base + i, dtype);
+        if (x) {
+            v = round_to(v + load(x, base + i, dtype), dtype);
+            store(residual, base + i, v, dtype);
+        }
+        s[i] = v;
+    }
+}
+
 /* out = weight * (s * rsqrt(mean(s^2) + eps)) per row, where s = residual + x when x is given
  * (and s is written back to residual), else s = residual. */
 void quanta_add_rms_norm(void *out, void *residual, const void *x, const void *weight,
@@ -59,14 +73,7 @@ void quanta_add_rms_norm(void *out, void *residual, const void *x, const void *w
     float s[dim];
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * dim;
-        for (int64_t i = 0; i < dim; i++) {
-            float v = load(residual, base + i, dtype);
-            if (x) {
-                v = round_to(v + load(x, base + i, dtype), dtype);
-                store(residual, base + i, v, dtype);
-            }
-            s[i] = v;
-        }
+        residual_row(s, residual, x, base, dim, dtype);
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t i = 0; i < dim; i++) acc += s[i] * s[i];
@@ -85,14 +92,7 @@ void quanta_add_rms_norm_offset(void *out, void *residual, const void *x, const 
     float s[dim];
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * dim;
-        for (int64_t i = 0; i < dim; i++) {
-            float v = load(residual, base + i, dtype);
-            if (x) {
-                v = round_to(v + load(x, base + i, dtype), dtype);
-                store(residual, base + i, v, dtype);
-            }
-            s[i] = v;
-        }
+        residual_row(s, residual, x, base, dim, dtype);
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t i = 0; i < dim; i++) acc += s[i] * s[i];
@@ -109,14 +109,7 @@ void quanta_add_layer_norm(void *out, void *residual, const void *x, const void 
     float s[dim];
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * dim;
-        for (int64_t i = 0; i < dim; i++) {
-            float v = load(residual, base + i, dtype);
-            if (x) {
-                v = round_to(v + load(x, base + i, dtype), dtype);
-                store(residual, base + i, v, dtype);
-            }
-            s[i] = v;
-        }
+        residual_row(s, residual, x, base, dim, dtype);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < dim; i++) sum += s[i];

@@ -219,21 +219,23 @@ class NativeLayerOps(TorchLayerOps):
                    qk.stride(1), qk.stride(0), code)  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        code = _matrix_code(gate_up)
-        if self._silu_mul is None or code is None:
-            return super().silu_mul(gate_up)
-        rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, code)
-        return out
+        out = self._gated(self._silu_mul, gate_up)
+        return super().silu_mul(gate_up) if out is None else out
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = self._gated(self._gelu_tanh_mul, gate_up)
+        return super().gelu_tanh_mul(gate_up) if out is None else out
+
+    @staticmethod
+    def _gated(kernel: ctypes._CFuncPtr | None, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``act(gate) * up`` of ``[rows, 2 * width]`` through a C kernel, or None where the
+        kernel is missing or the matrix is not one it reads (the caller falls back to torch)."""
         code = _matrix_code(gate_up)
-        if self._gelu_tanh_mul is None or code is None:
-            return super().gelu_tanh_mul(gate_up)
+        if kernel is None or code is None:
+            return None
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        self._gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, code)
+        kernel(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, code)
         return out
 
     def relu_(self, x: torch.Tensor) -> torch.Tensor:
