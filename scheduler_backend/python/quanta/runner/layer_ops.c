@@ -66,6 +66,14 @@ static void residual_row(float *s, void *residual, const void *x, int64_t base, 
     }
 }
 
+/* 1 / sqrt(mean(s^2) + eps): both RMSNorms' scale of a row. */
+static float inv_rms(const float *s, int64_t dim, float eps) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < dim; i++) acc += s[i] * s[i];
+    return 1.0f / sqrtf(acc / (float)dim + eps);
+}
+
 /* out = weight * (s * rsqrt(mean(s^2) + eps)) per row, where s = residual + x when x is given
  * (and s is written back to residual), else s = residual. */
 void quanta_add_rms_norm(void *out, void *residual, const void *x, const void *weight,
@@ -74,10 +82,7 @@ void quanta_add_rms_norm(void *out, void *residual, const void *x, const void *w
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * dim;
         residual_row(s, residual, x, base, dim, dtype);
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < dim; i++) acc += s[i] * s[i];
-        float inv = 1.0f / sqrtf(acc / (float)dim + eps);
+        float inv = inv_rms(s, dim, eps);
         for (int64_t i = 0; i < dim; i++) {
             float h = round_to(s[i] * inv, dtype);
             store(out, base + i, load(weight, i, dtype) * h, dtype);
@@ -93,10 +98,7 @@ void quanta_add_rms_norm_offset(void *out, void *residual, const void *x, const 
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * dim;
         residual_row(s, residual, x, base, dim, dtype);
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < dim; i++) acc += s[i] * s[i];
-        float inv = 1.0f / sqrtf(acc / (float)dim + eps);
+        float inv = inv_rms(s, dim, eps);
         for (int64_t i = 0; i < dim; i++)
             store(out, base + i, (s[i] * inv) * (offset + load(weight, i, dtype)), dtype);
     }
