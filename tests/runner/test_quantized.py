@@ -707,3 +707,19 @@ def test_the_engine_cache_rebuilds_an_engine_an_older_quanta_wrote(tmp_path):
     assert engine_for_gguf(gguf_file, dtype="float32", quantization="keep", cache=cache) == engine
     manifest = read_manifest(engine)
     assert manifest is not None and manifest.format == ENGINE_FORMAT
+
+
+@pytest.mark.engine
+def test_a_quantized_engine_rebuilds_with_its_mode_named(tmp_path):
+    """An engine's quantized tensors (OPT's tied head included, which lives apart from
+    ``model.decoder.embed_tokens``) are read back as already quantized when the mode is named;
+    without it the build says which flag it needs instead of guessing the format."""
+    ck = make_checkpoint("opt-tiny", tmp_path / "opt", seed=3)
+    options = _options(dtype="float32", quantization="int8", quantize_lm_head=True)
+    build_engine_dir(ck, tmp_path / "e", options)
+    assert "lm_head.qweight" in load_file(str(tmp_path / "e" / "model.safetensors"))
+    again = build_engine_dir(tmp_path / "e", tmp_path / "again", options)
+    assert again.quantization is not None and again.quantization.lm_head
+    assert _answers(tmp_path / "again", "float32") == _answers(tmp_path / "e", "float32")
+    with pytest.raises(BuildError, match="--quantization int8 or int4"):
+        build_engine_dir(tmp_path / "e", tmp_path / "unnamed", _options(dtype="float32"))

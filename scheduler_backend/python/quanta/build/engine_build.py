@@ -169,6 +169,13 @@ def _build(
     dtype_name = str(dtype).removeprefix("torch.")
     plan = _plan_tensors(checkpoint, config, builder)
     quant = quant_plan(options, config, frozenset(plan.prequantized), checkpoint)
+    if quant is not None and quant.mode == "keep" and kept is None:
+        # NOTE: only a GGUF file says which format its quantized tensors hold
+        raise BuildError(
+            f"{checkpoint} holds {len(plan.prequantized)} quantized weight(s) (e.g. "
+            f"{sorted(plan.prequantized)[0]!r}): name the mode they were built with, "
+            "--quantization int8 or int4 (keep reads a GGUF file's tensors)"
+        )
     limits = _limits(options, config)
     _check_split(options, config, quant is not None)
     weight_bytes = plan.bytes_at(dtype)
@@ -303,8 +310,9 @@ def _plan_tensors(checkpoint: Path, config: ModelConfig, builder: FamilyBuilder)
 
 
 def _head(params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """A tied head's own name: a quantized head is stored apart from the embedding."""
-    embed = params.get("model.embed_tokens.weight")
+    """A tied head's own name: a quantized head is stored apart from the embedding, whichever
+    module holds the embedding (``model.embed_tokens``, OPT's ``model.decoder.embed_tokens``)."""
+    embed = next((s for n, s in params.items() if n.endswith("embed_tokens.weight")), None)
     return {"lm_head.weight": embed} if embed is not None else {}
 
 
