@@ -723,3 +723,17 @@ def test_a_quantized_engine_rebuilds_with_its_mode_named(tmp_path):
     assert _answers(tmp_path / "again", "float32") == _answers(tmp_path / "e", "float32")
     with pytest.raises(BuildError, match="--quantization int8 or int4"):
         build_engine_dir(tmp_path / "e", tmp_path / "unnamed", _options(dtype="float32"))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("preset", ["opt-tiny", "llama-tiny"])
+def test_an_fp32_engine_holds_its_checkpoints_bytes_once(preset, tmp_path):
+    """fp32 weights are used as stored, and a tied head reads the embedding's table: what the
+    engine holds is what the checkpoint holds, counted once."""
+    from quanta.runner.quantized import resident_weight_bytes
+
+    ck = make_checkpoint(preset, tmp_path / preset, seed=1)
+    stored = load_file(str(ck / "model.safetensors"))
+    build_engine_dir(ck, tmp_path / "e", _options(dtype="float32"))
+    want = sum(t.numel() * 4 for t in stored.values())
+    assert resident_weight_bytes(_model(tmp_path / "e", "float32")) == want

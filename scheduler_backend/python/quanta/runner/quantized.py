@@ -465,15 +465,21 @@ def _fused_bias(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights hold in memory: parameters and buffers (packed and quantized
     weights, scales), each storage once (a tied head counts once)."""
-    # By tensor identity: oneDNN's packed weights are opaque (no data pointer), and a tied
-    # parameter is listed once by ``parameters()`` already.
-    seen: set[int] = set()
+    # By storage: an fp32 tied head is a second tensor over the embedding's storage. oneDNN's
+    # packed weights are opaque (no storage to ask), so they count by tensor identity.
+    seen: set[tuple[str, int]] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t is None or t.device.type == "meta" or id(t) in seen:
+        if t is None or t.device.type == "meta":
             continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
+        try:
+            storage = t.untyped_storage()
+            key, size = ("storage", storage.data_ptr()), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, size = ("tensor", id(t)), t.numel() * t.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += size
     return total
 
 
