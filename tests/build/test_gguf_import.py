@@ -123,6 +123,17 @@ def test_what_cannot_be_read_is_named(checkpoint, tmp_path, kwargs, message):
     assert not (tmp_path / "engine").exists()
 
 
+def test_a_refused_gguf_build_names_the_file_it_was_given(checkpoint, tmp_path):
+    """Errors found after the file was unpacked name the GGUF file, not the directory it was
+    unpacked into (which is gone when the user reads the message)."""
+    path = tmp_path / "m.gguf"
+    write_gguf(checkpoint, path)
+    with pytest.raises(BuildError) as refused:
+        build_engine_dir(path, tmp_path / "engine", BuildOptions(quantization="keep"))
+    assert str(refused.value).startswith(f"{path}: --quantization keep needs a GGUF file")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     bogus = tmp_path / "m.gguf"
     bogus.write_bytes(b"not a gguf file at all")

@@ -151,7 +151,12 @@ def _build_from_gguf(
             format="gguf",
             quantization=summary.quantization,
         )
-        return _build(Path(tmp), out, options, source, progress, summary.kept)
+        try:
+            return _build(Path(tmp), out, options, source, progress, summary.kept)
+        except BuildError as exc:
+            # The user gave the GGUF file: name it, not the directory it was unpacked into.
+            why = str(exc).replace(f"{tmp}/config.json", f"{gguf}'s metadata")
+            raise BuildError(why.replace(tmp, str(gguf))) from None
 
 
 def _build(
