@@ -123,6 +123,29 @@ def _both_paths(runner: ModelRunner, seqs: list[_Seq], safepoints=None):
     return results
 
 
+def test_chain_times_its_parts_when_asked_and_computes_the_same(checkpoint):
+    """``timings`` set: each part of the step adds its time there (the decode profile's
+    breakdown), and the step's values are those of an untimed step."""
+    runner = _runner(checkpoint)
+    model, chain = runner.model, runner.model.decoder.chain
+    seqs = _prefilled(runner, (9, 33))
+    before = runner.device_kv_cache.clone()
+    batch = runner._prepare(seqs, BLOCKS)
+    hidden = {}
+    for timed in (False, True):
+        chain.timings = torch.zeros(len(decode_chain.PARTS), dtype=torch.float64) if timed else None
+        runner.device_kv_cache.copy_(before)
+        with torch.inference_mode():
+            hidden[timed] = model(
+                batch.input_ids, batch.positions, runner.device_kv_cache, batch.meta
+            )
+    parts = dict(zip(decode_chain.PARTS, chain.timings.tolist(), strict=True))
+    chain.timings = None
+    assert torch.equal(hidden[True], hidden[False])
+    for part in ("norms", "qkv", "attention", "o", "up", "down"):
+        assert parts[part] > 0, part
+
+
 @pytest.mark.parametrize("lens", [(9,), (9, 33, 1, 50)])
 def test_chain_equals_the_layer_by_layer_path(checkpoint, lens):
     runner = _runner(checkpoint)

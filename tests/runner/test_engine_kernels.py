@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from quanta.runner import ModelRunner, decode_kernel, model_runner, native_decode, panel_linear
 from quanta.runner import cpu as cpu_module
 from quanta.runner.attention import DecodeBatch
@@ -56,6 +57,26 @@ def test_packed_linears_replace_every_projection_and_match_torch(checkpoint):
             a = packed.forward_logits(prompt, chunk_size=chunk)
             b = plain.forward_logits(prompt, chunk_size=chunk)
             assert (a - b).abs().max().item() < 1e-4
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_fp32_packed_linear_matches_torch_at_few_and_many_rows(rows, activation):
+    """Up to three fp32 rows run torch's own product (the same bits as ``F.linear``), more
+    run oneDNN's; either way the product, its ReLU and its residual add are F.linear's."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    x, residual = torch.randn(rows, 32, generator=gen), torch.randn(rows, 48, generator=gen)
+    packed = PackedLinear(weight, bias, activation)
+    want = F.linear(x, weight, bias)
+    got = packed(x)
+    want_act = torch.relu(want) if activation == "relu" else want
+    if rows <= 3:
+        assert torch.equal(got, want_act)
+    torch.testing.assert_close(got, want_act)
+    if activation == "none":
+        torch.testing.assert_close(packed.add(x, residual), want + residual)
 
 
 @needs_bf16
@@ -247,6 +268,32 @@ def test_decode_kernels_agree_and_read_only_their_slots(lens, heads, kv_heads, d
         tolerance = {"atol": 3e-2, "rtol": 1.6e-2}
     torch.testing.assert_close(got.to(dtype), want.to(dtype), **tolerance)
     torch.testing.assert_close(sdpa.to(dtype), want.to(dtype), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [24, 80])
+def test_native_decode_reads_head_sizes_off_its_vector_width(dtype, dim):
+    """Head sizes that are no multiple of 16 (slot by slot) or of 64 (the weighted sum's
+    tail), over contexts that end inside a block of 16 slots: as the einsum computes it."""
+    native = native_decode.load()
+    if native is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(2)
+    lens, heads, kv_heads = [1, 17, 40], 6, 2
+    cache = (torch.randn(2, 4 * sum(lens), kv_heads, dim, generator=gen)).to(dtype)
+    slots = torch.randperm(4 * sum(lens), generator=gen)[: sum(lens)]
+    rows = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    bounds = torch.cat((torch.zeros(1, dtype=torch.long), torch.tensor(lens).cumsum(0)))
+    with torch.inference_mode():
+        got = native(rows, cache[0], cache[1], slots, bounds, 0.3)
+    for b in range(len(lens)):
+        own = slots[bounds[b] : bounds[b + 1]]
+        keys = cache[0, own].float().repeat_interleave(heads // kv_heads, dim=1)
+        vals = cache[1, own].float().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", rows[b].float(), keys) * 0.3
+        want = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals)
+        tolerance = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(got[b].float(), want, **tolerance)
 
 
 def test_native_decode_softmax_survives_extreme_scores():

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef void (*panel_bf16_fn)(uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *,
                               int64_t, int64_t, int64_t, int);
@@ -91,6 +92,27 @@ struct layer {
 
 enum { BF16 = 1 };
 
+/* What a step's time is spent on, where the caller asks (timings: seconds per part,
+ * added to): the profile of quanta_lab.bench.decode_profile. The calling thread's CPU time,
+ * as the profile's other figures: on a shared machine a wall clock also counts the time other
+ * processes hold the core. */
+enum { T_NORMS, T_QKV, T_QK_NORM_ROPE, T_KV_STORE, T_ATTENTION, T_O, T_UP, T_ACTIVATION, T_DOWN,
+       T_PARTS };
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Adds the time since *mark to timings[part] and moves the mark; nothing without timings. */
+static void lap(double *timings, int part, double *mark) {
+    if (!timings) return;
+    const double now = seconds();
+    timings[part] += now - *mark;
+    *mark = now;
+}
+
 /* Returns 0, or -1 when the int4 kernel could not allocate its group sums. */
 static int product(const struct fns *f, const struct product *p, uint16_t *y, const uint16_t *x,
                    int64_t rows, int64_t n, int64_t k, int threads) {
@@ -134,6 +156,8 @@ static void normalize(const struct fns *f, const struct layer *layer, const stru
  * lies value_offset elements after its key cache, the next layer's key cache layer_stride
  * elements on. cos, sin [rows, rotated features] (NULL where no layer rotates).
  *
+ * timings: NULL, or T_PARTS seconds the step's parts add their CPU time to (lap).
+ *
  * Returns 0, -1 when scratch space cannot be allocated, -2 when attention could not; the step
  * has then written K/V past the rows' computed tokens only, which a rerun writes again.
  */
@@ -142,7 +166,7 @@ int quanta_decode_chain(const int64_t *fn_table, const int64_t *layer_table, int
                         int start, const uint16_t *cos, const uint16_t *sin, uint16_t *kv,
                         int64_t layer_stride, int64_t value_offset, const int64_t *slot_mapping,
                         const int64_t *slots, const int64_t *bounds, int64_t rows,
-                        int threads) {
+                        int threads, double *timings) {
     const struct fns *f = (const struct fns *)fn_table;
     const struct layer *layers = (const struct layer *)layer_table;
     const int64_t hidden = shape[0], heads = shape[1], kv_heads = shape[2], dim = shape[3];
@@ -156,6 +180,7 @@ int quanta_decode_chain(const int64_t *fn_table, const int64_t *layer_table, int
     uint16_t *attn = malloc(sizeof(uint16_t) * (size_t)(rows * (q_width > inner ? q_width : inner)));
     uint16_t *o = malloc(sizeof(uint16_t) * (size_t)(rows * hidden));
     int status = 0;
+    double mark = timings ? seconds() : 0.0;
     if (!h || !wide || !q || !attn || !o) {
         status = -1;
         goto done;
@@ -170,10 +195,12 @@ int quanta_decode_chain(const int64_t *fn_table, const int64_t *layer_table, int
         } else {
             normalize(f, layer, &layer->input, h, residual, x, rows, hidden);
         }
+        lap(timings, T_NORMS, &mark);
         if (product(f, &layer->qkv, wide, h, rows, qkv_width, hidden, threads)) {
             status = -1;
             goto done;
         }
+        lap(timings, T_QKV, &mark);
         if (layer->q_norm) { /* in place: the kernel reads a row before writing it */
             for (int64_t r = 0; r < rows; r++) {
                 uint16_t *row = wide + r * qkv_width;
@@ -184,6 +211,7 @@ int quanta_decode_chain(const int64_t *fn_table, const int64_t *layer_table, int
         }
         if (layer->rotary)
             f->rope(wide, cos, sin, rows, heads + kv_heads, layer->rotary, dim, qkv_width, BF16);
+        lap(timings, T_QK_NORM_ROPE, &mark);
         for (int64_t r = 0; r < rows; r++) {
             const uint16_t *row = wide + r * qkv_width;
             memcpy(keys + slot_mapping[r] * kv_width, row + q_width, sizeof(uint16_t) * kv_width);
@@ -191,27 +219,32 @@ int quanta_decode_chain(const int64_t *fn_table, const int64_t *layer_table, int
                    sizeof(uint16_t) * kv_width);
             memcpy(q + r * q_width, row, sizeof(uint16_t) * q_width);
         }
+        lap(timings, T_KV_STORE, &mark);
         if (f->attend(attn, q, keys, values, slots, bounds, rows, heads, kv_heads, dim, kv_width,
                       (float)layer->scale, layer->window, (float)layer->softcap, BF16) != 0) {
             status = -2;
             goto done;
         }
+        lap(timings, T_ATTENTION, &mark);
         if (product(f, &layer->o, o, attn, rows, hidden, q_width, threads)) {
             status = -1;
             goto done;
         }
+        lap(timings, T_O, &mark);
         if (sandwich) {
             normalize(f, layer, &layer->post_attention, o, o, NULL, rows, hidden);
             normalize(f, layer, &layer->pre_feedforward, h, residual, o, rows, hidden);
         } else {
             normalize(f, layer, &layer->post_attention, h, residual, o, rows, hidden);
         }
+        lap(timings, T_NORMS, &mark);
         const uint16_t *activated = attn;
         if (layer->mlp_kind == MLP_RELU) {
             if (product(f, &layer->gate_up, wide, h, rows, inner, hidden, threads)) {
                 status = -1;
                 goto done;
             }
+            lap(timings, T_UP, &mark);
             f->relu(wide, rows, inner, BF16);
             activated = wide;
         } else {
@@ -219,14 +252,18 @@ int quanta_decode_chain(const int64_t *fn_table, const int64_t *layer_table, int
                 status = -1;
                 goto done;
             }
+            lap(timings, T_UP, &mark);
             (layer->mlp_kind == MLP_GELU_TANH ? f->gelu_tanh_mul : f->silu_mul)(attn, wide, rows,
                                                                                inner, BF16);
         }
+        lap(timings, T_ACTIVATION, &mark);
         if (product(f, &layer->down, x, activated, rows, hidden, inner, threads)) {
             status = -1;
             goto done;
         }
+        lap(timings, T_DOWN, &mark);
         if (sandwich) normalize(f, layer, &layer->post_feedforward, x, x, NULL, rows, hidden);
+        lap(timings, T_NORMS, &mark);
     }
 done:
     free(h);

@@ -56,6 +56,10 @@ NORM_RMS, NORM_RMS_OFFSET, NORM_LAYER = 0, 1, 2
 _GATED_MLPS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _PLAIN_MLPS = {"relu": 2}
 ENABLE_ENV = "QUANTA_DECODE_CHAIN"
+# The parts of a step the chain times when asked (``DecodeChain.timings``), in the order of
+# ``decode_chain.c``'s T_* slots.
+PARTS = ("norms", "qkv", "qk_norm+rope", "kv_store", "attention", "o", "up", "activation",
+         "down")  # fmt: skip
 
 
 def enabled() -> bool:
@@ -80,6 +84,8 @@ class DecodeChain:
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
         self.num_layers = len(layers) // LAYER_SLOTS
         self._keep = tuple(keep)  # the tensors whose addresses the table holds
+        # Seconds per part (``PARTS``) that each step adds to, while a profile sets it.
+        self.timings: torch.Tensor | None = None
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step is one the chain runs (see the module docstring)."""
@@ -154,6 +160,7 @@ class DecodeChain:
             decode.bounds.data_ptr(),
             x.shape[0],
             torch.get_num_threads(),
+            None if self.timings is None else self.timings.data_ptr(),
         )
         if status == -1:
             raise MemoryError("the decode chain could not allocate its scratch space or sums")
@@ -346,6 +353,6 @@ def _library() -> ctypes._CFuncPtr | None:
     fn = library.quanta_decode_chain
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, i64, i64, p, p, p, ctypes.c_int, p, p, p, i64, i64, p, p, p, i64,
-                   ctypes.c_int]  # fmt: skip
+                   ctypes.c_int, p]  # fmt: skip
     fn.restype = ctypes.c_int
     return fn

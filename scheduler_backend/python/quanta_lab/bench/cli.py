@@ -30,14 +30,15 @@ def bench_decode_profile(
     model: Annotated[Path, typer.Option(help="checkpoint or engine dir")],
     context: Annotated[int, typer.Option(min=1, help="tokens of context before the step")] = 96,
     repeat: Annotated[int, typer.Option(min=1, help="runs per timing; the best counts")] = 20,
+    rows: Annotated[int, typer.Option(min=1, help="sequences decoding in the step")] = 1,
     *,
     engine: EngineArgs,
 ) -> None:
-    """Where a batch-1 decode step's time goes, per layer, against the bandwidth bound."""
+    """Where a decode step's time goes, per layer, against the bandwidth bound."""
     from quanta_lab.bench.decode_profile import print_profile, profile_decode
 
     kernel = engine.linear_kernel or "auto"
-    print_profile(profile_decode(model, engine.dtype or "auto", context, repeat, kernel))
+    print_profile(profile_decode(model, engine.dtype or "auto", context, repeat, kernel, rows))
 
 
 @options_from(scheduler=SchedulerArgs, only={"scheduler": ("policy",)}, defaults={"policy": "fcfs"})

@@ -1,8 +1,10 @@
-"""``quanta bench decode-profile``: where one batch-1 decode step's time goes, per layer.
+"""``quanta bench decode-profile``: where one decode step's time goes, per layer.
 
 A decode step of a small model at batch 1 reads every weight once and does little arithmetic
 with it, so its floor is the bytes of weights read divided by the memory bandwidth one thread
-gets. This measures that floor and the step against it:
+gets. This measures that floor and the step against it, for one row or ``rows`` rows (each a
+sequence of ``context`` tokens; at 8 and 32 rows the products and the attention's reads of the
+KV cache take over from the dispatch):
 
 - ``bandwidth``: one thread streaming a buffer as large as the weights (a sum over it), so the
   cache cannot hold it; the best of ``repeat`` passes.
@@ -11,6 +13,8 @@ gets. This measures that floor and the step against it:
   the same step dispatched layer by layer from Python.
 - ``products``: every layer's projections and the LM head run back to back on one row, with
   nothing between them: the weight-streaming part of the step.
+- ``chain``: where the decode chain runs, its own per-part times of the step (norms, each
+  product, rotary, the K/V store, attention, activation), which it takes when asked.
 - a per-part breakdown of the layer-by-layer step, taken with forward hooks on the
   projections, norms, attention and MLP modules (the hooks add their own few microseconds per
   call, so the parts sum to a little more than ``layered``); attention and the MLP's
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 from quanta.core.config import LinearKernel
-from quanta.runner.decode_chain import layer_by_layer
+from quanta.runner.decode_chain import PARTS, layer_by_layer
 from quanta.runner.model_runner import ModelRunner
 from quanta.runner.projection import Projection
 from torch import nn
@@ -62,6 +66,7 @@ class DecodeProfile:
     linear_kernel: str
     layer_path: str
     context: int
+    rows: int
     weight_bytes: int
     bandwidth_gbs: float
     bound_ms: float
@@ -70,6 +75,7 @@ class DecodeProfile:
     products_ms: float
     ops_per_step: int
     parts_us: dict[str, float]
+    chain_parts_us: dict[str, float]  # empty where the chain does not run
 
     @property
     def share_of_bound(self) -> float:
@@ -106,36 +112,40 @@ def profile_decode(
     context: int = 96,
     repeat: int = 20,
     linear_kernel: LinearKernel = "auto",
+    rows: int = 1,
 ) -> DecodeProfile:
-    """Profile one batch-1 decode step at ``context`` tokens of context (one thread)."""
+    """Profile one decode step of ``rows`` rows at ``context`` tokens of context each (one
+    thread)."""
     torch.set_num_threads(1)
     blocks = -(-(context + 1) // _BLOCK)
     runner = ModelRunner(
         model_dir,
-        num_device_blocks=blocks,
+        num_device_blocks=blocks * rows,
         num_host_blocks=0,
         dtype=dtype,
         linear_kernel=linear_kernel,
     )
     model = runner.model
-    table = tuple(range(blocks))
+    tables = [tuple(range(r * blocks, (r + 1) * blocks)) for r in range(rows)]
     with torch.inference_mode():
-        prompt = _Seq(tuple(range(4, 4 + context)), 0, table)
-        batch = runner._prepare([prompt], blocks)
-        model(batch.input_ids, batch.positions, runner.device_kv_cache, batch.meta)
-        step = runner._prepare([_Seq((5,), context, table)], blocks)
+        for r, table in enumerate(tables):  # distinct prompts: each row its own context
+            prompt = _Seq(tuple(range(4 + r, 4 + r + context)), 0, table)
+            batch = runner._prepare([prompt], blocks * rows)
+            model(batch.input_ids, batch.positions, runner.device_kv_cache, batch.meta)
+        step = runner._prepare([_Seq((5,), context, table) for table in tables], blocks * rows)
 
         def run() -> None:
             hidden = model(step.input_ids, step.positions, runner.device_kv_cache, step.meta)
             model.compute_logits(hidden).float().max(dim=-1)
 
         step_s = _best(run, repeat)
+        chain_parts = _chain_parts(model, run, repeat)
         with _CountOps() as counter:
             run()
         with layer_by_layer(model):
             layered_s = _best(run, repeat)
             parts = _parts(model, run, repeat)
-        products_s = _best(_products(model, runner.dtype), repeat)
+        products_s = _best(_products(model, runner.dtype, rows), repeat)
     nbytes = weight_bytes(model)
     bandwidth = stream_bandwidth(nbytes)
     return DecodeProfile(
@@ -143,6 +153,7 @@ def profile_decode(
         linear_kernel=runner.linear_kernel,
         layer_path=runner.layer_path,
         context=context,
+        rows=rows,
         weight_bytes=nbytes,
         bandwidth_gbs=bandwidth,
         bound_ms=nbytes / bandwidth / 1e6,
@@ -151,22 +162,46 @@ def profile_decode(
         products_ms=products_s * 1e3,
         ops_per_step=counter.count,
         parts_us={k: v * 1e6 / runner.model_config.num_layers for k, v in parts.items()},
+        chain_parts_us={
+            k: v * 1e6 / runner.model_config.num_layers for k, v in chain_parts.items()
+        },
     )
 
 
-def _products(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
-    """All the step's products on one row of ``dtype`` (the activations'; a quantized
+def _products(model: nn.Module, dtype: torch.dtype, rows: int) -> Callable[[], None]:
+    """All the step's products on ``rows`` rows of ``dtype`` (the activations'; a quantized
     product's own tensors are int8), back to back."""
     calls = []
     for m in model.modules():
         if isinstance(m, Projection):
-            calls.append((m, torch.ones(1, m.in_features, dtype=dtype)))
+            calls.append((m, torch.ones(rows, m.in_features, dtype=dtype)))
 
     def run() -> None:
         for m, x in calls:
             m(x)
 
     return run
+
+
+def _chain_parts(model: nn.Module, run: Callable[[], None], repeat: int) -> dict[str, float]:
+    """Seconds per step in each of the chain's parts (its own CPU-time laps), from the run
+    whose parts sum least; empty where the chain does not run the step."""
+    chain = getattr(getattr(model, "decoder", None), "chain", None)
+    if chain is None:
+        return {}
+    best: torch.Tensor | None = None
+    try:
+        for _ in range(repeat):
+            chain.timings = torch.zeros(len(PARTS), dtype=torch.float64)
+            run()
+            if best is None or chain.timings.sum() < best.sum():
+                best = chain.timings
+    finally:
+        chain.timings = None
+    assert best is not None
+    if not best.any():  # the chain did not take this step
+        return {}
+    return dict(zip(PARTS, best.tolist(), strict=True))
 
 
 # part name -> the decoder layer's submodule it is timed on (a plain MLP's, as OPT's, is
@@ -256,21 +291,26 @@ def print_profile(p: DecodeProfile) -> None:
     """The profile as the plain lines docs/results/benchmarks.md quotes."""
     print(
         f"dtype {p.dtype}, linear kernel {p.linear_kernel}, layers {p.layer_path}, "
-        f"context {p.context}, one thread"
+        f"context {p.context}, {p.rows} row(s), one thread"
+    )
+    unit = "token" if p.rows == 1 else "step"
+    print(
+        f"weights read per {unit} {p.weight_bytes / 1e6:.1f} MB, one-thread stream "
+        f"{p.bandwidth_gbs:.1f} GB/s -> bound {p.bound_ms:.2f} ms/{unit} "
+        f"({1e3 * p.rows / p.bound_ms:.1f} tok/s)"
     )
     print(
-        f"weights read per token {p.weight_bytes / 1e6:.1f} MB, one-thread stream "
-        f"{p.bandwidth_gbs:.1f} GB/s -> bound {p.bound_ms:.2f} ms/token "
-        f"({1e3 / p.bound_ms:.1f} tok/s)"
-    )
-    print(
-        f"decode step {p.step_ms:.2f} ms ({1e3 / p.step_ms:.1f} tok/s) = "
+        f"decode step {p.step_ms:.2f} ms ({1e3 * p.rows / p.step_ms:.1f} tok/s) = "
         f"{100 * p.share_of_bound:.0f}% of the bound; products alone {p.products_ms:.2f} ms; "
         f"{p.ops_per_step} torch ops per step"
     )
+    if p.chain_parts_us:
+        print("decode chain, per layer (us):")
+        for part, us in sorted(p.chain_parts_us.items(), key=lambda kv: -kv[1]):
+            print(f"  {part:16s} {us:8.1f}")
     print(
         f"layer by layer: decode step {p.layered_step_ms:.2f} ms "
-        f"({1e3 / p.layered_step_ms:.1f} tok/s), broken down per layer (us):"
+        f"({1e3 * p.rows / p.layered_step_ms:.1f} tok/s), broken down per layer (us):"
     )
     for part, us in sorted(p.parts_us.items(), key=lambda kv: -kv[1]):
         print(f"  {part:16s} {us:8.1f}")

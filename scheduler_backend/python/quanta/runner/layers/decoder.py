@@ -323,5 +323,6 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            # HF's three operators in place: the same values, no new [rows, vocab] tensors
+            logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits
