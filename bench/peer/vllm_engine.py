@@ -2,10 +2,12 @@
 virtual environment's Python, not Quanta's (the two need different torch builds).
 
 It measures exactly what ``quanta.bench.engine`` measures for Quanta: for each batch of the
-given prompts (token ids), one warm-up, then the best of ``--repeat`` prefill-only runs
-(``max_tokens=1``) and of as many full runs (``max_tokens=gen_len``, ``ignore_eos``, greedy);
-decode tokens/s = batch * (gen_len - 1) / (full - prefill). The result is one JSON line on
-stdout; vLLM logs to stdout too (even after it), so read the line that starts with ``{"rows"``.
+given prompts (token ids), one warm-up, then ``--repeat`` rounds of a prefill-only run
+(``max_tokens=1``) and a full run (``max_tokens=gen_len``, ``ignore_eos``, greedy) back to
+back; decode tokens/s = batch * (gen_len - 1) / the median of the rounds' own (full -
+prefill), prefill tokens/s from the shortest prefill-only run (``paired_rates``). The result
+is one JSON line on stdout; vLLM logs to stdout too (even after it), so read the line that
+starts with ``{"rows"``.
 
     OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind /tmp/vllm-venv/bin/python \\
         bench/peer/vllm_engine.py --model engines/opt-125m --prompts prompts.json --gen-len 32
@@ -17,7 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
+import sys
 import time
+
+
+def paired_rates(
+    rounds: list[tuple[float, float]], batch: int, prompt_len: int, gen_len: int
+) -> tuple[float, float]:
+    """(prefill, decode) tokens/s from rounds of (prefill-only seconds, full-run seconds): as
+    ``quanta.bench.engine.paired_rates`` (this venv cannot import Quanta), which says why.
+    A round whose full run was not longer than its prefill run is dropped; with none left
+    the decode rate is NaN."""
+    prefill_tps = batch * prompt_len / min(prefill for prefill, _ in rounds)
+    decode_s = [full - prefill for prefill, full in rounds if full > prefill]
+    decode_tps = batch * (gen_len - 1) / statistics.median(decode_s) if decode_s else math.nan
+    return prefill_tps, decode_tps
 
 
 def main() -> None:
@@ -27,7 +45,7 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per timing; the best counts")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds: prefill, then full")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
@@ -61,19 +79,22 @@ def main() -> None:
     for batch in sorted(batches):
         prompts = batches[batch]
         timed(prompts[:1], 2)  # warm-up
-        # NOTE: best of ``repeat``, as quanta.bench.engine: other processes only add time.
-        prefill = min(timed(prompts, 1) for _ in range(args.repeat))
-        total = min(timed(prompts, args.gen_len) for _ in range(args.repeat))
-        prompt_len = len(prompts[0])
-        rows.append(
-            {
-                "batch": batch,
-                "prefill_s": prefill,
-                "total_s": total,
-                "prefill_tps": batch * prompt_len / prefill,
-                "decode_tps": batch * (args.gen_len - 1) / max(total - prefill, 1e-9),
-            }
-        )
+        # NOTE: rounds of a prefill-only then a full run, as quanta.bench.engine: a round's
+        # decode time is the difference of two runs under the same load.
+        rounds = [(timed(prompts, 1), timed(prompts, args.gen_len)) for _ in range(args.repeat)]
+        prefill_tps, decode_tps = paired_rates(rounds, batch, len(prompts[0]), args.gen_len)
+        row = {
+            "batch": batch,
+            "prefill_s": min(prefill for prefill, _ in rounds),
+            "total_s": min(full for _, full in rounds),
+            "rounds": rounds,
+            "prefill_tps": prefill_tps,
+            "decode_tps": decode_tps,
+        }
+        if math.isnan(decode_tps):
+            row["note"] = "no round's full run took longer than its prefill-only run"
+            print(f"batch {batch}: {row['note']}, so no decode rate (NaN)", file=sys.stderr)
+        rows.append(row)
     import torch
     import vllm
 

@@ -373,3 +373,20 @@ def test_quantization_is_engine_only_on_a_catalogue_model(tmp_path):
          "--lm-head-quantization", "int2", "--out", str(tmp_path)],
     )  # fmt: skip
     assert head.exit_code != 0 and "int8 or int4" in head.output
+
+
+def test_vllms_engine_script_pairs_its_runs_as_quantas_bench_does():
+    """``bench/peer/vllm_engine.py`` runs in vLLM's venv, so it has its own copy of
+    ``paired_rates``: both must turn the same rounds into the same rates."""
+    import importlib.util
+
+    from quanta.bench.engine import paired_rates
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "peer" / "vllm_engine.py"
+    spec = importlib.util.spec_from_file_location("vllm_engine", script)
+    assert spec is not None and spec.loader is not None
+    vllm_engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_engine)  # imports vLLM only in main()
+    for rounds in ([(2.5, 6.5), (2.0, 6.0), (5.0, 5.2)], [(1.0, 5.0), (3.0, 2.9)], [(1.0, 3.0)]):
+        assert vllm_engine.paired_rates(rounds, 4, 16, 9) == paired_rates(rounds, 4, 16, 9)
+    assert math.isnan(vllm_engine.paired_rates([(3.0, 2.9)], 1, 8, 5)[1])

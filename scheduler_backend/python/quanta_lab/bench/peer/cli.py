@@ -52,7 +52,7 @@ def bench_peer(
     kv_cache_gib: Annotated[float, typer.Option(help="KV cache of each server, GiB")] = 1.0,
     max_num_seqs: Annotated[int, typer.Option()] = 32,
     engine_batches: Annotated[str, typer.Option(help="engine-only batches; '' skips")] = "1,8,32",
-    engine_repeat: Annotated[int, typer.Option(min=1, help="engine timings: best of N")] = 3,
+    engine_repeat: Annotated[int, typer.Option(min=1, help="engine timings: N rounds each")] = 3,
     vllm_bench: Annotated[bool, typer.Option(help="also run vLLM's own bench serve")] = True,
     sj_profile: Annotated[
         Path | None, typer.Option(help="cost profile JSON for sj-mlfq (default: fit one)")
