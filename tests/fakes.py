@@ -8,8 +8,13 @@ changes the output. That makes preemption-invariance tests meaningful without a 
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
+import time
+from collections import Counter
 
 from quanta.core.output import RunnerCapabilities, RunnerOutput, ScheduledSeq, SchedulerOutput
+from quanta.core.overlap import PLACEHOLDER, StepHandle, StepNotRun, fill, sampled_ids
 from quanta.core.safepoint import StepAborted
 
 
@@ -36,6 +41,7 @@ class HashRunner:
         self.steps: list[SchedulerOutput] = []
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        assert not any(PLACEHOLDER in s.token_ids for s in so.seqs), "a placeholder ran"
         self.steps.append(so)
         if self.fail_on & {s.request_id for s in so.seqs}:
             raise RuntimeError("injected failure")
@@ -128,6 +134,75 @@ class SafepointHashRunner(HashRunner):
         if self.during_step and so.seqs:
             self.during_step.pop(0)(so)
         return super().execute(so)
+
+
+class DeviceHashRunner(HashRunner):
+    """A ``HashRunner`` behind a simulated device: ``launch`` queues a step on the device's
+    own thread, where it takes ``step_seconds``; its sampled ids stay there (the next step's
+    placeholders are filled from them on the device) and reach the host only through the
+    step's ``result()``, once the step has ended. So a loop that needed a token before the
+    step that samples it ended would block (or, reading a placeholder, fail the hash).
+
+    ``num_launched_busy`` counts steps launched while an earlier one had not ended (the
+    overlap happened); ``placeholder_rows`` each request's rows launched with a token the
+    host did not know yet."""
+
+    def __init__(self, *args: object, step_seconds: float = 0.002, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.step_seconds = step_seconds
+        self.num_launched_busy = 0
+        self.placeholder_rows: Counter[str] = Counter()
+        self._unfinished = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_DeviceStep] = queue.Queue()
+        threading.Thread(target=self._run, name="fake-device", daemon=True).start()
+
+    def launch(self, so: SchedulerOutput, previous: StepHandle | None) -> StepHandle:
+        self.placeholder_rows.update(s.request_id for s in so.seqs if PLACEHOLDER in s.token_ids)
+        with self._lock:
+            self.num_launched_busy += self._unfinished > 0
+            self._unfinished += 1
+        step = _DeviceStep(so, previous)
+        self._queue.put(step)
+        return step
+
+    def _run(self) -> None:
+        while True:
+            step = self._queue.get()
+            time.sleep(self.step_seconds)
+            try:
+                so = step.so
+                if step.previous is not None:
+                    prev = step.previous
+                    if not isinstance(prev, _DeviceStep) or prev.error is not None:
+                        raise StepNotRun("the step before this one failed")
+                    so = fill(so, prev.device_ids)
+                out = self.execute(so)
+                step.device_ids = sampled_ids(out)
+                step.out = out
+            except BaseException as exc:
+                step.error = exc
+            with self._lock:
+                self._unfinished -= 1
+            step.ended.set()
+
+
+class _DeviceStep:
+    """A step on the simulated device: its output is the host's only after it ends."""
+
+    def __init__(self, so: SchedulerOutput, previous: StepHandle | None) -> None:
+        self.so, self.previous = so, previous
+        self.ended = threading.Event()
+        self.device_ids: dict[str, int] = {}  # read only on the device
+        self.out: RunnerOutput | None = None
+        self.error: BaseException | None = None
+
+    def result(self) -> RunnerOutput:
+        self.ended.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.out is not None
+        return self.out
 
 
 def decode_chars(ids: list[int] | tuple[int, ...]) -> str:

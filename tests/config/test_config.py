@@ -62,8 +62,11 @@ SERVE_OPTIONS = {
     "--enable-prefix-caching": None,
     "--speculative-config": None,
     "--tensor-parallel-size": None,
+    "--enforce-eager": None,
+    "--async-scheduling": None,
     "--kv-cache-memory": None,
     "--host-cache-memory": None,
+    "--gpu-memory-utilization": None,
     "--torch-threads": None,
     "--io-layout": None,
     "--drain-timeout": 30.0,
@@ -275,8 +278,9 @@ PBTXT_KEYS = {
     "enable_prefix_caching", "speculative_config", "tensor_parallel_size", "block_size",
     "num_device_blocks", "device_bytes", "device_memory_fraction", "num_host_blocks",
     "host_bytes", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-    "torch_threads", "metrics_interval_ms", "max_tenant_labels", "cancel_check_interval_ms",
-    "stall_timeout_s", "unhealthy_exit_s", "fault_injection", "io_layout",
+    "torch_threads", "enforce_eager", "metrics_interval_ms", "max_tenant_labels",
+    "cancel_check_interval_ms", "stall_timeout_s", "unhealthy_exit_s", "fault_injection",
+    "io_layout", "gpu_memory_utilization", "async_scheduling",
 }  # fmt: skip
 
 

@@ -38,6 +38,9 @@ NOT_RUN = {
     "bash scripts/test.sh": "the test suite itself: CI runs it (.ci/run)",
     "source .venv/bin/activate": "a shell built-in; these tests already run inside the venv",
     "bench/peer/setup_vllm.sh": "installs vLLM's CPU build (GBs from the network), by hand",
+    "bench/gpu/run.sh --output": "the prepared run itself needs a GPU (minutes); its CPU form "
+    "in bench/gpu/README.md is run",
+    "bench/gpu/fetch_wheels.sh": "downloads the GPU machine's wheels from PyPI (network)",
     "bench/peer/families.sh": "one `quanta bench peer` per family and dtype: needs the vLLM "
     "venv, and takes most of an hour",
     "quanta bench peer": "needs the vLLM venv above; tests/lab/test_bench_peer.py covers the "
@@ -117,6 +120,8 @@ def kind(cmd: DocCommand) -> str:
         return "offline"  # (a load-test script that starts its own server)
     if words[0] == "python" and words[1].startswith("bench/gpu/"):
         return "offline"  # a device benchmark, run here on the CPU at a tiny size
+    if words[0] == "bench/gpu/run.sh":
+        return "offline"  # the prepared GPU run's CPU form (its smoke test)
     return "unknown"
 
 
@@ -137,6 +142,7 @@ ENGINE = (
     "quanta profile",
     "quanta simulate validate",
     "python bench/gpu/",
+    "bench/gpu/run.sh",
 )
 
 

@@ -44,7 +44,10 @@ def model_dir(request, tiny_checkpoint) -> Path:
 
 
 def _llm(model_dir: Path, **kw) -> quanta.LLM:
-    return quanta.LLM(str(model_dir), device="cuda", **{"dtype": "float32", **kw})
+    """An engine on the GPU; a KV tier of its own size unless the test sets one, so no
+    engine sized by the GPU's memory outlives its test by accident and starves the next."""
+    settings = {"dtype": "float32", "cache": {"num_device_blocks": 256}}
+    return quanta.LLM(str(model_dir), device="cuda", **(settings | kw))
 
 
 def _tokens(llm: quanta.LLM, prompts: list[str], params) -> list[tuple[int, ...]]:
@@ -261,3 +264,304 @@ def test_triton_attention_keeps_the_greedy_tokens(model_dir, monkeypatch):
     monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "triton")
     assert _tokens(_llm(model_dir, scheduler=sched), PROMPTS, params) == plain
     assert calls
+
+
+def _paths(llm: quanta.LLM) -> tuple[int, int]:
+    paths = llm.engine.runner.step_paths
+    return paths.graph, paths.eager
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_decode_graphs_keep_every_token(model_dir, monkeypatch, chunked):
+    """Greedy, seeded and biased requests give the same tokens with decode graphs as with
+    ``enforce_eager`` over the same Triton kernel; pure-decode steps replay a graph, prompt
+    and mixed steps (chunked prefill beside decodes) run eagerly."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "triton")
+    sched = {"enable_chunked_prefill": chunked, "max_num_batched_tokens": 8 if chunked else 512}
+    params = [GREEDY, SEEDED, BIASED, GREEDY]
+    eager = _llm(model_dir, scheduler=sched, enforce_eager=True)
+    want = _tokens(eager, PROMPTS, params)
+    assert eager.engine.describe()["cuda_graphs"] == "off (enforce-eager)"
+    assert _paths(eager)[0] == 0
+    graphed = _llm(model_dir, scheduler={**sched, "max_num_seqs": 8})
+    info = graphed.engine.describe()
+    print(f"decode graphs {info['cuda_graph_sizes']} captured in {info['graph_capture_s']} s")
+    assert info["cuda_graphs"] == "on" and info["cuda_graph_sizes"] == "1,2,4,8"
+    assert _tokens(graphed, PROMPTS, params) == want
+    graph_steps, eager_steps = _paths(graphed)
+    assert graph_steps > 0 and eager_steps > 0
+    assert graph_steps + eager_steps == sum(_paths(eager))
+
+
+def test_decode_graphs_match_the_torch_path_and_stay_off_with_it(model_dir, monkeypatch):
+    """The default engine (graphs on) gives the torch path's greedy tokens in fp32;
+    ``QUANTA_CUDA_ATTENTION=torch`` turns graphs off, since that path reads lengths on the
+    host."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "torch")
+    plain = _llm(model_dir)
+    assert plain.engine.describe()["cuda_graphs"].startswith("off (QUANTA_CUDA_ATTENTION")
+    want = _tokens(plain, PROMPTS, GREEDY)
+    monkeypatch.delenv("QUANTA_CUDA_ATTENTION")
+    graphed = _llm(model_dir)
+    assert _tokens(graphed, PROMPTS, GREEDY) == want
+    assert _paths(graphed)[0] > 0
+
+
+@pytest.mark.parametrize("policy", ["sj-mlfq", "conserve"])
+def test_decode_graphs_keep_the_tokens_under_preemption(model_dir, monkeypatch, policy):
+    """Swaps and recomputes between replays, and ConServe's preemptible steps (run eagerly,
+    with their safepoints), leave every request's tokens as a roomy eager run's."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "triton")
+    prompts = PROMPTS + PROMPTS[:3]
+    params = [GREEDY] * len(PROMPTS) + [SEEDED] * 2 + [BIASED]
+    roomy = _llm(model_dir, policy=policy, cache={"num_device_blocks": 64}, enforce_eager=True)
+    want = _tokens(roomy, prompts, params)
+    cache = {"num_device_blocks": 20, "num_host_blocks": 64, "block_size": 4}
+    small = _llm(model_dir, policy=policy, cache=cache, scheduler={"max_num_batched_tokens": 16})
+    assert _tokens(small, prompts, params) == want
+    stats = small.engine.loop.stats()
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    assert _paths(small)[0] > 0
+
+
+def test_the_kv_cache_takes_what_the_gpu_memory_utilization_leaves(model_dir):
+    """Sized from the device's memory after the weights and a profiling forward: blocks
+    enough for most of the budget (a tiny model's weights and activations take little of
+    it), this process within the budget after generating, and the tokens of an engine
+    whose tier has a size of its own. Eager, since the decode graphs' pool is captured
+    after the sizing and not yet counted in it; a tenth of the card, so a tiny model's
+    cache stays within 32-bit element offsets per layer."""
+    from quanta.core.block_pool import Tier
+    from quanta.runner.devices import CudaMemory
+
+    memory = CudaMemory("cuda")
+    total, free = memory.total(), memory.free()
+    if free < total // 10:
+        pytest.skip("other processes hold nine tenths of this GPU")
+    llm = quanta.LLM(
+        str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.1,
+        enforce_eager=True,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    assert runner.num_device_blocks > 0
+    assert llm.engine.describe()["device_blocks"] == str(runner.num_device_blocks)
+    assert llm.engine.loop.blocks.num_total(Tier.DEVICE) == runner.num_device_blocks
+    kv = runner.num_device_blocks * runner.bytes_per_block
+    print(f"{torch.cuda.get_device_name()}: {runner.num_device_blocks} blocks, {kv} KV bytes")
+    tokens = _tokens(llm, PROMPTS, GREEDY)
+    assert free - torch.cuda.mem_get_info()[0] <= total // 10  # allocator's cache included
+    assert kv >= 0.06 * total
+    del llm, runner
+    assert _tokens(_llm(model_dir, enforce_eager=True), PROMPTS, GREEDY) == tokens
+
+
+def test_a_swap_round_trip_runs_on_the_side_stream_without_a_host_sync(model_dir):
+    """Out to pinned host blocks (runs and single blocks) and back: the compute stream's
+    later writes wait for the swap-out to have read the blocks, its reads wait for the
+    swap-in, and neither copy makes the host wait (sync debug mode raises if one does)."""
+    from quanta.runner import ModelRunner
+
+    runner = ModelRunner(
+        model_dir, num_device_blocks=16, num_host_blocks=16, block_size=4, device="cuda",
+        dtype="float32", enforce_eager=True,
+    )  # fmt: skip
+    assert runner._copies.stream is not None and runner.host_kv_cache.is_pinned()
+    device = runner.device_kv_cache
+    device.normal_()
+    out = ((3, 5), (7, 0), (8, 1), (9, 2))
+    back = ((5, 10), (0, 11), (1, 12), (2, 13))
+    swapped, restored = (torch.tensor([d for d, _ in out], device="cuda"),
+                         torch.tensor([d for _, d in back], device="cuda"))  # fmt: skip
+    want = device.index_select(2, swapped)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner._copy_blocks(out, device, runner.host_kv_cache)
+        device.index_fill_(2, swapped, 0.0)  # queued after the swap-out: must not reach the host
+        runner._copy_blocks(back, runner.host_kv_cache, device)
+        got = device.index_select(2, restored)  # waits for the swap-in on the GPU
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("policy", ["sj-mlfq", "fcfs"])
+def test_swaps_on_the_side_stream_keep_every_token(model_dir, policy):
+    """FastServe's proactive swaps (sj-mlfq) and reactive ones (fcfs) between the GPU and
+    pinned memory, each batch of copies on the runner's own stream, give the tokens of an
+    engine that never swaps."""
+    import contextlib
+
+    prompts = PROMPTS + PROMPTS[:3]
+    params = [GREEDY] * len(PROMPTS) + [SEEDED] * 2 + [BIASED]
+    roomy = _tokens(_llm(model_dir, policy=policy), prompts, params)
+    cache = {"num_device_blocks": 20, "num_host_blocks": 64, "block_size": 4}
+    small = _llm(model_dir, policy=policy, cache=cache, scheduler={"max_num_batched_tokens": 16})
+    copies = small.engine.runner._copies
+    streams = []
+    run = copies.run
+
+    @contextlib.contextmanager
+    def seen():
+        with run():
+            streams.append(torch.cuda.current_stream())
+            yield
+
+    copies.run = seen
+    assert _tokens(small, prompts, params) == roomy
+    assert small.engine.loop.stats().num_preemptions_swap > 0
+    assert streams and all(s == copies.stream for s in streams)
+    assert copies.stream != torch.cuda.default_stream()
+
+
+def _sampling_rows(bf16: bool):
+    """Greedy and seeded rows of every kind; in bf16, whose logits tie often, no top-p (a
+    GPU sort may order the tied tokens at the nucleus' edge differently)."""
+    from types import SimpleNamespace as Row
+
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=40),
+        dict(temperature=1.3, min_p=0.05),
+        dict(temperature=0.9, top_k=100, min_p=0.02),
+    ]
+    if not bf16:
+        kinds += [dict(temperature=0.8, top_p=0.9), dict(temperature=1.1, top_k=50, top_p=0.7)]
+    base = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, processing=None)
+    rows = []
+    for i in range(32):
+        kind = kinds[i % len(kinds)]
+        rows.append(Row(**{**base, **kind}, seed=1000 + i, output_index=i))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [32_000, 151_936])
+def test_device_sampling_picks_the_cpu_samplers_tokens(dtype, vocab):
+    """Sampled on the GPU (noise drawn on the host, copied over pinned memory), every greedy
+    and seeded row gets the token the per-row CPU sampler picks from the same logits."""
+    from quanta.runner.device_sampler import DeviceSampler
+    from quanta.runner.sampler import sample
+
+    rows = _sampling_rows(dtype == torch.bfloat16)
+    logits = (torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(0)) * 4).to(
+        dtype
+    )
+    sampler = DeviceSampler()
+    on_gpu = logits.cuda()
+    handle = sampler.sample(on_gpu, rows, sampler.start(rows, vocab, on_gpu.device))
+    assert handle.ids.device.type == "cuda"
+    assert handle.tokens() == sample(logits, rows) == handle.ids.tolist()
+    sampler.close()
+
+
+def test_processing_and_logprobs_on_the_gpu_are_the_cpus():
+    """Penalties, bias and bans applied on the GPU give the CPU's logits bit for bit; the
+    log-probabilities come back through pinned memory within the softmax's rounding."""
+    from types import SimpleNamespace as Row
+
+    from quanta.core.output import LogitsProcessing
+    from quanta.runner.device_sampler import DeviceSampler
+    from quanta.runner.logits import process_logits
+
+    vocab = 50_000
+    history = tuple(range(0, 3000, 7))
+    rows = [
+        Row(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, output_index=0,
+            processing=LogitsProcessing(history=history, num_prompt_tokens=100,
+                                        repetition_penalty=1.3, presence_penalty=0.4,
+                                        frequency_penalty=0.5, logprobs=5)),
+        Row(temperature=0.8, top_p=0.95, top_k=0, min_p=0.0, seed=3, output_index=4,
+            processing=LogitsProcessing(logit_bias=((5, 3.0), (9, -100.0)), suppress=(2,),
+                                        logprobs=0)),
+        Row(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, output_index=0,
+            processing=None),
+    ]  # fmt: skip
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1)) * 3
+    on_gpu = logits.cuda()
+    raw_cpu, raw_gpu = process_logits(logits, rows), process_logits(on_gpu, rows)
+    assert torch.equal(on_gpu.cpu(), logits)
+    sampler = DeviceSampler()
+    cpu = sampler.sample(logits, rows, sampler.start(rows, vocab, logits.device), raw_cpu)
+    gpu = sampler.sample(on_gpu, rows, sampler.start(rows, vocab, on_gpu.device), raw_gpu)
+    assert gpu.tokens() == cpu.tokens()
+    want, got = cpu.logprobs(), gpu.logprobs()
+    assert sorted(got) == sorted(want) == [0, 1]
+    for j in want:
+        assert got[j].logprob == pytest.approx(want[j].logprob, abs=1e-5)
+        assert [t for t, _ in got[j].top] == [t for t, _ in want[j].top]
+    sampler.close()
+
+
+def test_the_engine_samples_on_the_gpu_what_the_cpu_sampler_picks(model_dir, monkeypatch):
+    """The whole engine: sampling on the GPU gives the tokens and logprobs of the per-row
+    CPU sampler over the same logits (the path before sampling moved to the device)."""
+    from quanta.runner.device_sampler import DeviceSampler, SampledTokens
+    from quanta.runner.sampler import sample
+
+    def per_row(self, logits, rows, noise, raw=None):
+        ids = torch.tensor(sample(logits, rows), device=logits.device)
+        return SampledTokens(ids, None if raw is None else raw.pick(ids))
+
+    params = [GREEDY, SEEDED, BIASED, SamplingParams(max_tokens=24, temperature=0.8, seed=9,
+              top_k=30, repetition_penalty=1.2, logprobs=3)]  # fmt: skip
+    llm = _llm(model_dir)
+    got = llm.generate(PROMPTS, params)
+    monkeypatch.setattr(DeviceSampler, "sample", per_row)
+    expected = llm.generate(PROMPTS, params)
+    for g, e in zip(got, expected, strict=True):
+        assert g.token_ids == e.token_ids
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+            [lp.logprob for lp in e.logprobs], abs=1e-5
+        )
+
+
+def test_random_weights_of_a_real_shape_are_made_on_the_gpu(tmp_path):
+    """``load_format="dummy"`` (``quanta bench engine --preset``, bench/gpu/run.sh):
+    LLaMA-3.2-1B's weights made on the device with no checkpoint, and the engine decodes."""
+    from quanta.build.checkpoint import write_model_files
+    from quanta.core.config import CacheConfig, EngineConfig
+    from quanta.frontends.engine import build_engine
+
+    engine = build_engine(
+        EngineConfig(
+            model=str(write_model_files("llama-3.2-1b", tmp_path)),
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cuda",
+            cache=CacheConfig(num_device_blocks=64, num_host_blocks=0),
+        )
+    )
+    try:
+        weights = list(engine.runner.model.parameters())
+        assert all(p.device.type == "cuda" and torch.isfinite(p).all() for p in weights)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+        stream = engine.loop.submit(engine.make_request(list(range(5, 69)), params))
+        engine.loop.run_until_idle()
+        result = stream.result(timeout=0)
+        assert result.error is None and len(result.token_ids) == 8
+        assert all(lp.logprob > float("-inf") for lp in result.logprobs)
+    finally:
+        engine.runner.close()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sj-mlfq"])
+@pytest.mark.parametrize("host_blocks", [64, 0], ids=["swap", "recompute"])
+def test_async_scheduling_keeps_every_token_and_is_on_by_default(model_dir, policy, host_blocks):
+    """Each step scheduled while the one before runs on the GPU (its sampled ids fill the
+    next step's placeholders on the step thread) gives the tokens of the engine that waits."""
+    prompts = PROMPTS + PROMPTS[:3]
+    params = [GREEDY] * len(PROMPTS) + [SEEDED] * 2 + [BIASED]
+    cache = {"num_device_blocks": 20, "num_host_blocks": host_blocks, "block_size": 4}
+    sched = {"max_num_batched_tokens": 16}
+    off = _llm(model_dir, policy=policy, cache=cache, scheduler=sched, async_scheduling=False)
+    on = _llm(model_dir, policy=policy, cache=cache, scheduler=sched)
+    assert on.engine.describe()["async_scheduling"] == "true"
+    assert _tokens(on, prompts, params) == _tokens(off, prompts, params)
+    stats = on.engine.loop.stats()
+    assert stats.num_overlapped_steps > 0
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0

@@ -181,14 +181,21 @@ BENCH_ENGINE_DEFAULTS = {
     defaults=BENCH_ENGINE_DEFAULTS,
 )
 def bench_engine(
-    model: Annotated[Path, typer.Option(help="checkpoint dir")],
+    model: Annotated[Path | None, typer.Option(help="checkpoint or engine dir")] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="instead of --model: random weights of this shape made on the device, no "
+            "checkpoint (llama-3.2-1b, llama-3-8b, opt-13b, any `quanta make-model` preset)"
+        ),
+    ] = None,
     batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,8,32",
     prompt_len: Annotated[int, typer.Option(help="prompt tokens per request")] = 128,
     gen_len: Annotated[int, typer.Option(help="generated tokens per request")] = 128,
     compare_hf: Annotated[bool, typer.Option(help="also time HF transformers generate")] = True,
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
     output: Annotated[Path | None, typer.Option(help="also write the rows as JSON")] = None,
-    repeat: Annotated[int, typer.Option(min=1, help="runs per measurement; the best counts")] = 3,
+    repeat: Annotated[int, typer.Option(min=1, help="timing rounds: prefill, then full")] = 3,
     quantization: Annotated[
         str | None,
         typer.Option(help="the engine's quantization (none, int8, int4): refused if it differs"),
@@ -203,6 +210,9 @@ def bench_engine(
     from quanta.bench.engine import run_engine_bench
     from quanta.build.manifest import EngineManifestError
 
+    if (model is None) == (preset is None):
+        typer.echo("error: give --model or --preset (not both)", err=True)
+        raise typer.Exit(2)
     sizes = batch_sizes(batch)
     try:
         run_engine_bench(
@@ -221,6 +231,7 @@ def bench_engine(
             prefix_caching=engine.enable_prefix_caching is not False,
             device=engine.device or "cpu",
             tensor_parallel_size=engine.tensor_parallel_size or 1,
+            preset=preset,
         )
     except EngineManifestError as exc:  # the engine cannot run this benchmark as asked
         typer.echo(f"error: {exc}", err=True)

@@ -23,6 +23,7 @@ def register(app: typer.Typer) -> None:
     """Add the lab's commands to the ``quanta`` app (called by ``quanta.cli`` at import)."""
     from quanta_lab.bench import (
         cli,
+        gpu_cli,
         prefix_prefill_cli,
         quality_cli,
         safepoints,
@@ -36,5 +37,12 @@ def register(app: typer.Typer) -> None:
     cli.register(app, bench_app)
     peer_cli.register(app, bench_app)
     sim_cli.register(app, _group(app, "simulate"), bench_app)
-    for module in (safepoints, quality_cli, structured_cli, speculative_cli, prefix_prefill_cli):
+    for module in (
+        safepoints,
+        quality_cli,
+        structured_cli,
+        speculative_cli,
+        prefix_prefill_cli,
+        gpu_cli,
+    ):
         module.register(app, bench_app)

@@ -3,17 +3,28 @@
 Both engines get the same checkpoint, dtype, thread count and token ids; the table and the
 JSON say which dtype, linear kernel and CPU instruction set ran. Quanta runs through
 its full loop (scheduling, block tables, paged attention), so the number is what a server
-gets, not a bare forward pass. Decode throughput is measured as the extra time a run with
-``gen_len`` tokens takes over a prefill-only run. Against a built engine the run fits itself
-to the limits the engine was built for (``fit_to_engine``) and says what it changed.
+gets, not a bare forward pass. Each of ``--repeat`` rounds runs a prefill-only run (one
+token) and a full run (``gen_len`` tokens) back to back; decode throughput comes from the
+median of the rounds' own differences, prefill throughput from the shortest prefill-only run
+(``paired_rates``). Against a built engine the run fits itself to the limits the engine was
+built for (``fit_to_engine``) and says what it changed.
+
+With ``--preset NAME`` instead of a checkpoint (a real shape such as ``llama-3-8b``), both
+engines get random weights of that shape made on the device: no checkpoint is written or read
+(``model_source``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import random
+import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,12 +32,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from quanta.build.checkpoint import write_model_files
 from quanta.build.manifest import EngineManifestError, read_manifest
 from quanta.core.config import (
     AttentionKernel,
     CacheConfig,
     EngineConfig,
     LinearKernel,
+    LoadFormat,
     SchedulerConfig,
 )
 from quanta.core.request import SamplingParams
@@ -109,16 +122,43 @@ def fit_to_engine(model_dir: Path, batches: list[int], prompt_len: int, gen_len:
     return BenchPlan(fitted, tokens, tuple(notes))
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What a benchmark loads: a directory, how its weights come (``"dummy"``: random, made
+    on the device), and the name its table shows."""
+
+    path: Path
+    load_format: LoadFormat
+    name: str
+
+
+@contextlib.contextmanager
+def model_source(model_dir: Path | None, preset: str | None = None) -> Iterator[ModelSource]:
+    """A checkpoint or engine directory as it is, or a preset's shape with no weights on disk.
+
+    A preset gets a temporary directory with its config.json and tokenizer only (removed on
+    exit): Quanta makes its weights on the device (``load_format="dummy"``) and HF builds its
+    model from the config (``load_hf``), so an 8B or 13B shape costs no disk and no read."""
+    if (model_dir is None) == (preset is None):
+        raise ValueError("give a model directory or a preset (not both)")
+    if model_dir is not None:
+        yield ModelSource(model_dir, "auto", model_dir.name)
+        return
+    assert preset is not None
+    with tempfile.TemporaryDirectory(prefix=f"quanta-{preset}-") as tmp:
+        yield ModelSource(write_model_files(preset, Path(tmp)), "dummy", preset)
+
+
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
 def _time_quanta(engine: Engine, prompts: list[list[int]], gen_len: int) -> float:
-    return _run_quanta(engine, prompts, gen_len)[0]
+    return run_quanta(engine, prompts, gen_len)[0]
 
 
-def _run_quanta(
+def run_quanta(
     engine: Engine, prompts: list[list[int]], gen_len: int
 ) -> tuple[float, list[tuple[int, ...]]]:
     """(seconds, greedy tokens per prompt) of one run through the full loop.
@@ -150,7 +190,7 @@ def _agreement(ours: list[tuple[int, ...]], reference: list[tuple[int, ...]]) ->
     return sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
-def _time_hf(model: torch.nn.Module, prompts: list[list[int]], gen_len: int) -> float:
+def time_hf_generate(model: torch.nn.Module, prompts: list[list[int]], gen_len: int) -> float:
     ids = torch.tensor(prompts, device=next(model.parameters()).device)
     _synchronize(ids.device)
     start = time.perf_counter()
@@ -178,13 +218,38 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rates(prefill_s: float, total_s: float, batch: int, prompt_len: int, gen_len: int):
-    decode_s = max(total_s - prefill_s, 1e-9)
-    return batch * prompt_len / prefill_s, batch * (gen_len - 1) / decode_s
+def paired_rates(
+    rounds: list[tuple[float, float]], batch: int, prompt_len: int, gen_len: int
+) -> tuple[float, float]:
+    """(prefill, decode) tokens/s from rounds of (prefill-only seconds, full-run seconds).
+
+    Why pairs: a round's two runs go back to back, so a load that slows one likely slows the
+    other, and a round's decode time is its own full run minus its own prefill. The best full
+    run minus the best prefill run of other rounds can be nearly nothing when every prefill
+    run was slowed, and the decode rate then several times too high. Why the median of the
+    rounds' differences and not the shortest: other processes only add time to a run, so the
+    shortest prefill run counts, but a slowed prefill run shortens its round's difference, and
+    the shortest difference is never longer than best full minus best prefill: it would keep
+    that error. A round whose full run was not longer than its prefill run measured nothing
+    and is dropped; with none left the decode rate is NaN (the caller says so).
+    ``bench/peer/vllm_engine.py`` does the same for vLLM."""
+    prefill_tps = batch * prompt_len / min(prefill for prefill, _ in rounds)
+    decode_s = [full - prefill for prefill, full in rounds if full > prefill]
+    decode_tps = batch * (gen_len - 1) / statistics.median(decode_s) if decode_s else math.nan
+    return prefill_tps, decode_tps
+
+
+def _say_no_decode(engine: str, batch: int, rates: tuple[float, float]) -> None:
+    if math.isnan(rates[1]):
+        Console(stderr=True).print(
+            f"note: {engine} batch {batch}: no round's full run took longer than its "
+            "prefill-only run, so no decode rate (NaN)",
+            highlight=False,
+        )
 
 
 def run_engine_bench(
-    model_dir: Path,
+    model_dir: Path | None,
     batches: list[int],
     prompt_len: int,
     gen_len: int,
@@ -200,66 +265,108 @@ def run_engine_bench(
     prefix_caching: bool = True,
     device: str = "cpu",
     tensor_parallel_size: int = 1,
+    preset: str | None = None,
 ) -> list[BenchRow]:
     """Measure every batch size, print a table, optionally write JSON.
 
     Against a built engine the batch sizes and step budget are fitted to its limits first,
     and each change is printed (``fit_to_engine``). Every run computes its prompts in full;
     ``prefix_caching`` only says whether the cache's bookkeeping (naming each full block) is
-    part of what is timed."""
+    part of what is timed. ``preset`` instead of ``model_dir``: random weights of its shape,
+    made on the device (``model_source``)."""
     if threads:
         torch.set_num_threads(threads)
-    plan = fit_to_engine(model_dir, batches, prompt_len, gen_len)
-    for note in plan.notes:
-        Console(stderr=True).print(f"note: {note}", highlight=False)
-    batches = plan.batches
-    max_batch = max(batches)
-    tokens = max_batch * (prompt_len + gen_len)
-    engine = build_engine(
-        EngineConfig(
-            model=str(model_dir),
-            cache=CacheConfig(num_device_blocks=tokens // 16 + 2 * max_batch, num_host_blocks=0),
-            scheduler=SchedulerConfig(
+    with model_source(model_dir, preset) as source:
+        plan = fit_to_engine(source.path, batches, prompt_len, gen_len)
+        for note in plan.notes:
+            Console(stderr=True).print(f"note: {note}", highlight=False)
+        engine = build_engine(
+            bench_engine_config(
+                source,
+                plan,
+                prompt_len + gen_len,
+                dtype=dtype,
+                linear_kernel=linear_kernel,
+                attention_kernel=attention_kernel,
+                quantization=quantization,
+                enable_prefix_caching=prefix_caching,
+                device=device,
+                tensor_parallel_size=tensor_parallel_size,
+            )
+        )
+        rows = _measure(engine, source, plan.batches, prompt_len, gen_len, compare_hf, repeat)
+        engine.runner.close()
+    _print(rows, source.name, prompt_len, gen_len, tensor_parallel_size)
+    if output is not None:
+        output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return rows
+
+
+def bench_engine_config(
+    source: ModelSource, plan: BenchPlan, seq_len: int, **engine: object
+) -> EngineConfig:
+    """The engine a benchmark runs: KV blocks for the largest batch's sequences of
+    ``seq_len`` tokens (none on the host), the plan's step budget, ``engine``'s options."""
+    max_batch = max(plan.batches)
+    blocks = max_batch * seq_len // 16 + 2 * max_batch
+    return EngineConfig.model_validate(
+        {
+            "model": str(source.path),
+            "load_format": source.load_format,
+            "cache": CacheConfig(num_device_blocks=blocks, num_host_blocks=0),
+            "scheduler": SchedulerConfig(
                 max_num_batched_tokens=plan.max_num_batched_tokens, max_num_seqs=max_batch
             ),
-            dtype=dtype,
-            linear_kernel=linear_kernel,
-            attention_kernel=attention_kernel,
-            quantization=quantization,
-            enable_prefix_caching=prefix_caching,
-            device=device,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+            **engine,
+        }
     )
+
+
+def _measure(
+    engine: Engine,
+    source: ModelSource,
+    batches: list[int],
+    prompt_len: int,
+    gen_len: int,
+    compare_hf: bool,
+    repeat: int,
+) -> list[BenchRow]:
     info = engine.describe()
     resident = resident_weight_bytes(engine.runner.model)
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
     if compare_hf and info["quantized_kernel"] != "none":
         Console(stderr=True).print("note: no HF peer: transformers cannot read quantized weights")
         compare_hf = False
-    hf = _load_hf(model_dir, engine.runner.dtype, engine.runner.device) if compare_hf else None
+    hf = load_hf(source, engine.runner.dtype, engine.runner.device) if compare_hf else None
     reference = None
     if engine.runner.dtype != torch.float32:  # report what the faster dtype changes
-        reference = _fp32_reference(engine.config, model_dir)
+        reference = _fp32_reference(engine.config, source)
     rows = []
     for b in batches:
         prompts = _prompts(b, prompt_len, vocab)
-        # NOTE: each engine's best of ``repeat`` runs: other processes only ever add time, so
-        # the minimum is the least perturbed estimate on a shared machine.
+        # NOTE: ``repeat`` rounds per engine, each a prefill-only run then a full run, so
+        # that a round's decode time is the difference of two runs under the same load
+        # (``paired_rates``).
         _time_quanta(engine, prompts[:1], 2)  # warm-up
-        qp = min(_time_quanta(engine, prompts, 1) for _ in range(repeat))
-        runs = [_run_quanta(engine, prompts, gen_len) for _ in range(repeat)]
-        qt = min(seconds for seconds, _ in runs)
-        q_pre, q_dec = _rates(qp, qt, b, prompt_len, gen_len)
+        rounds, tokens = [], []
+        for _ in range(repeat):
+            prefill_s = _time_quanta(engine, prompts, 1)
+            full_s, tokens = run_quanta(engine, prompts, gen_len)
+            rounds.append((prefill_s, full_s))
+        q_pre, q_dec = paired_rates(rounds, b, prompt_len, gen_len)
+        _say_no_decode("Quanta", b, (q_pre, q_dec))
         h_pre = h_dec = None
         if hf is not None:
-            _time_hf(hf, prompts[:1], 2)
-            hp = min(_time_hf(hf, prompts, 1) for _ in range(repeat))
-            ht = min(_time_hf(hf, prompts, gen_len) for _ in range(repeat))
-            h_pre, h_dec = _rates(hp, ht, b, prompt_len, gen_len)
+            time_hf_generate(hf, prompts[:1], 2)
+            hf_rounds = [
+                (time_hf_generate(hf, prompts, 1), time_hf_generate(hf, prompts, gen_len))
+                for _ in range(repeat)
+            ]
+            h_pre, h_dec = paired_rates(hf_rounds, b, prompt_len, gen_len)
+            _say_no_decode("HF", b, (h_pre, h_dec))
         agreement = None
         if reference is not None:
-            agreement = _agreement(runs[-1][1], _run_quanta(reference, prompts, gen_len)[1])
+            agreement = _agreement(tokens, run_quanta(reference, prompts, gen_len)[1])
         kernel = (info["dtype"], info["linear_kernel"], info["cpu_isa"])
         rows.append(
             BenchRow(
@@ -278,24 +385,24 @@ def run_engine_bench(
                 info["linear_tiles"],
             )
         )
-    _print(rows, model_dir, prompt_len, gen_len, tensor_parallel_size)
-    engine.runner.close()
-    if output is not None:
-        output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
 
 
-def _fp32_reference(config: EngineConfig, model_dir: Path) -> Engine | None:
+def _fp32_reference(config: EngineConfig, source: ModelSource) -> Engine | None:
     """An fp32 engine of the same model, or None (with a note) where none can be had.
 
     An engine directory holds its weights in its own dtype only, so for one the reference is
     built from the checkpoint it was built from, while that is still where the manifest says.
+    Random weights made in another dtype are other weights: a preset has no reference.
     """
-    manifest = read_manifest(model_dir)
-    source = model_dir if manifest is None else Path(manifest.source.path)
+    if source.load_format == "dummy":
+        Console(stderr=True).print("note: random weights, so no greedy agreement with fp32")
+        return None
+    manifest = read_manifest(source.path)
+    checkpoint = source.path if manifest is None else Path(manifest.source.path)
     try:
         # NOTE: one process holds one tensor-parallel group; the reference runs in one rank
-        update = {"dtype": "float32", "model": str(source), "tensor_parallel_size": 1}
+        update = {"dtype": "float32", "model": str(checkpoint), "tensor_parallel_size": 1}
         return build_engine(config.model_copy(update=update))
     except (OSError, EngineManifestError) as exc:
         Console(stderr=True).print(
@@ -304,20 +411,26 @@ def _fp32_reference(config: EngineConfig, model_dir: Path) -> Engine | None:
         return None
 
 
-def _load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """HF transformers' model of ``source``: its checkpoint, or for a preset the model built
+    from its config with HF's own random initialisation, straight on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(device).eval()
+    if source.load_format == "auto":
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+        return model.to(device).eval()
+    with device:
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(source.path), dtype=dtype
+        )
+    return model.eval()
 
 
-def _print(
-    rows: list[BenchRow], model_dir: Path, prompt_len: int, gen_len: int, ranks: int = 1
-) -> None:
+def _print(rows: list[BenchRow], name: str, prompt_len: int, gen_len: int, ranks: int = 1) -> None:
     first = rows[0]
     threads = f"{torch.get_num_threads()} threads" + (f" x {ranks} ranks" if ranks > 1 else "")
     table = Table(
-        title=f"{model_dir.name}: prompt {prompt_len}, generate {gen_len}, "
+        title=f"{name}: prompt {prompt_len}, generate {gen_len}, "
         f"{threads}, {first.dtype}, linears {first.linear_kernel}"
         f"{' (+amx tiles)' if first.linear_tiles == 'amx' else ''}, "
         f"decode attention {first.attention_kernel}, layers {first.layer_path}, "

@@ -145,7 +145,14 @@ def random_weights(spec: ModelPreset, seed: int, dtype: str = "float32") -> dict
     return tensors
 
 
-def _write_checkpoint(spec: ModelPreset, out: Path, *, seed: int, dtype: str) -> None:
+def write_model_files(preset: str | ModelPreset, out: Path, dtype: str = "float32") -> Path:
+    """Everything a checkpoint of the preset holds but its weights (config.json,
+    generation_config.json, the tokenizer) into the existing directory ``out``.
+
+    An engine loads such a directory with random weights made on its device
+    (``EngineConfig.load_format="dummy"``), and HF transformers builds the model from its
+    config: how a real shape is benchmarked with no checkpoint on disk."""
+    spec = get_preset(preset)
     shape = spec.shape
     tokenizer = write_tokenizer(spec.family, out, model_max_length=shape.max_position_embeddings)
     if tokenizer.get_vocab_size() > shape.vocab_size:
@@ -158,6 +165,11 @@ def _write_checkpoint(spec: ModelPreset, out: Path, *, seed: int, dtype: str) ->
     generation = ids | {"_from_model_config": True, "transformers_version": HF_LAYOUT_VERSION}
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation)
+    return out
+
+
+def _write_checkpoint(spec: ModelPreset, out: Path, *, seed: int, dtype: str) -> None:
+    write_model_files(spec, out, dtype)
     _write_json(out / PRESET_FILE, _provenance(spec, seed, dtype))
     weights = out / "model.safetensors"
     save_file(random_weights(spec, seed, dtype), weights, metadata={"format": "pt"})

@@ -15,6 +15,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from quanta.families import get_family, known_family
+from quanta.families.config import RopeScaling
 from quanta.shape import PUBLISHED, ModelShape
 
 # NOTE: the size the tokenizer trainer reaches with TOKENIZER_VOCAB_TARGET on the embedded corpus
@@ -37,6 +38,9 @@ class ModelPreset(BaseModel):
     # LLaMA only: RoPE and RMSNorm.
     rope_theta: float | None = None
     rms_norm_eps: float | None = None
+    # LLaMA only: RoPE's frequency scaling as the real model's config.json states it
+    # (LLaMA-3.2's llama3 scaling); it changes the angles, not the cost of a step.
+    rope_scaling: RopeScaling | None = None
     # OPT only: embedding width (project_in/project_out exist when it differs from hidden_size).
     word_embed_proj_dim: int | None = None
     # Kit families: the LM head is the embedding (Qwen2.5-0.5B's is; most larger models' not).
@@ -70,6 +74,8 @@ class ModelPreset(BaseModel):
     def _check_shape(self) -> Self:
         known_family(self.shape.family)
         get_family(self.family).check_preset(self)
+        if self.rope_scaling is not None and self.family != "llama":
+            raise ValueError("rope_scaling is a LLaMA field")
         return self
 
     @property
@@ -142,6 +148,34 @@ PRESETS: dict[str, ModelPreset] = {
         ),
     )
 }
+# The models FastServe and Apt-Serve measured and today's small and mid-size LLaMA, at their
+# published sizes (the models' own config.json): `quanta bench engine --preset NAME` creates
+# their random weights on the device, with no checkpoint on disk (bench/gpu/README.md).
+_LLAMA3_THETA, _LLAMA3_EPS = 500000.0, 1e-5
+for _preset in (
+    ModelPreset(name="opt-13b", shape=PUBLISHED["opt-13b"], word_embed_proj_dim=5120),
+    ModelPreset(
+        name="llama-3-8b",
+        shape=_shape("llama", 128256, 4096, 32, 32, 8, 14336, 8192),
+        rope_theta=_LLAMA3_THETA,
+        rms_norm_eps=_LLAMA3_EPS,
+    ),
+    ModelPreset(
+        name="llama-3.2-1b",
+        shape=_shape("llama", 128256, 2048, 16, 32, 8, 8192, 131072),
+        rope_theta=_LLAMA3_THETA,
+        rms_norm_eps=_LLAMA3_EPS,
+        rope_scaling=RopeScaling(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=True,
+    ),
+):
+    PRESETS[_preset.name] = _preset
 # The layer kit's families, with the RMSNorm epsilon and RoPE base their real models use.
 _KIT_FAMILIES: dict[str, tuple[float, float]] = {
     "qwen2": (1e-6, 1e6),

@@ -81,14 +81,12 @@ _SAYS_DEFAULT = re.compile(r"(\(|; )default: ([^()]*)\)$")
 
 
 def _bounds(info: FieldInfo) -> dict[str, Any]:
-    """``ge``/``gt``/``le`` of a field as click's range, so a bad number is a usage error."""
+    """``ge``/``le`` of a field as click's range, so a bad number is a usage error; typer's
+    options have no open bound, so a ``gt`` is left to the model's own validation."""
     out: dict[str, Any] = {}
     for m in info.metadata:
-        for attr, key, open_key in (("ge", "min", None), ("gt", "min", "min_open")):
-            if getattr(m, attr, None) is not None:
-                out[key] = getattr(m, attr)
-                if open_key:
-                    out[open_key] = True
+        if getattr(m, "ge", None) is not None:
+            out["min"] = m.ge
         if getattr(m, "le", None) is not None:
             out["max"] = m.le
     return out

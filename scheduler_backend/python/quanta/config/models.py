@@ -107,6 +107,17 @@ class EngineArgs(_Options):
         "processes, torch.distributed gloo on CPU); cache sizes are per rank (default: the "
         "engine's, else 1)",
     )
+    enforce_eager: Annotated[bool | None, Pbtxt()] = Field(
+        None,
+        description="run every decode step eagerly instead of replaying CUDA graphs (vLLM's "
+        "flag; default: graphs on CUDA, where the model allows them; the CPU has none)",
+    )
+    async_scheduling: Annotated[bool | None, Pbtxt()] = Field(
+        None,
+        description="schedule each step while the one before it runs on the device (vLLM's "
+        "flag); structured output and speculative decoding steps still wait (default: on "
+        "for CUDA, off on the CPU)",
+    )
     torch_threads: Annotated[int | None, Pbtxt()] = Field(
         None, ge=1, description="CPU threads of the engine (default: torch's)"
     )
@@ -148,6 +159,15 @@ class CacheArgs(_Options):
         description="host KV tier in blocks, instead of a size (default: from the size; "
         "in the simulator, the cost profile's)",
     )
+    gpu_memory_utilization: Annotated[float | None, Pbtxt()] = Field(
+        None,
+        gt=0,
+        le=1,
+        description="fraction of the CUDA device's memory the engine uses in all (vLLM's "
+        "flag): the device KV tier gets what the weights and the largest step's activations "
+        "leave of it; a kv-cache-memory or device-blocks given wins; the CPU ignores it "
+        "(default: 0.9 on CUDA)",
+    )
 
     @field_validator("kv_cache_memory", "host_cache_memory")
     @classmethod
@@ -157,7 +177,7 @@ class CacheArgs(_Options):
             parse_size(value)
         return value
 
-    def runtime(self) -> dict[str, int]:
+    def runtime(self) -> dict[str, int | float]:
         """The fields of ``quanta.core.config.CacheConfig`` these options set (sizes in
         bytes, counts in blocks)."""
         sizes = {
@@ -170,6 +190,7 @@ class CacheArgs(_Options):
             else parse_size(self.host_cache_memory),
             "num_device_blocks": self.device_blocks,
             "num_host_blocks": self.host_blocks,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
         }
         return {k: v for k, v in sizes.items() if v is not None}
 
@@ -438,13 +459,21 @@ GROUPS: tuple[type[BaseModel], ...] = (EngineArgs, CacheArgs, SchedulerArgs, Ser
 # The options ``quanta.LLM`` takes by name beyond its own parameters: those that set the
 # engine's config (the rest of a group is a server's or the simulator's).
 OFFLINE_OPTIONS: dict[type[_Options], tuple[str, ...]] = {
-    EngineArgs: ("linear_kernel", "attention_kernel", "safepoint_interval", "max_seq_len"),
+    EngineArgs: (
+        "linear_kernel",
+        "attention_kernel",
+        "safepoint_interval",
+        "max_seq_len",
+        "enforce_eager",
+        "async_scheduling",
+    ),
     CacheArgs: (
         "block_size",
         "kv_cache_memory",
         "host_cache_memory",
         "device_blocks",
         "host_blocks",
+        "gpu_memory_utilization",
     ),
     SchedulerArgs: ("max_num_seqs", "max_num_batched_tokens"),
 }

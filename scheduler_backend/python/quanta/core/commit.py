@@ -111,9 +111,7 @@ class Committer:
             raise RuntimeError(f"{r.request_id}: {num_accepted} of {len(drafts)} drafts accepted")
         # NOTE: the K/V of rejected drafts lies past the computed tokens: written over
         # next step, never named, and its spare blocks go back below
-        r.num_computed_tokens += seq.num_new_tokens - len(drafts) + num_accepted
-        if not seq.hidden:
-            self._name_blocks(r)
+        self._advance(r, seq, seq.num_new_tokens - len(drafts) + num_accepted)
         r.attained_service += step_time
         if seq.prompt_logprobs is not None:
             _record_prompt_logprobs(r, seq.prompt_logprobs.first, plp)
@@ -143,9 +141,7 @@ class Committer:
         once the whole prompt is computed; True when it finished."""
         if self.faults is not None:
             self.faults.check("commit", r)
-        r.num_computed_tokens += seq.num_new_tokens
-        if not seq.hidden:
-            self._name_blocks(r)
+        self._advance(r, seq, seq.num_new_tokens)
         r.attained_service += step_time
         if seq.pooling is not None and vector:  # NOTE: a runner without tensors pools nothing
             if seq.pooling.first < r.num_pooled_rows:
@@ -163,6 +159,19 @@ class Committer:
         embedding = pooled_vector(r.pooled_sum, rows, r.pooling)
         self._finish(r, RequestStatus.FINISHED_STOPPED, (), "", embedding=embedding)
         return True
+
+    def _advance(self, r: Request, seq: ScheduledSeq, n: int) -> None:
+        """Count the ``n`` tokens ``seq`` computed, and name the blocks they filled.
+
+        A request preempted after its step was launched (the loop schedules the next step
+        while one runs: ``core/overlap.py``) kept no K/V by recompute, so it gains no
+        computed tokens; a swapped one's copy held them, and its blocks are named once it
+        runs again."""
+        if r.status is RequestStatus.WAITING:
+            return
+        r.num_computed_tokens += n
+        if r.status is RequestStatus.RUNNING and not seq.hidden:
+            self._name_blocks(r)
 
     def _name_blocks(self, r: Request) -> None:
         """Name the full blocks of ``r``'s computed tokens for the prefix cache, then give

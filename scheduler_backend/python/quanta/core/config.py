@@ -17,10 +17,22 @@ GiB = 1 << 30
 # quanta.runner.decode_kernel); one definition for the config, the CLI and the runner.
 LinearKernel = Literal["auto", "torch", "onednn", "native"]
 AttentionKernel = Literal["auto", "eager", "compiled", "native"]
+# Where the weights come from: the checkpoint ("auto"), or seeded random values made on the
+# device ("dummy", vLLM's name), for benchmarks of a real shape with no checkpoint on disk.
+LoadFormat = Literal["auto", "dummy"]
+
+
+# The fraction of a CUDA device's memory an engine uses when none is given (vLLM's default).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class CacheConfig(BaseModel):
-    """Sizes of the two KV tiers, in blocks or in bytes (blocks win when both are given)."""
+    """Sizes of the two KV tiers, in blocks or in bytes (blocks win when both are given).
+
+    On CUDA the device tier is sized instead from ``gpu_memory_utilization`` (default
+    ``DEFAULT_GPU_MEMORY_UTILIZATION``) once the weights are loaded, unless
+    ``num_device_blocks`` or ``device_bytes`` is given: an explicit size wins, as vLLM's
+    ``num_gpu_blocks_override`` and ``kv_cache_memory_bytes`` do. The CPU never reads it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -29,6 +41,7 @@ class CacheConfig(BaseModel):
     device_bytes: int = Field(1 * GiB, ge=1)
     num_host_blocks: int | None = Field(None, ge=0)
     host_bytes: int = Field(2 * GiB, ge=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
 
     def resolve(self, bytes_per_block: int) -> tuple[int, int]:
         """(device blocks, host blocks) for an engine whose block takes ``bytes_per_block``."""
@@ -86,6 +99,15 @@ class EngineConfig(BaseModel):
     # Ranks the model and every KV block are split over (vLLM's ``--tensor-parallel-size``):
     # worker processes joined by torch.distributed (gloo on CPU). KV cache sizes are per rank.
     tensor_parallel_size: int = Field(1, ge=1)
+    # "dummy": random weights of the checkpoint's shape, made on the device; only its
+    # config.json and tokenizer are read (quanta.runner.random_weights).
+    load_format: LoadFormat = "auto"
+    # Decode steps run eagerly, never replayed from CUDA graphs (vLLM's ``--enforce-eager``);
+    # graphs run only on CUDA (quanta.runner.graphs).
+    enforce_eager: bool = False
+    # Schedule each step while the one before it runs on the device (vLLM's
+    # ``--async-scheduling``; quanta.core.overlap); None: on for CUDA, off on the CPU.
+    async_scheduling: bool | None = None
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 

@@ -38,6 +38,15 @@ from quanta.core.output import (
     ScheduledSeq,
     SchedulerOutput,
 )
+from quanta.core.overlap import (
+    InlineLauncher,
+    Launcher,
+    StepHandle,
+    StepNotRun,
+    ThreadedLauncher,
+    ahead,
+    settle,
+)
 from quanta.core.plan import PoolView
 from quanta.core.policy import Policy, check_capabilities
 from quanta.core.prefix import block_hashes
@@ -83,6 +92,8 @@ class LoopStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    async_scheduling: bool = False  # steps scheduled while the one before runs
+    num_overlapped_steps: int = 0  # steps launched while the one before was in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +105,18 @@ class LoopHealth:
     reason: str = ""
     seconds_since_step: float = 0.0  # since the latest step ended; 0 while idle
     num_unfinished: int = 0  # requests submitted and not finished
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """A launched step, until it is committed."""
+
+    decision: Decision
+    sched: SchedulerOutput
+    handle: StepHandle
+    failed: dict[str, Exception]  # requests whose scheduling raised: failed once it lands
+    started: float  # clock time its scheduling began
+    abortable: bool  # preemptible (ConServe): the abort rule is armed until it lands
 
 
 class LoopFatalError(RuntimeError):
@@ -114,13 +137,20 @@ class EngineLoop:
         decode: Decode | None = None,
         speculative: SpeculativeConfig | None = None,
         max_step_failures: int = 5,
+        async_scheduling: bool = False,
     ) -> None:
+        """``async_scheduling``: schedule each step while the one before it runs (see
+        ``step``; never with ``speculative``). A runner with a ``launch`` of its own
+        (``core/overlap.py``'s ``Launcher``) is launched through it either way."""
         check_capabilities(policy, runner.capabilities, type(runner).__name__)
         self.runner, self.policy, self.blocks, self.clock = runner, policy, blocks, clock
         self.max_model_len = max_model_len
         self._applier = DecisionApplier(blocks)
         self._proposer = None if speculative is None else Proposer(speculative, max_model_len)
         self._committer = Committer(clock, blocks, decode)
+        self.async_scheduling = async_scheduling and speculative is None
+        self._launcher = _launcher_for(runner, self._execute, self.async_scheduling)
+        self._inflight: _Step | None = None  # launched, not yet committed
         self._pool = PoolView(blocks)
         self._live: dict[str, Request] = {}  # NOTE: insertion order is arrival order
         self._inbox: list[tuple[Request, Sink]] = []
@@ -136,6 +166,7 @@ class EngineLoop:
             "checkpoint": 0,
             "aborts": 0,
             "ckpt_copies": 0,
+            "overlapped": 0,
         }
         self._dropped_names = 0  # by the latest reset
         self._abort = AbortSignal()  # raised by ``submit`` while a preemptible step runs
@@ -257,39 +288,73 @@ class EngineLoop:
     def step(self) -> bool:
         """Run one iteration; False when there was nothing to do.
 
+        With ``async_scheduling`` the step launched here stays in flight while the next
+        iteration schedules the one after it (``core/overlap.py``), and the step before it
+        is committed once this one is launched. Steps run the old way (the step in flight
+        committed before the next is scheduled, or this one committed at once) where the
+        host needs what the device computes before it can schedule on:
+
+        - a row of structured output that samples: its grammar advances with the committed
+          token, and the next row's token mask is made from it;
+        - speculative decoding (the whole engine): the proposals come from the committed
+          tokens and the drafts accepted decide where the next step starts;
+        - a preemptible step (layer safepoints): an abort discards it, and a step built on
+          it would compute tokens that never were;
+        - a step with checkpoint copies: they are confirmed or dropped with its outcome.
+
+        Stop strings, EOS and lengths need no such wait: a request that finished at N
+        costs one wasted row at N+1, whose output is dropped.
+
         Containment: a request whose scheduling, row or commit raises ends alone with
         ``EngineStepError``; a step whose every request failed counts toward
         ``max_step_failures``, and an exception outside any one request's handling
-        propagates (the thread driver then fails everything in flight: ``_die``)."""
+        propagates (the thread driver then fails everything in flight: ``_die``). A step
+        launched on one that failed ran nothing (``StepNotRun``); it runs again once that
+        failure is contained."""
         self._ingest()
         if not self._live:
+            landed, self._inflight = self._inflight, None
+            if landed is not None:
+                self._land(landed)
             self._stats = self._snapshot()
-            return False
+            return landed is not None
         if self.faults is not None:
             self.faults.check_any("step", self._live.values())  # NOTE: uncontainable
             self.faults.stall(self._live.values())
             if self._stopping:
                 return False
+        prev, self._inflight = self._inflight, None
+        if prev is not None and not self._may_overlap(prev):
+            self._land(prev)
+            prev = None
+            if not self._live:
+                return True
         now = self.clock.now()
         try:
-            view = self._view(now)
-            self.blocks.forget_lookups()
-            self._look_up_prefixes(view.waiting)
-            if self._proposer is not None:
-                self._proposer.propose(self._live.values(), len(view.running))
-            decision = self.policy.schedule(view)
-            self._count_preemptions(decision)
-            sched = self._applier.apply(decision, self._live, now)
+            with ahead(None if prev is None else prev.sched, self._live):
+                view = self._view(now)
+                self.blocks.forget_lookups()
+                self._look_up_prefixes(view.waiting)
+                if self._proposer is not None:
+                    self._proposer.propose(self._live.values(), len(view.running))
+                decision = self.policy.schedule(view)
+                self._count_preemptions(decision)
+                sched = self._applier.apply(decision, self._live, now)
         except Exception as exc:  # a policy bug must not wedge every client
             log.exception("scheduling failed")
+            if prev is not None:
+                self._land(prev)
             self._fail(list(self._live.values()), f"scheduler error: {exc}")
             self._step_failed(f"scheduler error: {exc}")
             return True
         failed: dict[str, Exception] = dict(self._applier.failed)
         if sched.is_empty:
+            if prev is not None:
+                self._land(prev)
             self._fail_each(failed)
-            return bool(decision.preempt) or bool(failed)
-        if decision.abort_when is not None and self._safepoints and sched.seqs:
+            return bool(decision.preempt) or bool(failed) or prev is not None
+        abortable = decision.abort_when is not None and self._safepoints and bool(sched.seqs)
+        if abortable:
             sched = replace(sched, abort=self._abort)
             with self._cv:
                 self._abort.clear()
@@ -298,66 +363,131 @@ class EngineLoop:
                 # against this rule (there was none): it stops the step at its first check
                 if any(self.would_abort(r, now) for r, _ in self._inbox):
                     self._abort.raise_at(self.clock.now())
+        handle = self._launcher.launch(sched, None if prev is None else prev.handle)
+        step = self._inflight = _Step(decision, sched, handle, failed, now, abortable)
+        if prev is not None:  # NOTE: committed while the step launched after it runs
+            self._counts["overlapped"] += 1
+            if not self._land(prev):
+                step = self._inflight = self._after_failure(step)
+        if not (self.async_scheduling and not abortable and self._live):
+            self._inflight = None
+            self._land(step)
+        return True
+
+    def _may_overlap(self, step: _Step) -> bool:
+        """Whether the next step may be scheduled while ``step`` runs (see ``step``)."""
+        if step.sched.checkpoint:
+            return False
+        return not any(
+            s.sample and s.processing is not None and s.processing.constraint is not None
+            for s in step.sched.seqs
+        )
+
+    def _land(self, step: _Step) -> bool:
+        """Wait for ``step``, contain what it raised and commit it; False when it failed as
+        a whole (its rows then ran again one by one, or their requests failed)."""
+        decision, sched, failed = step.decision, step.sched, step.failed
         try:
-            out = self._execute(sched)
+            out = step.handle.result()
         except StepAborted:
             self._aborted(decision)
             self._fail_each(failed)
-            return True
+            return False
         except WorkerLostError as exc:
             # NOTE: every request's KV (and every cached prefix) had a shard on the lost rank
-            self.blocks.drop_pending_checkpoints()
+            self._drop_checkpoints(sched)
             log.error("%s", exc)
             self._fail(list(self._live.values()), str(exc), WorkerLostError)
             self.blocks.reset_prefix_cache()
             self._step_failed(str(exc))
-            return True
+            return False
         except MalformedStepError as exc:
             # NOTE: nothing was copied or written: the step's requests (and those whose KV
             # was to move) end, the others never met it
-            self.blocks.drop_pending_checkpoints()
+            self._drop_checkpoints(sched)
             log.exception("the runner refused the step")
             self._fail_step(decision, sched, exc)
             self._fail_each(failed)
             self._step_failed(f"engine step failed: {exc}")
-            return True
+            return False
         except Exception as exc:
-            self.blocks.drop_pending_checkpoints()
+            self._drop_checkpoints(sched)
             log.exception("engine step failed; running its requests one at a time")
             isolated = self._isolate(sched, failed)
             if isolated is None:
                 self._fail_step(decision, sched, exc)
                 self._fail_each(failed)
                 self._step_failed(f"engine step failed: {exc}")
-                return True
+                return False
             sched, out = isolated
+            self._commit(step, sched, out)
+            return False
         finally:
-            self._abort_rule = None
-        self.blocks.confirm_checkpoints()
-        self._counts["ckpt_copies"] += len(sched.checkpoint)
-        step_time = self.clock.now() - now
+            if step.abortable:
+                self._abort_rule = None
+        if sched.checkpoint:
+            self.blocks.confirm_checkpoints()
+            self._counts["ckpt_copies"] += len(sched.checkpoint)
+        self._commit(step, sched, out)
+        return True
+
+    def _commit(self, step: _Step, sched: SchedulerOutput, out: RunnerOutput) -> None:
+        """Commit a step's rows whose requests are still live (a request that finished or
+        was cancelled since the step was launched wasted its row), then tell the policy."""
+        keep = [i for i, s in enumerate(sched.seqs) if s.request_id in self._live]
+        if len(keep) < len(sched.seqs):
+            sched, out = replace(sched, seqs=tuple(sched.seqs[i] for i in keep)), _rows(out, keep)
+        step_time = self.clock.now() - step.started
         self._counts["steps"] += 1
         self._step_tokens.append(sched.num_tokens)
         done = self._committer.commit(sched, out, self._live, step_time)
-        if failed:  # NOTE: the policy learns only from the rows that ran
+        decision = step.decision
+        if len(decision.run) != len(sched.seqs):  # NOTE: the policy learns only from rows run
             ran = {s.request_id for s in sched.seqs}
             decision = replace(decision, run=tuple(p for p in decision.run if p[0] in ran))
         self.policy.on_step(decision, out, step_time)
         for r in done:
             del self._live[r.request_id]
             self.policy.on_finish(r)
-        self._fail_each(failed)
+        self._fail_each(step.failed)
         if len(sched.seqs) > sum(1 for r in done if r.error):
             self._failed_steps = 0  # NOTE: a row went through: the engine works
-        elif failed or sched.seqs:
+        elif step.failed or sched.seqs:
             self._step_failed("every request of the step failed")
         self._stats = self._snapshot()
-        return True
+
+    def _after_failure(self, step: _Step) -> _Step:
+        """``step`` was launched on a step that failed and was contained since: run it again
+        (without the rows of requests that ended) if it ran nothing."""
+        try:
+            step.handle.result()
+            return step
+        except StepNotRun:
+            pass
+        except Exception:
+            return step  # NOTE: its own failure, contained when it lands
+        sched = settle(step.sched, self._live)
+        return replace(step, sched=sched, handle=self._launcher.launch(sched, None))
+
+    def _drain(self) -> None:
+        """Wait for the step in flight and drop it (the loop stops or died)."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            try:
+                step.handle.result()
+            except Exception:
+                log.debug("the step in flight failed while the loop stopped", exc_info=True)
+
+    def _drop_checkpoints(self, sched: SchedulerOutput) -> None:
+        if sched.checkpoint:  # NOTE: only its own: the next step's may be pending already
+            self.blocks.drop_pending_checkpoints()
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One step on the runner (on the step thread when the loop overlaps)."""
         out = self.runner.execute(sched)
         if self.faults is not None:
-            self.faults.check_any("runner", (self._live[s.request_id] for s in sched.seqs))
+            rows = (self._live.get(s.request_id) for s in sched.seqs)
+            self.faults.check_any("runner", (r for r in rows if r is not None))
         return out
 
     def _isolate(
@@ -368,13 +498,14 @@ class EngineLoop:
         raise again fail. None when none ran (the fault is not any one request's).
 
         The requests that raise are added to ``failed``."""
+        sched = settle(sched, self._live)  # NOTE: the step before it is committed
         if len(sched.seqs) < 2:
             return None
         good, outs = [], []
         for seq in sched.seqs:
             solo = replace(sched, seqs=(seq,), swap_out=(), swap_in=(), checkpoint=(), abort=None)
             try:
-                outs.append(self._execute(solo))
+                outs.append(self._launcher.launch(solo, None).result())
                 good.append(seq)
             except Exception as exc:
                 log.warning("the row of %s failed alone too: %s", seq.request_id, exc)
@@ -423,6 +554,7 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._drain()
         self._ingest()
         self._fail(list(self._live.values()), reason, error)
 
@@ -454,6 +586,7 @@ class EngineLoop:
         ``EngineDeadError`` (each on its own, so one broken sink cannot stop the rest), then
         tell ``on_fatal``."""
         log.critical("the engine loop died: %s", reason, exc_info=True)
+        self._inflight = None  # NOTE: not waited for: a hung step must not keep clients waiting
         with self._cv:
             self._dead = reason
             inbox, self._inbox = self._inbox, []
@@ -620,6 +753,8 @@ class EngineLoop:
             spec_num_drafts=self._committer.num_drafts,
             spec_num_draft_tokens=self._committer.num_draft_tokens,
             spec_num_accepted_tokens=self._committer.num_accepted_tokens,
+            async_scheduling=self.async_scheduling,
+            num_overlapped_steps=self._counts["overlapped"],
         )
 
 
@@ -637,6 +772,36 @@ def _reported_blocks(r: Request, block_size: int) -> int:
     if reported >= r.num_prompt_tokens - 1:
         return len(r.all_token_ids)  # NOTE: every row reported: no cap
     return reported // block_size
+
+
+def _launcher_for(
+    runner: Runner, execute: Callable[[SchedulerOutput], RunnerOutput], overlap: bool
+) -> Launcher:
+    """The runner's own ``launch`` where it has one, else ``execute`` inline, or on a step
+    thread when steps overlap (bound to the runner's device by its ``bind_thread``)."""
+    if callable(getattr(runner, "launch", None)):
+        return runner  # type: ignore[return-value]
+    if not overlap:
+        return InlineLauncher(execute)
+    return ThreadedLauncher(execute, getattr(runner, "bind_thread", None))
+
+
+def _rows(out: RunnerOutput, keep: list[int]) -> RunnerOutput:
+    """``out`` with only the rows at ``keep``."""
+
+    def pick(values: tuple) -> tuple:
+        return tuple(values[i] for i in keep) if values else ()
+
+    return replace(
+        out,
+        request_ids=pick(out.request_ids),
+        sampled_token_ids=pick(out.sampled_token_ids),
+        logprobs=pick(out.logprobs),
+        prompt_logprobs=pick(out.prompt_logprobs),
+        pooled=pick(out.pooled),
+        num_accepted=pick(out.num_accepted),
+        proposals=pick(out.proposals),
+    )
 
 
 def _merge_outputs(seqs: list[ScheduledSeq], outs: list[RunnerOutput]) -> RunnerOutput:

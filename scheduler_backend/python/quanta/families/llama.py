@@ -74,8 +74,9 @@ def check_preset(preset: ModelPreset) -> None:
         raise ValueError("llama presets need rms_norm_eps")
     if preset.word_embed_proj_dim is not None:
         raise ValueError("word_embed_proj_dim is an OPT field")
-    if preset.tie_word_embeddings:
-        raise ValueError("llama presets write an untied LM head")
+    scaling = preset.rope_scaling
+    if scaling is not None and scaling.rope_type not in ("linear", "llama3"):
+        raise ValueError(f"llama presets scale RoPE by linear or llama3, not {scaling.rope_type!r}")
 
 
 def hf_config(preset: ModelPreset) -> dict[str, object]:
@@ -92,14 +93,30 @@ def hf_config(preset: ModelPreset) -> dict[str, object]:
         "num_key_value_heads": preset.shape.num_kv_heads,
         "pretraining_tp": 1,
         "rms_norm_eps": preset.rms_norm_eps,
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(preset.rope_scaling),
         "rope_theta": preset.rope_theta,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": preset.tie_word_embeddings,
+    }
+
+
+def _rope_scaling(scaling: RopeScaling | None) -> dict[str, object] | None:
+    """``rope_scaling`` as LLaMA's config.json writes it (LLaMA-3.1 and 3.2: llama3)."""
+    if scaling is None:
+        return None
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {
+        "factor": scaling.factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        "rope_type": "llama3",
     }
 
 
 def tensor_specs(preset: ModelPreset) -> list[TensorSpec]:
-    """Stored tensors in HF order: no biases, RMSNorm weights of one, an untied lm_head."""
+    """Stored tensors in HF order: no biases, RMSNorm weights of one, the lm_head unless it
+    is the embedding (LLaMA-3.2's is; as ``save_pretrained``, a tied head is not stored)."""
     shape = preset.shape
     h, f, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -115,8 +132,8 @@ def tensor_specs(preset: ModelPreset) -> list[TensorSpec]:
         out += linear(lp + "mlp.down_proj", h, f)
         out += [(lp + "input_layernorm.weight", (h,), "ones")]
         out += [(lp + "post_attention_layernorm.weight", (h,), "ones")]
-    out += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (v, h), "normal")]
-    return out
+    out += [("model.norm.weight", (h,), "ones")]
+    return out if preset.tie_word_embeddings else [*out, ("lm_head.weight", (v, h), "normal")]
 
 
 LLAMA = FamilySpec(

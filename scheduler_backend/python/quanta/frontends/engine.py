@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,7 +21,7 @@ from quanta.build.manifest import EngineManifestError, apply_manifest, check_fil
 from quanta.build.shape import model_shape
 from quanta.core.blocks import BlockManager
 from quanta.core.clock import Clock, WallClock
-from quanta.core.config import EngineConfig
+from quanta.core.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from quanta.core.errors import InvalidRequestError
 from quanta.core.loop import EngineLoop
 from quanta.core.pooling import PoolingParams
@@ -35,6 +37,8 @@ from quanta.runner.model_runner import resolve_dtype
 from quanta.runner.models.config import ModelConfig
 from quanta.structured import Grammars
 from quanta.text.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Engine:
             "attention_kernel": self.runner.attention_kernel,
             "prefill_attention": self.runner.prefill_attention,
             "layer_path": self.runner.layer_path,
+            **self.runner.decode_graph_info(),
             "cpu_isa": cpu_isa(),
             "max_num_seqs": str(c.scheduler.max_num_seqs),
             "max_num_batched_tokens": str(c.scheduler.max_num_batched_tokens),
@@ -75,6 +80,7 @@ class Engine:
             "host_blocks": str(self.runner.num_host_blocks),
             "prefix_caching": str(c.enable_prefix_caching).lower(),
             "tensor_parallel_size": str(c.tensor_parallel_size),
+            "async_scheduling": str(self.loop.async_scheduling).lower(),
             "speculative_config": (
                 "none"
                 if c.speculative_config is None
@@ -154,6 +160,32 @@ def engine_config_for(config: EngineConfig, model_config: ModelConfig) -> Engine
     return config
 
 
+def _memory_utilization(config: EngineConfig) -> float | None:
+    """The fraction of the CUDA device's memory the device KV tier is sized from, or None
+    where the tier has a size of its own: a given ``num_device_blocks`` or ``device_bytes``
+    (kv-cache-memory) wins, as vLLM's block override and ``kv_cache_memory_bytes`` win over
+    its ``gpu_memory_utilization``. On the CPU the tier is sized as it always was: the
+    fraction, meaningless there (the weights and the cache share the machine's RAM with
+    everything else), is ignored with a warning rather than refused, so one config file
+    serves CPU and GPU machines alike."""
+    cache = config.cache
+    given = cache.gpu_memory_utilization
+    if not config.device.startswith("cuda"):
+        if given is not None:
+            log.warning(
+                "gpu_memory_utilization %s ignored on %s: the device KV tier there is "
+                "kv-cache-memory (default 1GiB) or num_device_blocks",
+                given,
+                config.device,
+            )
+        return None
+    if cache.num_device_blocks is not None or "device_bytes" in cache.model_fields_set:
+        if given is not None:
+            log.info("gpu_memory_utilization %s: the device KV tier's given size wins", given)
+        return None
+    return given if given is not None else DEFAULT_GPU_MEMORY_UTILIZATION
+
+
 def _check_memory(config: EngineConfig, device_kv: int, host_kv: int) -> None:
     """KV tiers this machine cannot hold fail here, with the numbers, rather than as an
     allocation failure (or the OOM killer) once the weights are loaded."""
@@ -178,6 +210,8 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
     model_config = load_model_config(model_dir)
+    # NOTE: before the manifest, whose sizes are defaults and not the user's
+    utilization = _memory_utilization(config)
     config = engine_config_for(config, model_config)
     cache = config.cache
     dtype = resolve_dtype(config.dtype, torch.device(config.device))
@@ -186,7 +220,8 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
     per_block = ModelRunner.kv_bytes_per_block(model_config, cache.block_size, dtype)
     per_block //= config.tensor_parallel_size
     num_device, num_host = cache.resolve(per_block)
-    _check_memory(config, num_device * per_block, num_host * per_block)
+    device_kv = 0 if utilization is not None else num_device * per_block  # else sized later
+    _check_memory(config, device_kv, num_host * per_block)
     sched = config.scheduler
     max_model_len = config.max_seq_len or model_config.max_model_len
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
@@ -194,19 +229,31 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
             "without chunked prefill max_num_batched_tokens "
             f"({sched.max_num_batched_tokens}) must cover max_seq_len ({max_model_len})"
         )
-    runner = ModelRunner(
-        model_dir,
-        num_device_blocks=num_device,
-        num_host_blocks=num_host,
-        block_size=cache.block_size,
-        dtype=dtype,
-        device=config.device,
-        linear_kernel=config.linear_kernel,
-        attention_kernel=config.attention_kernel,
-        safepoint_interval=config.safepoint_interval,
-        draft_model=_draft_model(config),
-        tensor_parallel_size=config.tensor_parallel_size,
-    )
+    options: dict[str, Any] = {
+        "num_host_blocks": num_host,
+        "block_size": cache.block_size,
+        "dtype": dtype,
+        "device": config.device,
+        "linear_kernel": config.linear_kernel,
+        "attention_kernel": config.attention_kernel,
+        "safepoint_interval": config.safepoint_interval,
+        "draft_model": _draft_model(config),
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "load_format": config.load_format,
+        "enforce_eager": config.enforce_eager,
+    }
+    if utilization is None:
+        runner = ModelRunner(
+            model_dir, num_device_blocks=num_device, max_num_seqs=sched.max_num_seqs, **options
+        )
+    else:
+        runner = ModelRunner.sized_by_memory(
+            model_dir,
+            utilization=utilization,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            **options,
+        )
     tokenizer = load_tokenizer(model_dir)
     clock = clock or WallClock()
     loop = EngineLoop(
@@ -214,7 +261,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         policy=make_policy(config.policy, sched, **config.policy_options),
         blocks=BlockManager(
             cache.block_size,
-            num_device,
+            runner.num_device_blocks,
             num_host,
             # NOTE: under longrope a token's keys depend on its request's prompt length, not
             # only on the tokens, so blocks cannot be shared by content.
@@ -225,6 +272,11 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> Engine:
         max_model_len=max_model_len,
         decode=tokenizer.decode,
         speculative=config.speculative_config,
+        async_scheduling=(
+            config.device.startswith("cuda")
+            if config.async_scheduling is None
+            else config.async_scheduling
+        ),
     )
     grammars = Grammars(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
     return Engine(config, model_config, tokenizer, runner, loop, clock, grammars)

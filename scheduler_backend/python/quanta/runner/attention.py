@@ -53,8 +53,9 @@ from quanta.core.window import first_held
 if TYPE_CHECKING:
     from quanta.runner.triton_attention import PagedBatch
 
-# On CUDA: "triton" (the default where triton is installed) or "torch" (the SDPA and packed
-# decode path, kept for comparison).
+# On CUDA: "triton" or "torch" (the SDPA and packed decode path). An engine that replays
+# decode graphs (``quanta.runner.graphs``, the CUDA default) attends through Triton whatever
+# this says, except "torch", which turns the graphs off.
 CUDA_ATTENTION_ENV = "QUANTA_CUDA_ATTENTION"
 
 
@@ -324,9 +325,10 @@ def _kv_metadata(
 
 def _triton_attention(device: torch.device) -> bool:
     """Whether a step on ``device`` attends through the Triton kernels: on CUDA where triton
-    is installed and ``QUANTA_CUDA_ATTENTION=triton`` asks for them. The torch path stays the
-    default until the kernels have been compiled and checked on a GPU (their tests so far ran
-    under Triton's CPU interpreter only)."""
+    is installed and ``QUANTA_CUDA_ATTENTION=triton`` asks for them. Without decode graphs
+    (``--enforce-eager``, or a capture that failed) the torch path stays the default until the
+    kernels have been checked on a GPU (their tests so far ran under Triton's CPU interpreter);
+    with graphs the runner sets the Triton batch itself (``ModelRunner._prepare``)."""
     if device.type != "cuda":
         return False
     choice = os.environ.get(CUDA_ATTENTION_ENV, "").strip() or "torch"

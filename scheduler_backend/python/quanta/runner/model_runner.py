@@ -11,16 +11,18 @@ last copies the step's incremental checkpoints to the host tier.  A step of pree
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from quanta.core.config import AttentionKernel, LinearKernel
+from quanta.core.config import AttentionKernel, LinearKernel, LoadFormat
 from quanta.core.output import (
     MalformedStepError,
     RunnerCapabilities,
@@ -31,7 +33,8 @@ from quanta.core.output import (
 )
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.core.safepoint import AbortSignal, StepAborted
-from quanta.runner import decode_chain, native_prefill, panel_linear
+from quanta.core.sizes import format_size
+from quanta.runner import decode_chain, graphs, native_prefill, panel_linear
 from quanta.runner.attention import (
     AttentionMetadata,
     HiddenShard,
@@ -41,18 +44,21 @@ from quanta.runner.attention import (
 )
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
+from quanta.runner.device_sampler import DeviceSampler, SampledTokens
+from quanta.runner.devices import CudaMemory
 from quanta.runner.draft import DraftModel
 from quanta.runner.layer_ops import layer_ops
 from quanta.runner.layers.rotary import by_prompt_length
 from quanta.runner.lazy_zeros import zeros_on_demand
 from quanta.runner.linear import fuse_model, onednn_supports, resolve_kernel
-from quanta.runner.logits import process_logits, token_logprob, token_logprobs
+from quanta.runner.logits import process_logits, token_logprobs
+from quanta.runner.memory import DeviceMemory, MemoryUse, describe_kv_sizing, kv_cache_blocks
 from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import load_weights
 from quanta.runner.models.safepoints import Safepoints
 from quanta.runner.quantized import quantized_kernels
-from quanta.runner.sampler import sample
+from quanta.runner.random_weights import fill_random_weights
 from quanta.runner.speculative import verify
 from quanta.runner.tensor_parallel import (
     Rank,
@@ -67,7 +73,10 @@ from quanta.runner.tensor_parallel import (
     worker_step,
     wrap_row_parallel,
 )
+from quanta.runner.transfer import to_device
 from quanta.structured.masks import GrammarMasks, PendingMasks
+
+log = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -128,7 +137,7 @@ class ModelRunner:
         self,
         model_dir: str | Path,
         *,
-        num_device_blocks: int,
+        num_device_blocks: int | None,
         num_host_blocks: int,
         block_size: int = 16,
         dtype: torch.dtype | str | None = None,
@@ -139,13 +148,22 @@ class ModelRunner:
         draft_model: str | Path | None = None,
         tensor_parallel_size: int = 1,
         tensor_rank: Rank | None = None,
+        load_format: LoadFormat = "auto",
+        enforce_eager: bool = False,
+        max_num_seqs: int = 128,
     ) -> None:
         """``draft_model``: a smaller model of the same vocabulary whose greedy proposals the
         steps verify (``runner/draft.py``); its caches get this runner's blocks.
         ``tensor_parallel_size`` > 1 splits the model and every KV block over that many
         ranks (``quanta.runner.tensor_parallel``): this runner is rank 0 and starts the
-        others; ``tensor_rank`` is how a worker process builds its own shard."""
-        if num_device_blocks <= 0 or num_host_blocks < 0 or block_size <= 0:
+        others; ``tensor_rank`` is how a worker process builds its own shard.
+        ``load_format`` "dummy" creates seeded random weights on the device instead of reading
+        them (``runner/random_weights.py``): ``model_dir`` then needs only its config.json.
+        On CUDA, decode steps of up to ``max_num_seqs`` rows replay CUDA graphs
+        (``runner/graphs.py``) unless ``enforce_eager``."""
+        if (num_device_blocks is not None and num_device_blocks <= 0) or (
+            num_host_blocks < 0 or block_size <= 0
+        ):
             raise ValueError("need num_device_blocks > 0, num_host_blocks >= 0, block_size > 0")
         if safepoint_interval < 1:
             raise ValueError(f"safepoint_interval must be >= 1, got {safepoint_interval}")
@@ -157,13 +175,19 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
-        self.num_device_blocks = num_device_blocks
+        # 0 until ``allocate_device_kv``: at once when the size is given, after profiling
+        # when the device's memory sizes it (``sized_by_memory``)
+        self.num_device_blocks = 0
         self.num_host_blocks = num_host_blocks
+        # Swaps and checkpoints run on a side stream on CUDA, in line on the CPU.
+        self._copies = _CopyStream(self.device)
         self.model_config: ModelConfig = load_model_config(model_dir)
         self.tp: WorkerGroup | None = None
         rank = tensor_rank
         if rank is None and tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, tensor_parallel_size, self.device, draft_model)
+            if num_device_blocks is None:
+                raise ValueError("tensor parallelism needs num_device_blocks up front")
             rank = Rank(0, tensor_parallel_size)
             self._threads_before = torch.get_num_threads()
             # the workers load their shards while this one loads its own
@@ -178,12 +202,16 @@ class ModelRunner:
                 linear_kernel=linear_kernel,
                 attention_kernel=attention_kernel,
                 safepoint_interval=safepoint_interval,
+                load_format=load_format,
             )
         # What this rank's KV cache and attention kernels hold: its heads (all without TP).
         self.kv_config = self.model_config
         self.model = build_model_skeleton(self.model_config)
         try:
-            load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
+            if load_format == "dummy":
+                fill_random_weights(self.model, dtype=self.dtype, device=self.device)
+            else:
+                load_weights(self.model, model_dir, dtype=self.dtype, device=self.device)
             if rank is not None:
                 if any(getattr(m, "quantized", None) is not None for m in self.model.modules()):
                     raise ValueError(
@@ -234,12 +262,12 @@ class ModelRunner:
             use_decode_chain(chain)
             if chain is not None:
                 self.layer_path = "chain"
-        self.device_kv_cache = self._allocate_kv(num_device_blocks, self.device)
         self.host_kv_cache = self._allocate_kv(
             num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
         self.bytes_per_block = self.kv_bytes_per_block(cfg, block_size, self.dtype)
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
+        self.sampler = DeviceSampler()  # sampling on the logits' device
         # Under tensor parallelism each rank stores its columns of a hidden-cache token's
         # state and gathers the others' to project its K and V heads (``HiddenShard``).
         self._hidden_shard = None
@@ -249,20 +277,188 @@ class ModelRunner:
         self.capabilities = RunnerCapabilities(
             hidden_cache=offers_hidden_cache(self.model_config), layer_safepoints=True
         )
+        # Decode steps replayed from CUDA graphs (``quanta.runner.graphs``), captured once the
+        # device KV tier exists (``allocate_device_kv``); ``graphs_off`` says why not.
+        self.decode_graphs: graphs.DecodeGraphs | None = None
+        self.step_paths = graphs.StepPaths()
+        self.max_num_seqs = max_num_seqs
+        off = graphs.unsupported(self.model_config, self.device, tensor_parallel=rank is not None)
+        self.graphs_off = "enforce-eager" if enforce_eager else off
         self.draft: DraftModel | None = None
         if draft_model is not None:
             # The draft's own runner, over the same blocks, so both caches move together.
             draft_runner = ModelRunner(
                 draft_model,
-                num_device_blocks=num_device_blocks,
+                num_device_blocks=None,  # allocated with this runner's, below
                 num_host_blocks=num_host_blocks,
                 block_size=block_size,
                 dtype=self.dtype,
                 device=self.device,
                 linear_kernel=linear_kernel,
                 attention_kernel=attention_kernel,
+                enforce_eager=True,
             )
             self.draft = DraftModel(draft_model, draft_runner, cfg)
+        if num_device_blocks is not None:
+            self.allocate_device_kv(num_device_blocks)
+
+    @classmethod
+    def sized_by_memory(
+        cls,
+        model_dir: str | Path,
+        *,
+        utilization: float,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        memory: DeviceMemory | None = None,
+        **options: Any,
+    ) -> ModelRunner:
+        """A runner whose device KV tier takes what ``utilization`` of the device's memory
+        leaves once the weights are loaded and the largest step has run (vLLM's
+        ``gpu_memory_utilization``; the arithmetic: ``quanta.runner.memory``). ``memory``
+        reads the device (default: the CUDA device's; a stand-in in tests); ``options`` are
+        the constructor's, ``num_device_blocks`` aside."""
+        memory = memory or CudaMemory(str(options.get("device") or "cuda"))
+        free_at_start = memory.free()  # before the weights: other processes hold the rest
+        runner = cls(model_dir, num_device_blocks=None, max_num_seqs=max_num_seqs, **options)
+        try:
+            runner.size_kv_from_memory(
+                memory,
+                free_at_start,
+                utilization=utilization,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+            )
+        except BaseException:
+            runner.close()
+            raise
+        return runner
+
+    def size_kv_from_memory(
+        self,
+        memory: DeviceMemory,
+        free_at_start: int,
+        *,
+        utilization: float,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        graph_pool: int = 0,
+    ) -> int:
+        """Profile the largest step, size the device KV tier from what is left and allocate
+        it; returns its blocks. ``free_at_start``: the device's free memory before the
+        weights were loaded.
+
+        NOTE: the order is weights, profiling forward, KV cache, then CUDA graphs: graphs
+        read the cache's addresses, so they are captured after ``allocate_device_kv``, and
+        the pool they will hold (``graph_pool``) must be measured before this call so the
+        cache leaves room for it."""
+        peak = self._profile_peak(memory, max_num_batched_tokens, max_num_seqs)
+        # measured after the profiling forward: library workspaces it created stay
+        loaded = max(0, free_at_start - memory.free())
+        models = [self.model] + ([] if self.draft is None else [self.draft.runner.model])
+        use = MemoryUse(
+            total=memory.total(),
+            free_at_start=free_at_start,
+            loaded=loaded,
+            weights=sum(_tensor_bytes(m) for m in models),
+            peak_activation=peak,
+            graph_pool=graph_pool,
+        )
+        per_block = self.bytes_per_block
+        if self.draft is not None:  # the draft's cache has the same blocks
+            per_block += self.draft.runner.bytes_per_block
+        blocks = kv_cache_blocks(use, utilization, per_block)
+        log.info("%s", describe_kv_sizing(use, utilization, blocks, per_block))
+        before = memory.free()
+        self.allocate_device_kv(blocks)  # and the decode graphs, where they run
+        graph_bytes = before - memory.free() - blocks * per_block
+        if graph_bytes > graph_pool:
+            log.info(
+                "CUDA graphs hold %s beyond the %s reserved for them in the sizing",
+                format_size(graph_bytes),
+                format_size(graph_pool),
+            )
+        return blocks
+
+    def allocate_device_kv(self, num_blocks: int) -> None:
+        """Allocate the device KV tier (and the draft model's beside it) with ``num_blocks``
+        blocks; once, before the first step."""
+        if num_blocks < 1:
+            raise ValueError(f"need num_device_blocks > 0, got {num_blocks}")
+        self.num_device_blocks = num_blocks
+        self.device_kv_cache = self._allocate_kv(num_blocks, self.device)
+        if self.draft is not None:
+            self.draft.runner.allocate_device_kv(num_blocks)
+        if self.graphs_off is None:
+            try:
+                self.capture_decode_graphs(graphs.cuda_capture())
+            except Exception as exc:  # an operator a graph cannot hold: slower, never broken
+                log.warning("capturing decode graphs failed, decoding eagerly: %s", exc)
+                self.graphs_off = f"capture failed: {type(exc).__name__}"
+
+    def capture_decode_graphs(self, capture: graphs.Capture) -> None:
+        """Capture a decode step per padded batch size over the device KV tier (on CUDA
+        ``graphs.cuda_capture``; the CPU's stand-in ``graphs.rerun``, for tests); from then on
+        every step attends through the Triton kernel the graphs replay."""
+        reason = graphs.model_unsupported(self.model_config, tensor_parallel=self.tp is not None)
+        if reason is not None:
+            raise ValueError(f"decode graphs cannot hold this model: {reason}")
+        decode_graphs = graphs.DecodeGraphs(
+            self.model,
+            self.device_kv_cache,
+            sizes=graphs.graph_sizes(self.max_num_seqs),
+            block_size=self.block_size,
+            num_blocks=self.num_device_blocks,
+            max_model_len=self.model_config.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        with torch.inference_mode():
+            seconds = decode_graphs.capture(capture)
+        self.decode_graphs, self.graphs_off = decode_graphs, None
+        sizes = decode_graphs.sizes
+        log.info("captured %d decode graphs (%d to %d rows) in %.2f s", len(sizes), sizes[0],
+                 sizes[-1], seconds)  # fmt: skip
+
+    def decode_graph_info(self) -> dict[str, str]:
+        """What the engine's info says of the decode graphs: on or off (and why), the sizes,
+        the capture time, and how many steps replayed a graph or ran eagerly so far."""
+        g = self.decode_graphs
+        return {
+            "cuda_graphs": "on" if g is not None else f"off ({self.graphs_off})",
+            "cuda_graph_sizes": ",".join(map(str, g.sizes)) if g is not None else "none",
+            "graph_capture_s": f"{g.capture_s:.2f}" if g is not None else "0",
+            "graph_steps": str(self.step_paths.graph),
+            "eager_steps": str(self.step_paths.eager),
+        }
+
+    def _profile_peak(
+        self, memory: DeviceMemory, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
+        """The activations' peak of the largest step, in bytes: ``max_num_batched_tokens``
+        prompt tokens in sequences as long as the context allows (one long prompt is where
+        attention holds the most), then the LM head and an fp32 softmax over
+        ``max_num_seqs`` rows, as sampling takes them. It runs over a cache of its own,
+        allocated before the measurement starts and dropped after. The draft model, which
+        runs after the target, holds less and is not profiled."""
+        longest = self.model_config.max_model_len
+        chunks: list[_Chunk] = []
+        num_blocks = 0
+        for start in range(0, max_num_batched_tokens, longest):
+            n = min(longest, max_num_batched_tokens - start)
+            used = -(-n // self.block_size)
+            table = tuple(range(num_blocks, num_blocks + used))
+            chunks.append(_Chunk((0,) * n, 0, table, False, n))
+            num_blocks += used
+        cache = self._allocate_kv(num_blocks, self.device)
+        with torch.inference_mode():
+            batch = self._prepare(chunks, num_blocks)
+            memory.start_peak()
+            hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta)
+            rows = hidden[-min(max_num_seqs, hidden.shape[0]) :]
+            torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            return memory.peak()
 
     @staticmethod
     def hidden_blocks_ratio(config: ModelConfig) -> float:
@@ -296,7 +492,7 @@ class ModelRunner:
         seqs = so.seqs
         with torch.inference_mode():
             try:
-                batch = self._prepare(seqs, self.num_device_blocks) if seqs else None
+                batch = self._prepare_step(so) if seqs else None
                 self._check_copies(so.swap_out, self.num_device_blocks, self.num_host_blocks)
                 self._check_copies(so.swap_in, self.num_host_blocks, self.num_device_blocks)
                 self._check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
@@ -318,13 +514,7 @@ class ModelRunner:
                     safepoints = (
                         None if so.abort is None else self.safepoints_for(so.abort, started)
                     )
-                    hidden = self.model(
-                        batch.input_ids,
-                        batch.positions,
-                        self.device_kv_cache,
-                        batch.meta,
-                        safepoints,
-                    )
+                    hidden = self._forward(batch, safepoints)
                     for i, seq in enumerate(seqs):
                         if seq.prompt_logprobs is not None:
                             first_row = batch.last_rows[i] - seq.num_new_tokens + 1
@@ -333,10 +523,9 @@ class ModelRunner:
                             first_row = batch.last_rows[i] - seq.num_new_tokens + 1
                             pooled[i] = _pooled_sum(hidden, first_row, seq)
                     self._sample(hidden, batch, seqs, sampled, logprobs, accepted, masks)
-                # NOTE: synchronous, like every copy here: on CPU both tiers are RAM, and on CUDA
-                # a blocking ``.to`` the host waits for the copy. Overlapping checkpoints with the
-                # next step on a side stream (ConServe's background copies) waits for a GPU
-                # machine to test it on.
+                # NOTE: on CUDA queued on the copy stream, the host going on at once; the next
+                # forward waits for it on the GPU (``_copy_blocks``), so it does not yet overlap
+                # that forward (ConServe's background copies).
                 self._copy_blocks(so.checkpoint, self.device_kv_cache, self.host_kv_cache)
                 proposals: tuple[tuple[int, ...], ...] = ()
                 if self.draft is not None:
@@ -388,6 +577,24 @@ class ModelRunner:
         chosen = [i for i, seq in enumerate(seqs) if seq.sample]
         if not chosen:
             return
+        result = self._sampled_tokens(hidden, batch, seqs, chosen, accepted, masks)
+        for i, token in zip(chosen, result.tokens(), strict=True):
+            sampled[i] = token
+        for j, lp in result.logprobs().items():
+            logprobs[chosen[j]] = lp
+
+    def _sampled_tokens(
+        self,
+        hidden: torch.Tensor,
+        batch: _Batch,
+        seqs: Sequence[ScheduledSeq],
+        chosen: list[int],
+        accepted: list[int],
+        masks: PendingMasks | None,
+    ) -> SampledTokens:
+        """The tokens of the ``chosen`` seqs, sampled on the device (``runner/device_sampler.py``)
+        but for the seqs that verify drafts; the host waits for nothing here where no seq
+        verifies drafts or follows a grammar."""
         rows_at = [batch.last_rows[i] for i in chosen]
         # Speculative seqs: the rows before the last one predict their drafts.
         drafted = [i for i in chosen if seqs[i].num_draft_tokens]
@@ -396,10 +603,14 @@ class ModelRunner:
             for i in drafted
             for r in range(batch.last_rows[i] - seqs[i].num_draft_tokens, batch.last_rows[i])
         ]
-        index = torch.tensor(rows_at + draft_rows, dtype=torch.long, device=self.device)
-        all_logits = self.model.compute_logits(hidden.index_select(0, index))
+        index = to_device(rows_at + draft_rows, torch.long, self.device)
+        picked = hidden.index_select(0, index)  # a replayed graph's rows are logits already
+        all_logits = picked if batch.graph is not None else self.model.compute_logits(picked)
         logits = all_logits[: len(chosen)]
         rows = [seqs[i] for i in chosen]
+        plain = [j for j, i in enumerate(chosen) if not seqs[i].num_draft_tokens]
+        # drawn on the host while the device computes the logits
+        noise = self.sampler.start([rows[j] for j in plain], logits.shape[-1], self.device)
         # NOTE: the sampler casts what it picks from; processing and log-probabilities need
         # fp32 for every row, so they get it here.
         if any(row.processing is not None for row in rows):
@@ -407,28 +618,25 @@ class ModelRunner:
         if masks is not None:
             self.grammar_masks.apply(logits, masks)
         raw = process_logits(logits, rows)
-        plain = [j for j, i in enumerate(chosen) if not seqs[i].num_draft_tokens]
         if len(plain) == len(chosen):
-            tokens = sample(logits, rows)
-        else:
-            tokens = [0] * len(chosen)
-            if plain:
-                picked = logits.index_select(0, torch.tensor(plain, device=logits.device))
-                for j, token in zip(plain, sample(picked, [rows[j] for j in plain]), strict=True):
-                    tokens[j] = token
-            first = len(chosen)
-            for j, i in enumerate(chosen):
-                k = seqs[i].num_draft_tokens
-                if not k:
-                    continue
-                rows_k = torch.cat((all_logits[first : first + k], logits[j : j + 1]))
-                accepted[i], tokens[j] = verify(rows_k, seqs[i].token_ids[-k:], rows[j])
-                first += k
-        for i, token in zip(chosen, tokens, strict=True):
-            sampled[i] = token
-        for j, lp in raw.items():
-            top = rows[j].processing.logprobs  # type: ignore[union-attr]
-            logprobs[chosen[j]] = token_logprob(lp, tokens[j], top or 0)
+            return self.sampler.sample(logits, rows, noise, raw)
+        tokens = [0] * len(chosen)
+        if plain:
+            picked = logits.index_select(0, to_device(plain, torch.long, self.device))
+            plain_rows = [rows[j] for j in plain]
+            plain_tokens = self.sampler.sample(picked, plain_rows, noise).tokens()
+            for j, token in zip(plain, plain_tokens, strict=True):
+                tokens[j] = token
+        first = len(chosen)
+        for j, i in enumerate(chosen):
+            k = seqs[i].num_draft_tokens
+            if not k:
+                continue
+            rows_k = torch.cat((all_logits[first : first + k], logits[j : j + 1]))
+            accepted[i], tokens[j] = verify(rows_k, seqs[i].token_ids[-k:], rows[j])
+            first += k
+        ids = to_device(tokens, torch.long, self.device)
+        return SampledTokens(ids, None if raw is None else raw.pick(ids))
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, first_row: int, seq: ScheduledSeq
@@ -490,6 +698,37 @@ class ModelRunner:
             self.tp = None
             torch.set_num_threads(self._threads_before)
 
+    def bind_thread(self) -> None:
+        """Make this runner's device the calling thread's current one (CUDA's is per
+        thread): the loop calls it on the thread that runs steps while it schedules the next
+        (``quanta.core.overlap``), so a runner on ``cuda:1`` launches its kernels there."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def _prepare_step(self, so: SchedulerOutput) -> _Batch:
+        """The step's batch: loaded into the decode graphs' buffers where a graph replays it
+        (``quanta.runner.graphs``), else packed by ``_prepare``; counts the path it takes."""
+        decode_graphs = self.decode_graphs
+        reason = "graphs off" if decode_graphs is None else decode_graphs.eager_reason(so)
+        if decode_graphs is None or reason is not None:
+            batch = self._prepare(so.seqs, self.num_device_blocks)
+            self.step_paths.eager += 1
+            log.debug("step of %d rows runs eagerly: %s", len(so.seqs), reason)
+            return batch
+        input_ids, positions, meta = decode_graphs.load(so.seqs)
+        self.step_paths.graph += 1
+        last_rows = list(range(len(so.seqs)))
+        return _Batch(input_ids, positions, meta, last_rows, graph=decode_graphs)
+
+    def _forward(self, batch: _Batch, safepoints: Safepoints | None) -> torch.Tensor:
+        """The rows' final hidden states; where a decode graph replays the step, their logits
+        (the graph holds the LM head)."""
+        if batch.graph is not None:
+            return batch.graph.replay(len(batch.last_rows))
+        return self.model(
+            batch.input_ids, batch.positions, self.device_kv_cache, batch.meta, safepoints
+        )
+
     def _prepare(self, seqs: Sequence[PagedSeq], num_blocks: int) -> _Batch:
         """Pack the step's tokens and build the attention indices; validates, writes nothing."""
         token_ids: list[int] = []
@@ -515,6 +754,11 @@ class ModelRunner:
         )
         if by_prompt_length(self.model_config):
             meta = with_prompt_lens(meta, seqs, self.device)
+        if self.decode_graphs is not None and meta.paged is None and meta.hidden is None:
+            # every step attends through the kernel the graphs replay, so rows round alike
+            from quanta.runner.triton_attention import paged_batch
+
+            meta = replace(meta, paged=paged_batch(seqs, self.block_size, self.device))
         max_pos = max(positions)
         if max_pos >= self.model_config.max_model_len:
             raise ValueError(
@@ -545,17 +789,97 @@ class ModelRunner:
                     f"({num_src} source, {num_dst} target blocks)"
                 )
 
-    @staticmethod
     def _copy_blocks(
-        pairs: tuple[tuple[int, int], ...], src: torch.Tensor, dst: torch.Tensor
+        self, pairs: tuple[tuple[int, int], ...], src: torch.Tensor, dst: torch.Tensor
     ) -> None:
-        """Copy blocks ``src_id -> dst_id`` for all layers, K and V, in one indexed copy."""
+        """Copy blocks ``src_id -> dst_id`` between this runner's tiers (``src`` and ``dst``
+        are its device and host caches, either way round) for all layers, K and V.
+
+        The device tier is read and written by indexed copies (kernels on CUDA); the host
+        tier only by copies of runs of consecutive blocks (for each layer, K and V, a run is
+        contiguous): on CUDA the CPU must never read or write pinned memory that a queued
+        copy may still be using, and contiguous runs are what ``non_blocking`` copies to
+        and from pinned memory move without the host waiting.
+
+        On CUDA the copies run on a side stream (``_CopyStream``): it first waits for the
+        work queued on the compute stream (the forward that wrote the blocks a swap-out or
+        checkpoint reads, or still reads the blocks a swap-in overwrites), and the compute
+        stream then waits for the copies by an event, so the next forward reads swapped-in
+        blocks complete and reuses a swapped-out block only once it has been read. The
+        host waits for neither. Copies on the one side stream keep their order, so a block
+        a swap-out frees can be the target of the swap-in after it, and a host block is
+        read and rewritten in the order the steps asked. On the CPU the stream is no stream
+        and the same copies run in line."""
         if not pairs:
             return
-        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src.device)
-        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst.device)
-        blocks = src.index_select(2, src_ids).to(dst.device)
-        dst.index_copy_(2, dst_ids, blocks)
+        to_host = dst is self.host_kv_cache
+        if not to_host and src is not self.host_kv_cache:
+            raise ValueError("block copies run between the device and the host tier")
+        device_kv = src if to_host else dst
+        host_rows = self.host_kv_cache.flatten(0, 1)  # [layers * 2, blocks, ...]
+        with self._copies.run():
+            device_ids = self._copies.index([s if to_host else d for s, d in pairs], device_kv)
+            if to_host:
+                moved = device_kv.index_select(2, device_ids).flatten(0, 1)
+            else:
+                shape = (*host_rows.shape[:1], len(pairs), *host_rows.shape[2:])
+                moved = torch.empty(shape, dtype=dst.dtype, device=dst.device)
+            for first, host_first, n in _runs([d if to_host else s for s, d in pairs]):
+                for row in range(host_rows.shape[0]):
+                    host = host_rows[row, host_first : host_first + n]
+                    there = moved[row, first : first + n]
+                    if to_host:
+                        host.copy_(there, non_blocking=True)
+                    else:
+                        there.copy_(host, non_blocking=True)
+            if not to_host:
+                device_kv.index_copy_(2, device_ids, moved.unflatten(0, device_kv.shape[:2]))
+
+
+class _CopyStream:
+    """Where a runner's block copies run: a side stream on CUDA, in line on the CPU.
+
+    ``run()`` makes the side stream wait for the work queued on the compute stream, runs the
+    copies queued inside it on the side stream, then makes the compute stream wait for them
+    by an event: the GPU keeps the order the steps asked for while the host waits for
+    nothing. On the CPU every part is a no-op and the copies run as they are called."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            yield
+        compute.wait_event(self.stream.record_event())
+
+    def index(self, ids: list[int], like: torch.Tensor) -> torch.Tensor:
+        """``ids`` as an index tensor on ``like``'s device; on CUDA through pinned memory,
+        so the upload is queued on the side stream rather than waited for."""
+        pin = self.stream is not None
+        index = torch.tensor(ids, dtype=torch.long, pin_memory=pin)
+        return index.to(like.device, non_blocking=True)
+
+
+def _runs(host_ids: list[int]) -> Iterator[tuple[int, int, int]]:
+    """``(first pair, first host block, length)`` of each run of consecutive host blocks in
+    the order the pairs name them."""
+    first = 0
+    for i in range(1, len(host_ids) + 1):
+        if i == len(host_ids) or host_ids[i] != host_ids[i - 1] + 1:
+            yield first, host_ids[first], i - first
+            first = i
+
+
+def _tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (its weights, quantized ones included)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,6 +890,8 @@ class _Batch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     last_rows: list[int]  # row of each seq's last token
+    # Set where a decode graph replays the step: its inputs are the graph's buffers
+    graph: graphs.DecodeGraphs | None = None
 
 
 class _Chunk:

@@ -4,6 +4,10 @@ stream.
 Each sampled token draws its noise from a generator seeded by ``(seed, output_index)`` alone,
 so the token does not depend on which other requests shared the batch, and a request that was
 preempted and recomputed samples exactly the tokens it would have sampled anyway.
+
+This is the definition, a row at a time on the CPU, which draft verification
+(``runner/speculative.py``) samples with; a step's rows are sampled together on the logits'
+device by ``runner/device_sampler.py``, which picks the same tokens.
 """
 
 from __future__ import annotations
@@ -81,12 +85,22 @@ def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     """Sample one token from fp32 CPU ``logits`` ``[vocab]`` with the row's own generator."""
     scores = filter_top_k_top_p(logits.float() / row.temperature, row.top_k, row.top_p)
     scores = filter_min_p(scores, row.min_p)
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(token_seed(row.seed, row.output_index))
     # Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) samples from p.
-    noise = torch.empty_like(scores).exponential_(generator=generator)
+    noise = exponential_noise(torch.empty_like(scores), row.seed, row.output_index)
     probs = torch.softmax(scores, dim=-1)
     return int((probs / noise).argmax().item())
+
+
+def exponential_noise(
+    out: torch.Tensor, seed: int, output_index: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Fill fp32 CPU ``out`` ``[vocab]`` with one token's Exp(1) draws: the stream of a CPU
+    generator seeded with ``token_seed(seed, output_index)`` (``generator``, when given, is
+    reseeded, which starts the same stream as a fresh one)."""
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+    generator.manual_seed(token_seed(seed, output_index))
+    return out.exponential_(generator=generator)
 
 
 def filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -16,7 +16,12 @@ A long decode context leaves few programs per split-less launch (one per row and
 decode-only steps split the positions into ``num_splits`` ranges, each program keeps an
 online-softmax partial (running max, sum, unnormalised output) and a second kernel merges the
 splits (flash-decoding). Steps with prefill tokens have tiles enough and run unsplit, which
-also keeps the partials' memory off the long prompts.
+also keeps the partials' memory off the long prompts. A decode row's split size is its own,
+computed on the device from its context (``row_splits``: ``DECODE_SPLIT`` positions, widened
+so no context needs more than ``MAX_SPLITS``), so a row attends alike whatever the other rows'
+lengths and however many splits the launch has: splits past a row's context add nothing. A
+captured CUDA graph (``quanta.runner.graphs``) launches ``MAX_SPLITS`` for any step
+(``fixed_decode_batch``) and rounds each row exactly as an eager step sized on the host does.
 
 Slot ``-1`` in a slot mapping writes nothing (a padded row). Scores, softmax and the
 accumulator are fp32 whatever the cache dtype; fp32 products run in IEEE precision (no TF32),
@@ -62,6 +67,8 @@ class PagedBatch:
     block_q: int  # query tokens per tile
     num_splits: int
     split_size: int  # positions per split, a multiple of BLOCK_N
+    # Decode-only: ``split_size`` is the least, each row widens it to its own context's need.
+    row_splits: bool = False
 
 
 def paged_batch(
@@ -72,8 +79,9 @@ def paged_batch(
 ) -> PagedBatch:
     """The launch description of ``seqs``, packed in order (every row a KV row).
 
-    ``split_size`` None splits decode-only steps by ``DECODE_SPLIT`` and runs others unsplit;
-    a number splits every step by it (tests use it to reach the merge with tiny contexts)."""
+    ``split_size`` None splits decode-only steps by each row's own split size (``row_splits``)
+    and runs others unsplit; a number splits every step by it (tests use it to reach the merge
+    with tiny contexts)."""
     counts = [len(seq.token_ids) for seq in seqs]
     starts = [seq.start_pos for seq in seqs]
     rows = [0, *accumulate(counts)][:-1]
@@ -89,9 +97,12 @@ def paged_batch(
         tile_seq.extend([index] * len(q0s))
         tile_q0.extend(q0s)
     longest = max(s + n for s, n in zip(starts, counts, strict=True))
+    row_splits = split_size is None and block_q == 1
     if split_size is None:  # prefill tiles are programs enough; decode rows split
-        split_size = longest if block_q > 1 else max(DECODE_SPLIT, -(-longest // MAX_SPLITS))
+        split_size = longest if block_q > 1 else DECODE_SPLIT
     split_size = triton.cdiv(split_size, BLOCK_N) * BLOCK_N
+    # the splits the longest row needs; the others need no more
+    widest = row_split_size(longest) if row_splits else split_size
 
     def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
@@ -105,8 +116,43 @@ def paged_batch(
         tile_seq=ints(tile_seq),
         tile_q0=ints(tile_q0),
         block_q=block_q,
-        num_splits=triton.cdiv(longest, split_size),
+        num_splits=triton.cdiv(longest, widest),
         split_size=split_size,
+        row_splits=row_splits,
+    )
+
+
+def row_split_size(context_len: int) -> int:
+    """Positions per split of a decode row with ``context_len`` positions, as the kernel
+    computes it with ``row_splits``: ``DECODE_SPLIT``, widened so at most ``MAX_SPLITS``."""
+    widened = triton.cdiv(triton.cdiv(context_len, MAX_SPLITS), BLOCK_N) * BLOCK_N
+    return max(DECODE_SPLIT, widened)
+
+
+def fixed_decode_batch(
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    firsts: torch.Tensor,
+    tile_q0: torch.Tensor,
+) -> PagedBatch:
+    """A decode-only step over fixed int32 buffers (one row per sequence, ``rows`` its index):
+    ``MAX_SPLITS`` splits whatever the contexts, so nothing is sized on the host and one launch
+    serves every step a CUDA graph replays. A row with ``counts`` 0 reads and writes nothing
+    (a padded row)."""
+    return PagedBatch(
+        block_tables=block_tables,
+        rows=rows,
+        starts=starts,
+        counts=counts,
+        firsts=firsts,
+        tile_seq=rows,
+        tile_q0=tile_q0,
+        block_q=1,
+        num_splits=MAX_SPLITS,
+        split_size=DECODE_SPLIT,
+        row_splits=True,
     )
 
 
@@ -231,6 +277,8 @@ def attend(
         BLOCK_SIZE=key_cache.shape[1],
         SOFTCAP=softcap is not None,
         SPLIT=split,
+        ROW_SPLITS=batch.row_splits,
+        MAX_SPLITS=MAX_SPLITS,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if block_m * head_pad >= 128 * 128 else 4,  # the accumulator's registers
     )
@@ -338,6 +386,8 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROW_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -372,6 +422,9 @@ def _attention_kernel(
     if window > 0:
         tile_lo = tl.maximum(held, first_pos - window + 1)
     tile_hi = first_pos + tl.minimum(left, BLOCK_Q)
+    if ROW_SPLITS:  # a decode tile ends where its context does (``row_split_size``)
+        widened = tl.cdiv(tl.cdiv(tile_hi, MAX_SPLITS), BLOCK_N) * BLOCK_N
+        split_size = tl.maximum(split_size, widened)
     lo = tl.maximum(tile_lo, split * split_size)
     hi = tl.minimum(tile_hi, (split + 1) * split_size)
 

@@ -36,7 +36,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     cache=CacheArgs,
     scheduler=SchedulerArgs,
     serving=ServingArgs,
-    only={"cache": ("block_size", "kv_cache_memory", "host_cache_memory")},
+    only={
+        "cache": ("block_size", "kv_cache_memory", "host_cache_memory", "gpu_memory_utilization")
+    },
 )
 def serve(
     model: Annotated[

@@ -140,6 +140,7 @@ class RotaryTable:
         self.scale = attention_factor(config)
         self._length = 0  # positions per set in the table
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._reserved: torch.dtype | None = None  # ``reserve``'s dtype: no more growing
 
     def __call__(
         self,
@@ -150,10 +151,11 @@ class RotaryTable:
         """cos and sin ``[T, rotary_dim]`` of ``positions``; ``prompt_lens`` ``[T]``, each
         row's request's prompt length, picks longrope's set."""
         table = self._table
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        if table is None or self._length < needed or table[0].dtype != dtype:
-            self._length = 1 << (needed - 1).bit_length()
-            table = self._table = self._rows(self._length, dtype, positions.device)
+        if table is None or self._reserved != dtype:
+            needed = int(positions.max()) + 1 if positions.numel() else 1
+            if table is None or self._length < needed or table[0].dtype != dtype:
+                self._length = 1 << (needed - 1).bit_length()
+                table = self._table = self._rows(self._length, dtype, positions.device)
         rows = positions
         if self.long_inv_freq is not None:
             if prompt_lens is None:
@@ -161,6 +163,14 @@ class RotaryTable:
             long = torch.maximum(prompt_lens, positions + 1) > self.original
             rows = positions + long.long() * self._length
         return table[0].index_select(0, rows), table[1].index_select(0, rows)
+
+    def reserve(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Fill the table for ``length`` positions now and stop checking positions against it
+        (a read back to the host, which a CUDA graph being captured cannot make:
+        ``quanta.runner.graphs``); the caller admits no position past ``length``."""
+        self._length = 1 << (length - 1).bit_length()
+        self._table = self._rows(self._length, dtype, device)
+        self._reserved = dtype
 
     def _rows(
         self, length: int, dtype: torch.dtype, device: torch.device
