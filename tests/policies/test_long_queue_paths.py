@@ -1,8 +1,11 @@
 """The paths that keep a step short with a long queue decide exactly as the plain algorithms
-they replaced: Apt-Serve's greedy walked from a heap and stopped early against a full sort,
-the orderings' sorts per queue against one sort of every candidate by the old keys, and turns
-read lazily against the dicts built before. On random items, and at every step of a seeded
-workload through the loop for each system the schedule-step bench times."""
+they replaced: Apt-Serve's greedy walked from a heap that items join only as the walk comes
+near them, and stopped early, against a full sort; its items built with fewer calls against
+the way they were built; the orderings' sorts per queue against one sort of every candidate
+by the old keys; turns read lazily against the dicts built before; FastServe's ENST in one
+pass against ``mlfq_enst`` over its two mappings; ConServe's budget search started from a
+guess against the plain bisection. On random inputs, and at every step of a seeded workload
+through the loop for each system the schedule-step bench times."""
 
 from __future__ import annotations
 
@@ -12,21 +15,73 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from quanta.core.blocks import BlockManager
+from quanta.core.blocks import BlockManager, Tier
 from quanta.core.clock import VirtualClock
 from quanta.core.config import SchedulerConfig
 from quanta.core.loop import EngineLoop
 from quanta.core.output import RunnerCapabilities, RunnerOutput, SchedulerOutput
-from quanta.core.request import CacheKind, Request, RequestMetadata, SamplingParams
+from quanta.core.request import (
+    CacheKind,
+    Request,
+    RequestMetadata,
+    SamplingParams,
+    blocks_for,
+)
 from quanta.core.view import SchedulerView
+from quanta.costmodel import PRESETS
 from quanta.policies import adaptive, make_policy
-from quanta.policies.common import QUEUE_RANK, arrival_key, is_online
+from quanta.policies.common import QUEUE_RANK, arrival_key, is_online, largest
 from quanta.policies.coserve import ClassOrder
 from quanta.policies.fair import WSCOrder, _CounterOrder
 from quanta.policies.fcfs import ArrivalOrder
-from quanta.policies.knapsack import Item, _has_room, greedy_knapsack, options
-from quanta.policies.mlfq import PriorityOrder
+from quanta.policies.knapsack import NEAR_ZERO, Item, _has_room, greedy_knapsack, options
+from quanta.policies.mlfq import Job, PriorityOrder, SkipJoinMLFQ
+from quanta.policies.mlfq_memory import Enst, execute_times, mlfq_enst
+from quanta.policies.packers import chunk
 from quanta.policies.stages import Ranking, Turns
+
+
+def old_options(item: Item, factor: float, memory: int) -> list[tuple[CacheKind, int, float]]:
+    """``options`` as it was: one call per item."""
+    value = max(item.value, NEAR_ZERO)
+    hidden_value = item.value - factor * item.kv_blocks * item.hidden_steps
+    w_h, w_k = item.hidden_blocks, item.kv_blocks
+    kv = item.kv and w_k <= memory
+    hidden = item.hidden and w_h <= memory and (hidden_value > 0 or not item.kv)
+    if kv and hidden:
+        hidden = w_h < w_k and hidden_value * (w_k - w_h) >= (value - hidden_value) * w_h
+    out: list[tuple[CacheKind, int, float]] = []
+    if hidden:
+        out.append((CacheKind.HIDDEN, w_h, max(hidden_value, NEAR_ZERO)))
+    if kv:
+        out.append((CacheKind.KV, w_k, value))
+    return out
+
+
+def old_items(
+    packer: adaptive.AdaptivePacker, queue: list[Request], step: adaptive._Step, switchable: bool
+) -> tuple[list[Request], list[Item]]:
+    """``AdaptivePacker._items`` as it was: the plan asked per request, the hit counted."""
+    reqs, items = [], []
+    plan, now, size = step.plan, step.view.now, step.view.block_size
+    left, chunked = step.tokens(), step.chunked
+    mean = packer._mean_output()
+    for req in queue:
+        n = chunk(req, req.num_uncomputed_tokens if left is None else left, chunked)
+        if n == 0:
+            continue
+        held = plan.cache_kind(req)
+        kv, hidden = packer._open_kinds(req, held, switchable)
+        hit = plan.prefix_hit(req) if held is None else None
+        shared = len(hit.of(Tier.DEVICE)) if hit is not None else 0
+        m = blocks_for(req.num_context_tokens + n, size) - shared
+        half = blocks_for(req.num_computed_tokens + n, size, CacheKind.HIDDEN)
+        steps = 1.0
+        if kv and hidden:
+            steps = mean if mean is not None else packer.steps_ahead(req)
+        items.append(Item(packer.value(req, now), m, half, kv, hidden, n, steps))
+        reqs.append(req)
+    return reqs, items
 
 
 def sorted_walk(
@@ -39,7 +94,7 @@ def sorted_walk(
     chunked: bool = False,
 ) -> dict[int, CacheKind]:
     """The greedy as it was: every increment sorted, the whole order walked."""
-    opts = [options(it, factor, memory) for it in items]
+    opts = [old_options(it, factor, memory) for it in items]
     alone = [_has_room(it, seats, tokens, chunked) for it in items]
     steps = []
     for i, choices in enumerate(opts):
@@ -99,6 +154,126 @@ def test_the_heap_walk_chooses_as_the_sorted_walk(items, memory, factor, seats, 
     got = greedy_knapsack(items, memory, factor, **kw)
     want = sorted_walk(items, memory, factor, **kw)
     assert list(got.items()) == list(want.items())  # the order taken too
+
+
+values = st.sampled_from([-1.0, 0.0, 1e-10, NEAR_ZERO, 0.5, 1.0, 2.0, 3.5])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    item=st.builds(
+        Item,
+        value=values,
+        kv_blocks=st.integers(0, 8),
+        hidden_blocks=st.integers(0, 8),
+        kv=st.booleans(),
+        hidden=st.booleans(),
+        tokens=st.integers(0, 6),
+        hidden_steps=st.sampled_from([0.0, 1.0, 2.0, 7.5]),
+    ),
+    memory=st.integers(0, 10),
+    factor=st.sampled_from([0.0, 0.05, 0.1, 0.5, 3.0]),
+)
+def test_the_options_are_read_as_before(item, memory, factor):
+    assert options(item, factor, memory) == old_options(item, factor, memory)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    edge=st.integers(-1, 40),
+    hi=st.integers(0, 40),
+    guess=st.none() | st.integers(-2, 45),
+)
+def test_the_search_from_a_guess_finds_what_the_bisection_finds(edge, hi, guess):
+    calls: list[int] = []
+
+    def fits(x: int) -> bool:  # NOTE: holds up to ``edge`` and not beyond, as a step time
+        calls.append(x)
+        return x <= edge
+
+    plain = largest(hi, fits)
+    assert largest(hi, fits, guess) == plain
+    assert all(0 <= x <= hi for x in calls)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(st.integers(0, 15), st.sampled_from([0.0, 0.5, 2.0, 2.9, 3.0, 7.25])),
+        max_size=40,
+    ),
+    now=st.sampled_from([0.0, 1.0, 3.0, 9.5]),
+    batch=st.integers(1, 8),
+    iterations=st.integers(0, 2500),
+)
+def test_the_enst_in_one_pass_is_mlfq_enst(jobs, now, batch, iterations):
+    order = SkipJoinMLFQ(SchedulerConfig(max_num_seqs=batch), PRESETS["a100-opt13b"])
+    order._iterations = iterations
+    params = SamplingParams(max_tokens=1)
+    queue = [
+        Job(Request(f"j{i}", [1], params, 0.0, i), level, last_run=last)
+        for i, (level, last) in enumerate(jobs)
+    ]
+    next_check = (
+        order.starve_check_every - iterations % order.starve_check_every
+    ) * order.cost.min_iteration_time
+    want = mlfq_enst(
+        {j.request.request_id: j.level for j in queue},
+        {
+            j.request.request_id: max(next_check, order.starve_limit - (now - j.last_run))
+            for j in queue
+        },
+        order.quanta,
+        batch,
+    )
+    got = order._enst(queue, now)
+    assert list(got.items()) == list(want.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(st.integers(0, 5), st.sampled_from([0.0, 0.5, 2.0, 2.9, 3.0])), max_size=40
+    ),
+    by_queue=st.booleans(),
+    idle_every=st.integers(1, 3),
+    k=st.integers(0, 12),
+    next_check=st.sampled_from([0.0, 0.01, 0.5, 10.0]),
+    now=st.sampled_from([0.0, 3.0, 9.5]),
+)
+def test_the_first_idle_jobs_by_enst_are_those_of_a_full_sort(
+    jobs, by_queue, idle_every, k, next_check, now
+):
+    """ProactiveSwap's MaxBatchSize idle jobs of smallest (ENST, position), read as far as
+    they can be among them, against a heap over every key."""
+    if by_queue:
+        jobs = sorted(jobs, key=lambda j: j[0])
+    params = SamplingParams(max_tokens=1)
+    order = [Request(f"j{i}", [1], params, 0.0, i) for i in range(len(jobs))]
+    levels = [level for level, _ in jobs]
+    t_exec = execute_times(levels, [0.1 * 2**q for q in range(6)], 2)
+    enst = Enst(
+        [r.request_id for r in order],
+        levels,
+        [last for _, last in jobs],
+        t_exec,
+        next_check=next_check,
+        limit=3.0,
+        now=now,
+    )
+    assert dict(enst) == mlfq_enst(
+        dict(zip(enst, levels, strict=True)),
+        {
+            r.request_id: max(next_check, 3.0 - (now - last))
+            for r, (_, last) in zip(order, jobs, strict=True)
+        },
+        [0.1 * 2**q for q in range(6)],
+        2,
+    )
+    pos = {r.request_id: i for i, r in enumerate(order)}
+    idle = order[::idle_every]
+    keys = [(enst[r.request_id], pos[r.request_id], r) for r in idle]
+    assert enst.first(idle, k, pos) == [r for _, _, r in heapq.nsmallest(k, keys)]
 
 
 def test_turns_read_as_the_dict_of_positions():
@@ -165,7 +340,7 @@ def _checked_rank(ordering: object, checks: list[int], wrong: list[str]):
 @pytest.mark.parametrize("system", ["fcfs", "sj-mlfq", "fair", "vtc", "conserve", "apt"])
 def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monkeypatch):
     rng = random.Random(7)
-    checks, wrong = [0, 0], []
+    checks, wrong = [0, 0, 0], []
 
     def greedy(*args: object, **kwargs: object) -> dict[int, CacheKind]:
         got = greedy_knapsack(*args, **kwargs)
@@ -175,6 +350,16 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
         return got
 
     monkeypatch.setattr(adaptive, "greedy_knapsack", greedy)
+    items = adaptive.AdaptivePacker._items
+
+    def checked_items(self, queue, pending, step, *, switchable):  # type: ignore[no-untyped-def]
+        got = items(self, queue, pending, step, switchable=switchable)
+        if got != old_items(self, queue, step, switchable):
+            wrong.append("items")
+        checks[2] += 1
+        return got
+
+    monkeypatch.setattr(adaptive.AdaptivePacker, "_items", checked_items)
     clock = VirtualClock()
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128)
     policy = make_policy(system, config)
@@ -206,7 +391,7 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
     assert wrong == []
     assert [r.error for r in requests if r.error] == []
     assert checks[0] > 100
-    assert checks[1] > 100 or system != "apt"
+    assert (checks[1] > 100 and checks[2] > 100) or system != "apt"
 
 
 def test_the_first_jobs_by_turn_are_the_first_of_a_full_sort():

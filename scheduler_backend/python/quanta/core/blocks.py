@@ -24,12 +24,15 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import countOf, itemgetter
 
 from quanta.core.block_pool import BlockPool, Tier
 from quanta.core.lookups import LookupMemo
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, Request, blocks_for
 from quanta.core.window import RELEASED, blocks_behind, first_held, live, peak_blocks
+
+_tier = itemgetter(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,12 @@ class PrefixHit:
 
     blocks: tuple[tuple[Tier, int], ...]
     block_size: int
+    # NOTE: counted once: a lookup is kept across steps, and Apt-Serve's packer reads this
+    # for every waiting request at every step
+    num_device: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_device", countOf(map(_tier, self.blocks), Tier.DEVICE))
 
     @property
     def num_tokens(self) -> int:
@@ -251,8 +260,8 @@ class BlockManager:
     def stale_lookups(self, requests: Sequence[Request]) -> list[Request]:
         """The ``requests`` whose lookup does not hold (never made, or made stale): only
         these need ``lookup`` again; the others' hits and ``num_cached_tokens`` stand."""
-        memo = self._memo
-        return [r for r in requests if r.request_id not in memo]
+        current = self._memo.current()
+        return [r for r in requests if r.request_id not in current]
 
     def prefix_hit(self, request_id: str) -> PrefixHit | None:
         """This step's lookup of ``request_id``, if it found anything."""

@@ -12,7 +12,7 @@ read one are looked up again.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Sequence
 
 
 class LookupMemo:
@@ -25,6 +25,11 @@ class LookupMemo:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._reads
+
+    def current(self) -> KeysView[str]:
+        """The requests whose latest lookup is current, as a live view: a membership test
+        in C, for the loop that asks of every waiting request at every step."""
+        return self._reads.keys()
 
     def keep(self, request_id: str, reads: Sequence[bytes]) -> None:
         """``request_id`` was looked up, reading ``reads``: the names of the blocks found,

@@ -16,7 +16,7 @@ swap-outs have already happened by then, so a plan never credits it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import countOf
 
 from quanta.core.blocks import BlockManager, PrefixHit, Tier
@@ -29,10 +29,16 @@ from quanta.core.safepoint import AbortRule
 class PoolView:
     """Read-only view of the block pools: what a policy may know about memory."""
 
-    __slots__ = ("_blocks",)
+    __slots__ = ("_blocks", "kind_of", "prefix_hit")
 
     def __init__(self, blocks: BlockManager) -> None:
         self._blocks = blocks
+        # NOTE: the manager's own methods, bound once: a packer may ask them of every
+        # waiting request each step.
+        # What the request's blocks hold now; None while it holds none.
+        self.kind_of: Callable[[str], CacheKind | None] = blocks.kind_of
+        # What this step's lookup found cached for a waiting request (None: nothing).
+        self.prefix_hit: Callable[[str], PrefixHit | None] = blocks.prefix_hit
 
     @property
     def block_size(self) -> int:
@@ -57,10 +63,6 @@ class PoolView:
     def num_blocks(self, request_id: str) -> int:
         """Blocks the request holds now, in whichever tier its KV is."""
         return self._blocks.num_blocks(request_id)
-
-    def kind_of(self, request_id: str) -> CacheKind | None:
-        """What the request's blocks hold now; None while it holds none."""
-        return self._blocks.kind_of(request_id)
 
     def blocks_for(self, num_tokens: int, kind: CacheKind = CacheKind.KV) -> int:
         return blocks_for(num_tokens, self.block_size, kind)
@@ -97,10 +99,6 @@ class PoolView:
         reads whole tables against it, a lookup per block being the step's hottest path."""
         return self._blocks.pools[tier].ref
 
-    def prefix_hit(self, request_id: str) -> PrefixHit | None:
-        """What this step's lookup found cached for a waiting request (None: nothing)."""
-        return self._blocks.prefix_hit(request_id)
-
     def num_cached(self, tier: Tier) -> int:
         return self._blocks.num_cached(tier)
 
@@ -114,6 +112,7 @@ class StepPlan:
 
     def __init__(self, pool: PoolView, budget: int | None = None, seats: int | None = None):
         self.pool, self.budget, self.seats = pool, budget, seats
+        self._block_size = pool.block_size
         self.free_device = pool.free_device
         self.free_host = pool.free_host
         self.run: list[tuple[str, int]] = []
@@ -159,6 +158,15 @@ class StepPlan:
             return None
         return self.pool.prefix_hit(req.request_id)
 
+    def start_state(self, req: Request) -> tuple[CacheKind | None, PrefixHit | None]:
+        """``(cache_kind(req), prefix_hit(req))`` in one call: a packer that weighs every
+        waiting request each step reads both of each."""
+        rid = req.request_id
+        kind = None if rid in self._dropped else self.pool.kind_of(rid)
+        if kind is not None or req.status is not RequestStatus.WAITING or rid in self.moved:
+            return kind, None
+        return None, self.pool.prefix_hit(rid)
+
     def is_resident(self, req: Request) -> bool:
         """Its KV is on the device after this plan's moves."""
         # NOTE: the status first: most of the requests a packer walks are waiting
@@ -176,21 +184,31 @@ class StepPlan:
         """Device blocks ``req`` needs to compute ``n`` more tokens, counting a swap-in; a
         request that holds a cache grows its own kind, one that starts takes ``kind``."""
         kind = self.cache_kind(req) or kind or CacheKind.KV
-        hit = self._start_hit(req, kind)
-        if hit is not None:
-            return self._hit_cost(hit, n)[0]
-        target = self.pool.blocks_for(req.num_computed_tokens + req.slots_for(n), kind)
-        rid = req.request_id
+        if req.status is RequestStatus.WAITING:  # NOTE: no other starts on a hit (prefix_hit)
+            hit = self._start_hit(req, kind)
+            if hit is not None:
+                return self._hit_cost(hit, n)[0]
+        return self._grow(req, n, kind)
+
+    def _grow(self, req: Request, n: int, kind: CacheKind) -> int:
+        """``blocks_to_grow`` of a request that starts on no prefix hit."""
+        target = blocks_for(req.num_computed_tokens + req.slots_for(n), self._block_size, kind)
         # NOTE: a table's released entries count: new blocks extend it past its end
-        spans = self.pool.table_length(rid) if self.is_resident(req) else 0
+        spans = self.pool.table_length(req.request_id) if self.is_resident(req) else 0
         return max(0, target - spans)
 
     def _start_hit(self, req: Request, kind: CacheKind) -> PrefixHit | None:
-        """The cached prefix ``req`` starts with now: its lookup, cut short before the first
-        host block the host cannot keep (this step's swap-outs may have taken the room), so a
-        start never fails for want of host blocks; it computes the rest instead."""
-        hit = self.prefix_hit(req, kind)
-        if hit is None or self._host_keep(hit) <= self.free_host:
+        """The cached prefix ``req`` starts with now (``_kept`` of its lookup)."""
+        return self._kept(self.prefix_hit(req, kind))
+
+    def _kept(self, hit: PrefixHit | None) -> PrefixHit | None:
+        """A lookup ``hit``, cut short before the first host block the host cannot keep
+        (this step's swap-outs may have taken the room), so a start never fails for want of
+        host blocks; it computes the rest instead."""
+        if hit is None:
+            return None
+        keep = self._host_keep(hit) if hit.num_device < len(hit.blocks) else 0  # no host block
+        if keep <= self.free_host:
             return hit
         kept: set[int] = set()
         cut = 0  # NOTE: the walk always stops at a block over: the whole hit does not fit
@@ -330,13 +348,13 @@ class StepPlan:
             raise PolicyError(f"run of swapped {rid} without a swap-in")
         if not 1 <= n <= req.num_uncomputed_tokens:
             raise PolicyError(f"run of {rid} with {n} tokens; {req.num_uncomputed_tokens} left")
-        hit = self._start_hit(req, kind)
-        need, host = self._hit_cost(hit, n) if hit else (self.blocks_to_grow(req, n, kind), 0)
+        looked_up = self.prefix_hit(req, kind)
+        hit = self._kept(looked_up)
+        need, host = self._hit_cost(hit, n) if hit else (self._grow(req, n, kind), 0)
         if need > self.free_device:
             raise PolicyError(f"run of {rid} needs {need} device blocks, {self.free_device} free")
         if not self.has_room(n):
             raise PolicyError(f"run of {rid}: the step's token budget or seats are used up")
-        looked_up = self.prefix_hit(req, kind)
         if looked_up is not None and hit is not looked_up:
             self.trimmed[rid] = len(hit.blocks) if hit else 0
         if hit is not None:

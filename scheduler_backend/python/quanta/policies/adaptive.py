@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from operator import countOf, itemgetter, methodcaller
+from operator import methodcaller
 from typing import Literal
 
 from pydantic import Field
 
-from quanta.core.blocks import Tier
+from quanta.core.blocks import PrefixHit
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.output import RunnerCapabilities
@@ -45,9 +45,9 @@ from quanta.policies.packers import chunk
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
 from quanta.policies.systems import ProfileOptions, Stages, System
 
-_tier = itemgetter(0)
-
 CacheMode = Literal["hybrid", "kv", "hidden"]
+# An item's weights: (tokens, KV blocks, hidden blocks, KV open, hidden open, tokens left)
+_Shape = tuple[int, int, int, bool, bool, float]
 Fallback = Literal["zero", "decay"]
 
 
@@ -94,6 +94,8 @@ class AdaptivePacker(Packer):
         self.fallback, self.decay, self.rho = fallback, decay, rho
         self.requires = RunnerCapabilities(hidden_cache=cache != "kv")
         self._pinned: set[str] = set()  # switched to hidden: they restart hidden
+        # each request's latest ``_shape``, with what it was worked out from
+        self._shapes: dict[str, tuple[tuple[object, ...], _Shape]] = {}
         self._finished = self._finished_tokens = 0  # requests that ended by length or stop
 
     def pack(
@@ -109,24 +111,31 @@ class AdaptivePacker(Packer):
         live = len(view.waiting) + len(view.swapped) + len(view.running)
         rho = self.rho if self.rho is not None else self.cost.rho(view.block_size)
         step = _Step(view, plan, lane, live * rho, self.config.enable_chunked_prefill)
-        prefill_first = bool(waiting) and _pending(waiting, view.now) >= _pending(running, view.now)
-        phases = [(self._prefill, waiting), (self._decode, running)]
-        for phase, queue in phases if prefill_first else phases[::-1]:
+        # NOTE: each request's pending time, read once: the queues' totals pick the kind of
+        # step, and the knapsack values its requests by them
+        pending = methodcaller("pending_time", view.now)
+        waited, ran = list(map(pending, waiting)), list(map(pending, running))
+        prefill_first = bool(waiting) and sum(waited) >= sum(ran)
+        phases = [(self._prefill, waiting, waited), (self._decode, running, ran)]
+        for phase, queue, times in phases if prefill_first else phases[::-1]:
             before = len(plan.run)
-            phase(queue, step, placement)
+            phase(queue, times, step, placement)
             if len(plan.run) > before:
                 return
 
     def on_finish(self, request: Request) -> None:
         self._pinned.discard(request.request_id)
+        self._shapes.pop(request.request_id, None)
         if request.status.completed:
             self._finished += 1
             self._finished_tokens += request.num_output_tokens
 
     # -- the two kinds of step ---------------------------------------------------------
-    def _prefill(self, queue: list[Request], step: _Step, placement: Placement) -> None:
+    def _prefill(
+        self, queue: list[Request], pending: list[float], step: _Step, placement: Placement
+    ) -> None:
         """Start or resume requests in the free blocks."""
-        reqs, items = self._items(queue, step, switchable=False)
+        reqs, items = self._items(queue, pending, step, switchable=False)
         plan = step.plan
         for i, kind in step.greedy(items, plan.free_device).items():
             req = reqs[i]
@@ -135,9 +144,11 @@ class AdaptivePacker(Packer):
                 plan.take(req, n, kind)
                 self._pinned.discard(req.request_id)
 
-    def _decode(self, queue: list[Request], step: _Step, placement: Placement) -> None:
+    def _decode(
+        self, queue: list[Request], pending: list[float], step: _Step, placement: Placement
+    ) -> None:
         """Continue residents within the whole pool, evicting and switching as needed."""
-        reqs, items = self._items(queue, step, switchable=self.cache == "hybrid")
+        reqs, items = self._items(queue, pending, step, switchable=self.cache == "hybrid")
         plan = step.plan
         chosen = step.greedy(items, step.view.total_device_blocks)
         held = [plan.cache_kind(r) for r in reqs]
@@ -164,32 +175,62 @@ class AdaptivePacker(Packer):
 
     # -- helpers -------------------------------------------------------------------------
     def _items(
-        self, queue: list[Request], step: _Step, *, switchable: bool
+        self, queue: list[Request], pending: list[float], step: _Step, *, switchable: bool
     ) -> tuple[list[Request], list[Item]]:
+        """The knapsack's candidates: those of ``queue`` (pending for ``pending`` seconds)
+        with tokens to run in what is left of the step."""
         reqs: list[Request] = []
         items: list[Item] = []
-        plan, now, size = step.plan, step.view.now, step.view.block_size
+        plan, size = step.plan, step.view.block_size
         left, chunked = step.tokens(), step.chunked  # NOTE: the plan does not change here
         mean = self._mean_output()  # ``steps_ahead`` of every request once one has finished
-        for req in queue:
-            n = chunk(req, req.num_uncomputed_tokens if left is None else left, chunked)
+        shapes = self._shapes
+        # NOTE: with a long queue this loop runs over every waiting request at every step,
+        # and most of them are as they were the step before: what a request's item weighs
+        # is kept with everything it was worked out from, and worked out again only when one
+        # of those changed; only the value (its pending time) is new each step
+        for req, p in zip(queue, pending, strict=True):
+            held, hit = plan.start_state(req)
+            rid = req.request_id
+            key = (hit, held, req.num_computed_tokens, req.num_cached_tokens,
+                   len(req.all_token_ids), len(req.draft_token_ids), left,
+                   rid in self._pinned, switchable)  # fmt: skip
+            known = shapes.get(rid)
+            if known is not None and known[0] == key:
+                shape = known[1]
+            else:
+                shape = self._shape(req, held, hit, left, switchable, size, chunked)
+                shapes[rid] = (key, shape)
+            n, m, half, kv, hidden, own_steps = shape
             if n == 0:
                 continue
-            held = plan.cache_kind(req)
-            kv, hidden = self._open_kinds(req, held, switchable)
-            # NOTE: a cached prefix's blocks are shared, so its K/V costs the pool only the
-            # rest; hidden states are never shared (a hidden start computes from token 0).
-            # Only a request that holds no cache has a hit.
-            hit = plan.prefix_hit(req) if held is None else None
-            shared = countOf(map(_tier, hit.blocks), Tier.DEVICE) if hit is not None else 0
-            m = blocks_for(req.num_context_tokens + n, size) - shared
-            half = blocks_for(req.num_computed_tokens + n, size, CacheKind.HIDDEN)
             steps = 1.0
-            if kv and hidden:
-                steps = mean if mean is not None else self.steps_ahead(req)
-            items.append(Item(self.value(req, now), m, half, kv, hidden, n, steps))
+            if kv and hidden:  # NOTE: steps_ahead, with the mean read once
+                steps = mean if mean is not None else own_steps
+            items.append(Item(self._worth(req, p), m, half, kv, hidden, n, steps))
             reqs.append(req)
         return reqs, items
+
+    def _shape(
+        self,
+        req: Request,
+        held: CacheKind | None,
+        hit: PrefixHit | None,
+        left: int | None,
+        switchable: bool,
+        size: int,
+        chunked: bool,
+    ) -> _Shape:
+        """What ``req``'s item weighs, from the cache it holds (``held``) or its prefix
+        ``hit`` and the tokens ``left`` in the step."""
+        n = chunk(req, req.num_uncomputed_tokens if left is None else left, chunked)
+        kv, hidden = self._open_kinds(req, held, switchable)
+        # NOTE: a cached prefix's blocks are shared, so its K/V costs the pool only the
+        # rest; hidden states are never shared (a hidden start computes from token 0).
+        # Only a request that holds no cache has a hit.
+        m = blocks_for(req.num_context_tokens + n, size) - (0 if hit is None else hit.num_device)
+        half = blocks_for(req.num_computed_tokens + n, size, CacheKind.HIDDEN)
+        return n, m, half, kv, hidden, _tokens_left(req)
 
     def _open_kinds(
         self, req: Request, held: CacheKind | None, switchable: bool
@@ -209,9 +250,7 @@ class AdaptivePacker(Packer):
         NOTE: a hidden cache is kept until the request finishes or is evicted, so choosing
         it over KV costs rho * m per step for all of those steps, not for this one only."""
         mean = self._mean_output()
-        if mean is not None:
-            return mean
-        return float(max(1, req.params.max_tokens - req.num_output_tokens))
+        return mean if mean is not None else _tokens_left(req)
 
     def _mean_output(self) -> float | None:
         """The mean output of the requests finished so far (None: none has)."""
@@ -221,7 +260,10 @@ class AdaptivePacker(Packer):
         """p_i after the SLO fallback: past the TTFT SLO before its first token, or past the
         time-between-tokens SLO since its last one (its own, else the default), it is worth
         ``NEAR_ZERO`` or ``decay`` times its pending time."""
-        p = req.pending_time(now)
+        return self._worth(req, req.pending_time(now))
+
+    def _worth(self, req: Request, p: float) -> float:
+        """``value`` of ``req`` pending for ``p`` seconds."""
         md = req.metadata
         if req.last_token_time is None:
             slo = md.ttft_slo_ms / 1e3 if md.ttft_slo_ms is not None else self.ttft_slo_s
@@ -272,8 +314,9 @@ class _Step:
         )
 
 
-def _pending(queue: list[Request], now: float) -> float:
-    return sum(map(methodcaller("pending_time", now), queue))
+def _tokens_left(req: Request) -> float:
+    """The tokens ``req`` may still generate (at least one)."""
+    return float(max(1, req.params.max_tokens - req.num_output_tokens))
 
 
 class AptOptions(ProfileOptions):

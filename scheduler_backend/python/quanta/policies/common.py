@@ -82,11 +82,22 @@ def outside(order: list[Request], plan: StepPlan) -> Iterator[Request]:
             yield r
 
 
-def largest(hi: int, fits: Callable[[int], bool]) -> int:
+def largest(hi: int, fits: Callable[[int], bool], guess: int | None = None) -> int:
     """The largest ``x`` in ``[0, hi]`` with ``fits(x)`` (0 when none above it does), for a
     ``fits`` that holds up to some point and not beyond: a step's predicted time grows with
-    the tokens it computes, so the chunk that keeps it within a limit is found by bisection."""
+    the tokens it computes, so the chunk that keeps it within a limit is found by bisection.
+
+    ``guess`` (say, the answer of the step before, which the next one mostly repeats) is
+    tried first: when it fits and the one above it does not, two calls of ``fits`` answer;
+    else it halves the range the bisection searches. Either way the answer is the same."""
     lo = 0
+    if guess is not None and 0 <= guess <= hi:
+        if fits(guess):
+            if guess == hi or not fits(guess + 1):
+                return guess
+            lo = guess + 1
+        else:
+            hi = guess - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):

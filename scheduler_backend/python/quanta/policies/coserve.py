@@ -50,6 +50,7 @@ def slo_token_budget(
     tpot_s: float,
     max_tokens: int,
     min_chunk: int = 1,
+    guess: int | None = None,
 ) -> int:
     """Tokens one step may hold so that its predicted time stays within ``tpot_s``: the
     ``decodes`` (contexts of the requests that decode in it) plus the largest prefill chunk
@@ -57,13 +58,15 @@ def slo_token_budget(
 
     At least the decodes plus ``min_chunk`` (an online prompt always advances), at most
     ``max_tokens``. A cost model too slow for the SLO gets that floor: the SLO is then out of
-    reach whatever the scheduler does, and online work still moves."""
+    reach whatever the scheduler does, and online work still moves. ``guess``: a budget to
+    try first (``largest``); it changes how fast the answer is found, not the answer."""
     base = [(1, c) for c in decodes]
     floor = min(max_tokens, len(decodes) + min_chunk)
     if cost.step_time(base) > tpot_s:
         return floor
     hi = max(0, max_tokens - len(decodes))
-    chunk = largest(hi, lambda n: cost.step_time([*base, (n, 0)]) <= tpot_s)
+    first = None if guess is None else guess - len(decodes)
+    chunk = largest(hi, lambda n: cost.step_time([*base, (n, 0)]) <= tpot_s, first)
     return max(floor, len(decodes) + chunk)
 
 
@@ -99,6 +102,7 @@ class ClassLanes(Lanes):
         self.config = config
         self.cost = cost
         self.tpot_slo_s = tpot_slo_s
+        self._budget: int | None = None  # the latest step's, which the next mostly repeats
 
     def split(self, ranking: Ranking, view: SchedulerView) -> list[Lane]:
         online, offline = by_class(ranking.order)
@@ -113,12 +117,13 @@ class ClassLanes(Lanes):
             for r in online
             if r.status is RequestStatus.RUNNING and r.decoding
         ]
-        budget = slo_token_budget(
+        budget = self._budget = slo_token_budget(
             self.cost,
             decodes,
             tpot,
             self.config.max_num_batched_tokens,
             min_chunk=view.block_size,
+            guess=self._budget,
         )
         return [
             Lane(ONLINE, online, max_tokens=budget),

@@ -6,6 +6,7 @@ worth at least half the optimum. ``AdaptivePacker`` feeds it each step; tests br
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -78,29 +79,34 @@ def greedy_knapsack(
     ``tokens`` (the step's limits) are kept too, without that bound; with ``chunked`` an item
     may take fewer tokens than it asks. ``factor`` is (|W| + |R|) * rho.
     """
-    opts: list[list[tuple[CacheKind, int, float]]] = []
+    # NOTE: with a long queue most items are never reached: the walk fills the step's seats
+    # and tokens from the first few increments, and ends once nothing further could be taken
+    # (no seat or token left for a new item, and no upgrade of a chosen item still ahead).
+    # So the increments are walked from a heap, and an item's options are only weighed once
+    # the walk comes near it: items wait in the order of a bound on what any increment of
+    # theirs gains per block, and join the heap while that bound reaches its top.
+    worth, bounds = _bounds(items, factor)
+    waiting = sorted(range(len(items)), key=bounds.__getitem__)
+    opts: dict[int, list[tuple[CacheKind, int, float]]] = {}
     steps: list[tuple[float, int, int, int, float]] = []
-    best: tuple[float, int, CacheKind] | None = None
     least = min((item.tokens for item in items), default=0)  # the fewest tokens an item asks
-    for i, item in enumerate(items):
-        choices = options(item, factor, memory)
-        opts.append(choices)
-        alone = _has_room(item, seats, tokens, chunked)
-        prev_w, prev_v = 0, 0.0
-        for stage, (kind, w, v) in enumerate(choices):
-            steps.append((-(v - prev_v) / (w - prev_w), i, stage, w - prev_w, v - prev_v))
-            prev_w, prev_v = w, v
-            if alone and (best is None or v > best[0]):
-                best = (v, i, kind)
-    # NOTE: the increments are taken by value per block, highest first, from a heap: a step
-    # fills its seats and tokens from the first few, and the walk ends once nothing further
-    # could be taken (no seat or token left for a new item, and no upgrade of a chosen item
-    # still ahead), so the rest of the order is never needed
-    heapq.heapify(steps)
+    capacity, first_seats, first_tokens = memory, seats, tokens
     chosen: dict[int, CacheKind] = {}
     upgrades = 0  # chosen items whose upgrade to KV is still ahead in the walk
     total = 0.0
-    while steps:
+    k = 0  # items in ``waiting`` that have joined the heap
+    while True:
+        while k < len(waiting) and (not steps or bounds[waiting[k]] <= steps[0][0]):
+            i = waiting[k]
+            k += 1
+            opts[i] = choices = options(items[i], factor, capacity)
+            prev_w, prev_v = 0, 0.0
+            for stage, (_, w, v) in enumerate(choices):
+                step = (-(v - prev_v) / (w - prev_w), i, stage, w - prev_w, v - prev_v)
+                heapq.heappush(steps, step)
+                prev_w, prev_v = w, v
+        if not steps:
+            break
         _, i, stage, dw, dv = heapq.heappop(steps)
         if stage == 1 and i in chosen:
             upgrades -= 1
@@ -119,9 +125,45 @@ def greedy_knapsack(
                 total += dv
         if not upgrades and not _room_for_any(least, seats, tokens, chunked):
             break
-    if best is not None and best[0] > total:
-        return {best[1]: best[2]}
+    if max(worth, default=0.0) > total:  # NOTE: else no option alone is worth more
+        best = _best_alone(items, factor, capacity, first_seats, first_tokens, chunked)
+        if best is not None and best[0] > total:
+            return {best[1]: best[2]}
     return chosen
+
+
+def _bounds(items: Sequence[Item], factor: float) -> tuple[list[float], list[float]]:
+    """For each item, at least what any of its options is worth, and at most what any of
+    its increments gains per block, negated (the heap's key): worth over the least of its
+    weights and of the upgrade's (KV over hidden blocks)."""
+    worth: list[float] = []
+    bounds: list[float] = []
+    for value, w_k, w_h, _, _, _, steps in items:
+        most = max(value, value - factor * w_k * steps, NEAR_ZERO)  # NOTE: as ``options``
+        lightest = min(w_k, w_h, w_k - w_h) if w_k > w_h else min(w_k, w_h)
+        worth.append(most)
+        bounds.append(-(most / lightest) if lightest > 0 else -math.inf)
+    return worth, bounds
+
+
+def _best_alone(
+    items: Sequence[Item],
+    factor: float,
+    memory: int,
+    seats: int | None,
+    tokens: int | None,
+    chunked: bool,
+) -> tuple[float, int, CacheKind] | None:
+    """The option worth most on its own, among the items that have room (the first such
+    item, and its lightest such option, on ties): the greedy's other candidate."""
+    best: tuple[float, int, CacheKind] | None = None
+    for i, item in enumerate(items):
+        if not _has_room(item, seats, tokens, chunked):
+            continue
+        for kind, _, v in options(item, factor, memory):
+            if best is None or v > best[0]:
+                best = (v, i, kind)
+    return best
 
 
 def _has_room(item: Item, seats: int | None, tokens: int | None, chunked: bool) -> bool:

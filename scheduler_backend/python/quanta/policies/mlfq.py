@@ -37,7 +37,7 @@ from quanta.core.output import RunnerOutput
 from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.mlfq_memory import mlfq_enst
+from quanta.policies.mlfq_memory import Enst, execute_times
 from quanta.policies.stages import Admission, Ordering, Ranking, Turns
 
 # NOTE: quantum comparisons tolerate float rounding of accumulated step times.
@@ -49,6 +49,9 @@ ServiceMode = Literal["own", "step"]
 
 _by_arrival = attrgetter("arrival")
 _by_queue = attrgetter("level", "ticket")
+_level = attrgetter("level")
+_last_run = attrgetter("last_run")
+_request_id = attrgetter("request.request_id")
 
 
 @dataclass(slots=True)
@@ -307,14 +310,15 @@ class SkipJoinMLFQ(PriorityOrder):
         next_check = (
             self.starve_check_every - self._iterations % self.starve_check_every
         ) * self.cost.min_iteration_time
-        return mlfq_enst(
-            {j.request.request_id: j.level for j in jobs},
-            {
-                j.request.request_id: max(next_check, self.starve_limit - (now - j.last_run))
-                for j in jobs
-            },
-            self.quanta,
-            self.config.max_num_seqs,
+        levels = list(map(_level, jobs))
+        return Enst(
+            list(map(_request_id, jobs)),
+            levels,
+            list(map(_last_run, jobs)),
+            execute_times(levels, self.quanta, self.config.max_num_seqs),
+            next_check=next_check,
+            limit=self.starve_limit,
+            now=now,
         )
 
 

@@ -22,8 +22,8 @@ what the host link copies during the shortest iteration.
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
 
 from quanta.core.decision import PreemptMode
@@ -48,11 +48,17 @@ def mlfq_enst(
     ENST(i) = min(T_promote(i), T_execute(i)) with T_promote the time left until starvation
     promotion and T_execute(i) = (1/B) * sum over higher-priority jobs j of
     sum_{i.prio < k <= j.prio} q_k: each j is assumed to use every quantum from its own queue
-    down to i's before i runs. Computed per level with prefix sums, O(jobs + levels).
+    down to i's before i runs (``execute_times``).
     """
-    counts = [0] * len(quanta)
-    for level in levels.values():
-        counts[level] += 1
+    t_exec = execute_times(levels.values(), quanta, batch_size)
+    return {rid: min(t_promote[rid], t_exec[level]) for rid, level in levels.items()}
+
+
+def execute_times(levels: Iterable[int], quanta: Sequence[float], batch_size: int) -> list[float]:
+    """T_execute of a job in each queue, given every job's queue (``mlfq_enst``): per level
+    with prefix sums, O(jobs + levels)."""
+    counted = Counter(levels)  # NOTE: counted in C: one entry per waiting job
+    counts = [counted.get(level, 0) for level in range(len(quanta))]
     prefix = [0.0]  # prefix[L] = q_0 + ... + q_{L-1}
     for q in quanta:
         prefix.append(prefix[-1] + q)
@@ -63,7 +69,73 @@ def mlfq_enst(
         t_exec.append((prefix[level] * above - above_prefix) / batch_size)
         above += counts[level]
         above_prefix += counts[level] * prefix[level]
-    return {rid: min(t_promote[rid], t_exec[level]) for rid, level in levels.items()}
+    return t_exec
+
+
+class Enst(Mapping[str, float]):
+    """``mlfq_enst`` of a ranking's jobs, each worked out when read: a step reads the ENST
+    of its residents and of the few jobs its proactive moves consider, and ``first`` finds
+    the idle jobs due next without reading the rest of a long queue.
+
+    ``ids``, ``levels`` and ``last_runs`` are the jobs' in ranking order; T_promote of a job
+    is ``max(next_check, limit - (now - last_run))``."""
+
+    __slots__ = ("_floor", "_limit", "_next_check", "_now", "_sorted", "_state", "_t_exec")
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        levels: Sequence[int],
+        last_runs: Sequence[float],
+        t_exec: Sequence[float],
+        *,
+        next_check: float,
+        limit: float,
+        now: float,
+    ) -> None:
+        self._state = dict(zip(ids, zip(levels, last_runs, strict=True), strict=True))
+        self._t_exec, self._next_check, self._limit, self._now = t_exec, next_check, limit, now
+        # the least T_execute of a queue or any below it
+        self._floor = [min(t_exec[level:]) for level in range(len(t_exec))]
+        self._sorted = list(levels) == sorted(levels)  # NOTE: the ranking is by queue first
+
+    def __getitem__(self, request_id: str) -> float:
+        level, last_run = self._state[request_id]
+        return min(max(self._next_check, self._limit - (self._now - last_run)), self._t_exec[level])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def first(self, idle: Sequence[Request], k: int, pos: Mapping[str, int]) -> list[Request]:
+        """The ``k`` requests of ``idle`` (in ranking order) of smallest (ENST, position),
+        in that order.
+
+        NOTE: a job's ENST is at least ``min(next_check, T_execute of its queue)``, and with
+        the ranking by queue every job further on is in that queue or one below; so once
+        ``min(next_check, the least T_execute from its queue down)`` reaches the k-th
+        smallest ENST read so far, no job further on can be among the first k (one with the
+        same ENST comes later in the ranking)."""
+        if k <= 0:
+            return []
+        if not self._sorted:
+            ids = list(map(_request_id, idle))
+            keys = zip(map(self.__getitem__, ids), map(pos.__getitem__, ids), idle, strict=True)
+            return [r for _, _, r in heapq.nsmallest(k, keys)]
+        kept: list[tuple[float, int, int]] = []  # the k smallest so far, negated: a max-heap
+        for j, req in enumerate(idle):
+            rid = req.request_id
+            bound = min(self._next_check, self._floor[self._state[rid][0]])
+            if len(kept) == k and bound >= -kept[0][0]:
+                break
+            key = (-self[rid], -pos[rid], j)
+            if len(kept) < k:
+                heapq.heappush(kept, key)
+            elif key > kept[0]:
+                heapq.heapreplace(kept, key)
+        return [idle[j] for _, _, j in sorted(kept, reverse=True)]
 
 
 _request_id = attrgetter("request_id")
@@ -169,6 +241,8 @@ class ProactiveSwap(ReactiveSwap):
         # long queue, a key call per request was much of the step)
         if isinstance(enst, Turns):
             upcoming = idle[: self.max_batch_size]
+        elif isinstance(enst, Enst):
+            upcoming = enst.first(idle, self.max_batch_size, pos)
         else:
             ids = list(map(_request_id, idle))
             keys = zip(map(enst.__getitem__, ids), map(pos.__getitem__, ids), idle, strict=True)
