@@ -69,7 +69,11 @@ class DecisionApplier:
         self.failed = {}
         for rid, kept in trimmed.items():
             live[rid].num_cached_tokens = bm.trim_hit(rid, kept)
-        starting = {rid for rid, _ in d.run if self._starts_with_hit(live[rid], _kind(d, rid))}
+        # NOTE: in run order (a dict, not a set of ids): block tables are made in this order,
+        # and a string set's order changes from one process to the next
+        starting = {
+            rid: None for rid, _ in d.run if self._starts_with_hit(live[rid], _kind(d, rid))
+        }
         for rid in starting:
             hit = bm.prefix_hit(rid)
             assert hit is not None

@@ -669,8 +669,10 @@ class EngineLoop:
 
     def _fail_step(self, decision: Decision, sched: SchedulerOutput, exc: Exception) -> None:
         """Fail only the requests whose KV this step touched; the rest go on."""
-        ids = {s.request_id for s in sched.seqs} | set(decision.swap_in)
-        ids |= {p.request_id for p in decision.preempt if p.mode is PreemptMode.SWAP}
+        # NOTE: in the step's order (a dict, not a set of ids): the policy hears of each end
+        # in turn, and a string set's order changes from one process to the next
+        ids = dict.fromkeys(s.request_id for s in sched.seqs) | dict.fromkeys(decision.swap_in)
+        ids |= dict.fromkeys(p.request_id for p in decision.preempt if p.mode is PreemptMode.SWAP)
         self._fail([self._live[i] for i in ids if i in self._live], f"engine step failed: {exc}")
 
     def _aborted(self, decision: Decision) -> None:
