@@ -6,13 +6,17 @@ these tests exercise the runner's contract without depending on Quanta's real sc
 
 from __future__ import annotations
 
+import importlib
+import os
 import random
+import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.runner import ModelRunner
@@ -216,3 +220,22 @@ class ToyScheduler:
         self.host_blocks.release(request.host_blocks)
         request.block_table, request.host_blocks = device, None
         return (), pairs
+
+
+def interpreted_triton_attention() -> Any:
+    """``quanta.runner.triton_attention`` built for Triton's CPU interpreter, or the calling
+    test module skipped. Triton reads ``TRITON_INTERPRET`` when it is first imported and when
+    it decorates or later loads a kernel, so it is set for the rest of the process: only where
+    no GPU is (a GPU run compares the compiled kernels in test_cuda.py) and only before
+    anything imported triton."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter checks run without a GPU", allow_module_level=True)
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 could be set; run this file in a "
+            "process of its own",
+            allow_module_level=True,
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton", reason="triton is not installed")
+    return importlib.import_module("quanta.runner.triton_attention")

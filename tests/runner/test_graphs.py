@@ -7,10 +7,7 @@ run again over the same buffers) and the Triton kernel under its interpreter
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,26 +16,9 @@ import torch
 from quanta.core.output import PromptLogprobsAsk, ScheduledSeq, SchedulerOutput
 from quanta.core.safepoint import AbortSignal
 from quanta.runner import ModelRunner, graphs
-from runner_helpers import FakeRequest, ToyScheduler
+from runner_helpers import FakeRequest, ToyScheduler, interpreted_triton_attention
 
-
-def _interpreted_kernels():
-    """The Triton kernels built for the interpreter (as in test_triton_attention.py: the
-    variable must be set before anything imports triton, so only where no GPU is)."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter checks run without a GPU", allow_module_level=True)
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET=1 could be set; run this file in a "
-            "process of its own",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton", reason="triton is not installed")
-    return importlib.import_module("quanta.runner.triton_attention")
-
-
-ta = _interpreted_kernels()
+ta = interpreted_triton_attention()
 # A padded row merges splits it never wrote (its output is never read): numpy, running the
 # kernels here, warns of the garbage it divides.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")

@@ -7,10 +7,7 @@ kernels are compared with the torch path in ``tests/runner/test_cuda.py``.
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -20,27 +17,9 @@ from hypothesis import strategies as st
 from quanta.core.window import RELEASED, first_held
 from quanta.runner.attention import build_metadata, paged_attention
 from quanta.runner.decode_kernel import decode_kernel
+from runner_helpers import interpreted_triton_attention
 
-
-def _interpreted_module():
-    """The kernel module built for the interpreter. Triton reads the variable when it is first
-    imported and when it decorates or later loads a kernel, so it is set for the rest of the
-    process: only where no GPU is (a GPU run compares the compiled kernels in test_cuda.py)
-    and only before anything imported triton."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter checks run without a GPU", allow_module_level=True)
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET=1 could be set; run this file in a "
-            "process of its own",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton", reason="triton is not installed")
-    return importlib.import_module("quanta.runner.triton_attention")
-
-
-ta = _interpreted_module()
+ta = interpreted_triton_attention()
 
 BLOCK_SIZE = 4
 HEAD_DIM = 8
