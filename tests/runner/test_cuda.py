@@ -122,7 +122,7 @@ def test_prefix_caching_and_speculation_keep_the_tokens(model_dir):
 def test_structured_output_masks_the_gpus_logits(model_dir):
     """The mask worker's bias is built on the host and added to logits on the GPU."""
     pytest.importorskip("xgrammar")
-    from test_structured_output import SCHEMA, assert_matches_schema
+    from structured.test_structured_output import SCHEMA, assert_matches_schema
 
     llm = _llm(model_dir)
     spec = StructuredOutput(json_schema=SCHEMA)
