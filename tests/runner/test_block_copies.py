@@ -1,4 +1,4 @@
-"""Block copies between the device and host tiers (``ModelRunner._copy_blocks``): the host
+"""Block copies between the device and host tiers (``quanta.runner.block_copies``): the host
 tier is moved in runs of consecutive blocks, the device tier by indexed copies. On the CPU
 the same copies run in line; on CUDA on a side stream (``tests/runner/test_cuda.py``)."""
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from quanta.runner import ModelRunner
-from quanta.runner.model_runner import _runs
+from quanta.runner.block_copies import runs
 
 
 def test_runs_split_where_the_host_blocks_stop_being_consecutive() -> None:
-    assert list(_runs([5, 0, 1, 2, 9, 10, 4])) == [(0, 5, 1), (1, 0, 3), (4, 9, 2), (6, 4, 1)]
-    assert list(_runs([3])) == [(0, 3, 1)]
+    assert list(runs([5, 0, 1, 2, 9, 10, 4])) == [(0, 5, 1), (1, 0, 3), (4, 9, 2), (6, 4, 1)]
+    assert list(runs([3])) == [(0, 3, 1)]
 
 
 @pytest.mark.engine

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from quanta.runner.attention import (
     build_metadata,
     with_prompt_lens,
 )
+from quanta.runner.block_copies import BlockCopies, check_copies
 from quanta.runner.cpu import has_fast_bf16, keep_freed_memory
 from quanta.runner.decode_kernel import decode_kernel, resolve_attention_kernel
 from quanta.runner.device_sampler import DeviceSampler, SampledTokens
@@ -57,7 +58,7 @@ from quanta.runner.models import build_model_skeleton
 from quanta.runner.models.config import ModelConfig, load_model_config
 from quanta.runner.models.loader import load_weights
 from quanta.runner.models.safepoints import Safepoints
-from quanta.runner.quantized import quantized_kernels
+from quanta.runner.quantized import quantized_kernels, resident_weight_bytes
 from quanta.runner.random_weights import fill_random_weights
 from quanta.runner.speculative import verify
 from quanta.runner.tensor_parallel import (
@@ -180,7 +181,7 @@ class ModelRunner:
         self.num_device_blocks = 0
         self.num_host_blocks = num_host_blocks
         # Swaps and checkpoints run on a side stream on CUDA, in line on the CPU.
-        self._copies = _CopyStream(self.device)
+        self._copies = BlockCopies(self.device)
         self.model_config: ModelConfig = load_model_config(model_dir)
         self.tp: WorkerGroup | None = None
         rank = tensor_rank
@@ -360,7 +361,7 @@ class ModelRunner:
             total=memory.total(),
             free_at_start=free_at_start,
             loaded=loaded,
-            weights=sum(_tensor_bytes(m) for m in models),
+            weights=sum(resident_weight_bytes(m) for m in models),
             peak_activation=peak,
             graph_pool=graph_pool,
         )
@@ -493,9 +494,9 @@ class ModelRunner:
         with torch.inference_mode():
             try:
                 batch = self._prepare_step(so) if seqs else None
-                self._check_copies(so.swap_out, self.num_device_blocks, self.num_host_blocks)
-                self._check_copies(so.swap_in, self.num_host_blocks, self.num_device_blocks)
-                self._check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
+                check_copies(so.swap_out, self.num_device_blocks, self.num_host_blocks)
+                check_copies(so.swap_in, self.num_host_blocks, self.num_device_blocks)
+                check_copies(so.checkpoint, self.num_device_blocks, self.num_host_blocks)
             except ValueError as exc:  # NOTE: nothing copied or written: the loop can tell
                 raise MalformedStepError(str(exc)) from exc
             with self._tp_call(lambda: ("step", worker_step(so))):
@@ -524,8 +525,8 @@ class ModelRunner:
                             pooled[i] = _pooled_sum(hidden, first_row, seq)
                     self._sample(hidden, batch, seqs, sampled, logprobs, accepted, masks)
                 # NOTE: on CUDA queued on the copy stream, the host going on at once; the next
-                # forward waits for it on the GPU (``_copy_blocks``), so it does not yet overlap
-                # that forward (ConServe's background copies).
+                # forward waits for it on the GPU (``quanta.runner.block_copies``), so it does
+                # not yet overlap that forward (ConServe's background copies).
                 self._copy_blocks(so.checkpoint, self.device_kv_cache, self.host_kv_cache)
                 proposals: tuple[tuple[int, ...], ...] = ()
                 if self.draft is not None:
@@ -780,106 +781,13 @@ class ModelRunner:
             return zeros_on_demand(shape, self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
-    @staticmethod
-    def _check_copies(pairs: tuple[tuple[int, int], ...], num_src: int, num_dst: int) -> None:
-        for src_id, dst_id in pairs:
-            if not (0 <= src_id < num_src and 0 <= dst_id < num_dst):
-                raise ValueError(
-                    f"block copy {src_id} -> {dst_id} is out of range "
-                    f"({num_src} source, {num_dst} target blocks)"
-                )
-
     def _copy_blocks(
         self, pairs: tuple[tuple[int, int], ...], src: torch.Tensor, dst: torch.Tensor
     ) -> None:
         """Copy blocks ``src_id -> dst_id`` between this runner's tiers (``src`` and ``dst``
-        are its device and host caches, either way round) for all layers, K and V.
-
-        The device tier is read and written by indexed copies (kernels on CUDA); the host
-        tier only by copies of runs of consecutive blocks (for each layer, K and V, a run is
-        contiguous): on CUDA the CPU must never read or write pinned memory that a queued
-        copy may still be using, and contiguous runs are what ``non_blocking`` copies to
-        and from pinned memory move without the host waiting.
-
-        On CUDA the copies run on a side stream (``_CopyStream``): it first waits for the
-        work queued on the compute stream (the forward that wrote the blocks a swap-out or
-        checkpoint reads, or still reads the blocks a swap-in overwrites), and the compute
-        stream then waits for the copies by an event, so the next forward reads swapped-in
-        blocks complete and reuses a swapped-out block only once it has been read. The
-        host waits for neither. Copies on the one side stream keep their order, so a block
-        a swap-out frees can be the target of the swap-in after it, and a host block is
-        read and rewritten in the order the steps asked. On the CPU the stream is no stream
-        and the same copies run in line."""
-        if not pairs:
-            return
-        to_host = dst is self.host_kv_cache
-        if not to_host and src is not self.host_kv_cache:
-            raise ValueError("block copies run between the device and the host tier")
-        device_kv = src if to_host else dst
-        host_rows = self.host_kv_cache.flatten(0, 1)  # [layers * 2, blocks, ...]
-        with self._copies.run():
-            device_ids = self._copies.index([s if to_host else d for s, d in pairs], device_kv)
-            if to_host:
-                moved = device_kv.index_select(2, device_ids).flatten(0, 1)
-            else:
-                shape = (*host_rows.shape[:1], len(pairs), *host_rows.shape[2:])
-                moved = torch.empty(shape, dtype=dst.dtype, device=dst.device)
-            for first, host_first, n in _runs([d if to_host else s for s, d in pairs]):
-                for row in range(host_rows.shape[0]):
-                    host = host_rows[row, host_first : host_first + n]
-                    there = moved[row, first : first + n]
-                    if to_host:
-                        host.copy_(there, non_blocking=True)
-                    else:
-                        there.copy_(host, non_blocking=True)
-            if not to_host:
-                device_kv.index_copy_(2, device_ids, moved.unflatten(0, device_kv.shape[:2]))
-
-
-class _CopyStream:
-    """Where a runner's block copies run: a side stream on CUDA, in line on the CPU.
-
-    ``run()`` makes the side stream wait for the work queued on the compute stream, runs the
-    copies queued inside it on the side stream, then makes the compute stream wait for them
-    by an event: the GPU keeps the order the steps asked for while the host waits for
-    nothing. On the CPU every part is a no-op and the copies run as they are called."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def run(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        compute = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            yield
-        compute.wait_event(self.stream.record_event())
-
-    def index(self, ids: list[int], like: torch.Tensor) -> torch.Tensor:
-        """``ids`` as an index tensor on ``like``'s device; on CUDA through pinned memory,
-        so the upload is queued on the side stream rather than waited for."""
-        pin = self.stream is not None
-        index = torch.tensor(ids, dtype=torch.long, pin_memory=pin)
-        return index.to(like.device, non_blocking=True)
-
-
-def _runs(host_ids: list[int]) -> Iterator[tuple[int, int, int]]:
-    """``(first pair, first host block, length)`` of each run of consecutive host blocks in
-    the order the pairs name them."""
-    first = 0
-    for i in range(1, len(host_ids) + 1):
-        if i == len(host_ids) or host_ids[i] != host_ids[i - 1] + 1:
-            yield first, host_ids[first], i - first
-            first = i
-
-
-def _tensor_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters and buffers (its weights, quantized ones included)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+        are its device and host caches, either way round), all layers, K and V
+        (``quanta.runner.block_copies``: on CUDA on a side stream, ordered by events)."""
+        self._copies.copy(pairs, src, dst, self.host_kv_cache)
 
 
 @dataclass(frozen=True, slots=True)
