@@ -38,10 +38,11 @@ def bench(model: Path, *args: str):
     return CliRunner().invoke(app, [*cmd, *args])
 
 
-def decode_measured(rate: float) -> bool:
-    """A rate, or NaN where no round's full run outlasted its prefill-only run (said in a
-    note): a run of one round with a few tokens on a busy machine can measure no decode."""
-    return math.isnan(rate) or rate > 0
+def decode_measured(rate: float | None) -> bool:
+    """A rate, or NaN (null in the JSON file) where no round's full run outlasted its
+    prefill-only run (said in a note): a run of one round with a few tokens on a busy machine
+    can measure no decode."""
+    return rate is None or math.isnan(rate) or rate > 0
 
 
 def test_a_plain_checkpoint_runs_as_asked(checkpoint):

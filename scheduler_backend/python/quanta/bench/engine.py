@@ -44,6 +44,7 @@ from quanta.core.config import (
 )
 from quanta.core.request import SamplingParams
 from quanta.frontends.engine import Engine, build_engine
+from quanta.metrics import json_safe
 from quanta.runner.quantized import resident_weight_bytes
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,8 @@ def run_engine_bench(
         engine.runner.close()
     _print(rows, source.name, prompt_len, gen_len, tensor_parallel_size)
     if output is not None:
-        output.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        # NOTE: a decode rate no round measured is NaN: null in the file, which stays strict JSON
+        output.write_text(json.dumps(json_safe([asdict(r) for r in rows]), indent=2))
     return rows
 
 

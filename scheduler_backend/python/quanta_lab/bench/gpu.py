@@ -49,6 +49,7 @@ from quanta.bench.engine import (
 )
 from quanta.build.presets import get_preset
 from quanta.frontends.engine import Engine, build_engine
+from quanta.metrics import json_safe
 from quanta.runner.model_runner import resolve_dtype
 from rich.console import Console
 from rich.table import Table
@@ -452,4 +453,4 @@ def _ratio(value: float | None) -> str:
 
 def write_report(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.write_text(json.dumps(json_safe(report), indent=2) + "\n")  # NaN: null
