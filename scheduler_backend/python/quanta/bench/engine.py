@@ -234,10 +234,16 @@ def paired_rates(
     that error. A round whose full run was not longer than its prefill run measured nothing
     and is dropped; with none left the decode rate is NaN (the caller says so).
     ``bench/peer/vllm_engine.py`` does the same for vLLM."""
-    prefill_tps = batch * prompt_len / min(prefill for prefill, _ in rounds)
+    prefill_s, decode_s = paired_seconds(rounds)
+    return batch * prompt_len / prefill_s, batch * (gen_len - 1) / decode_s
+
+
+def paired_seconds(rounds: list[tuple[float, float]]) -> tuple[float, float]:
+    """(prefill, decode) seconds from rounds of (prefill-only, full-run) seconds, as
+    ``paired_rates`` takes them: the shortest prefill-only run, and the median of the rounds'
+    own differences (NaN when no full run outlasted its prefill-only run)."""
     decode_s = [full - prefill for prefill, full in rounds if full > prefill]
-    decode_tps = batch * (gen_len - 1) / statistics.median(decode_s) if decode_s else math.nan
-    return prefill_tps, decode_tps
+    return min(p for p, _ in rounds), statistics.median(decode_s) if decode_s else math.nan
 
 
 def _say_no_decode(engine: str, batch: int, rates: tuple[float, float]) -> None:

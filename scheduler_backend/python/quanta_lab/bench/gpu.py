@@ -27,9 +27,7 @@ import contextlib
 import gc
 import json
 import logging
-import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,6 +42,7 @@ from quanta.bench.engine import (
     bench_engine_config,
     load_hf,
     model_source,
+    paired_seconds,
     run_quanta,
     time_hf_generate,
 )
@@ -267,11 +266,8 @@ def _time_generate(model: torch.nn.Module, prompts: list[list[int]], settings: S
 
 
 def _paired(rounds: list[tuple[float, float]]) -> Timing:
-    """Prefill: the shortest prefill-only run; decode: the median of the rounds' own (full -
-    prefill-only) times, as ``quanta.bench.engine.paired_rates`` takes them (why: there), NaN
-    when no full run outlasted its prefill."""
-    decode = [full - prefill for prefill, full in rounds if full > prefill]
-    return Timing(min(p for p, _ in rounds), statistics.median(decode) if decode else math.nan)
+    """The rounds' seconds as ``quanta bench engine`` takes them (``paired_seconds``)."""
+    return Timing(*paired_seconds(rounds))
 
 
 def _time_continuous(
