@@ -21,6 +21,14 @@ import torch
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.runner import ModelRunner
 
+# Prompts of every length class (a word, a phrase, a long sentence) that engine tests share.
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France",
+    "a",
+    "Once upon a time, in a land far away, there lived a small dragon who",
+]
+
 VOCAB = 300
 # The sizes every tiny kit-family checkpoint shares (transformers writes it from its config):
 # big enough for grouped-query heads and two layers, small enough to run in milliseconds.

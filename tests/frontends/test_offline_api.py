@@ -8,17 +8,11 @@ import quanta
 import torch
 from preemption import roomy_and_cramped
 from quanta.core.errors import EmptyPromptError, PromptTooLongError
+from runner_helpers import PROMPTS
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.engine
-
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France",
-    "a",
-    "Once upon a time, in a land far away, there lived a small dragon who",
-]
 
 
 @pytest.fixture(scope="module", params=["opt-tiny", "llama-tiny"])

@@ -15,6 +15,7 @@ import pytest
 import quanta
 import torch
 from quanta import SamplingParams, StructuredOutput
+from runner_helpers import PROMPTS
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,12 +25,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France",
-    "a",
-    "Once upon a time, in a land far away, there lived a small dragon who",
-]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)
 # the bias and min-p run on the GPU's logits (the bias) and after them (min-p)

@@ -8,15 +8,9 @@ from __future__ import annotations
 import pytest
 import quanta
 from conftest import MLFQ_ALWAYS
+from runner_helpers import PROMPTS
 
 pytestmark = pytest.mark.engine
-
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France",
-    "a",
-    "Once upon a time, in a land far away, there lived a small dragon who",
-]
 
 
 def params() -> list[quanta.SamplingParams]:
