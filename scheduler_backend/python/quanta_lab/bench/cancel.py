@@ -29,11 +29,33 @@ class Server(Protocol):
     def metrics_url(self) -> str: ...
 
 
+def counter_total(server: Server, name: str) -> float:
+    """The server's counter ``name`` summed over all its label sets."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    pattern = rf"^{name}\{{[^}}]*\}} (\S+)"
+    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+
+
 def generated_tokens(server: Server) -> float:
     """The server's ``quanta_generation_tokens_total`` over all label sets."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    pattern = r"^quanta_generation_tokens_total\{[^}]*\} (\S+)"
-    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+    return counter_total(server, "quanta_generation_tokens_total")
+
+
+def finished_requests(server: Server) -> float:
+    """The server's ``quanta_request_finished_total`` over all finish reasons."""
+    return counter_total(server, "quanta_request_finished_total")
+
+
+def wait_for_finished(server: Server, count: float, timeout: float = 60.0) -> None:
+    """Waits until ``/metrics`` has counted ``count`` finished requests. Tokens are counted
+    when a request finishes and reach ``/metrics`` on the metrics thread's next push, which
+    a loaded machine can delay by seconds: a fixed sleep read some streams before they were
+    counted (and the next measurement counted them as its own)."""
+    deadline = time.monotonic() + timeout
+    while finished_requests(server) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"/metrics did not count {count:.0f} finished requests")
+        time.sleep(0.1)
 
 
 def tokens_after_disconnect(
@@ -43,6 +65,7 @@ def tokens_after_disconnect(
     and disconnects over ``transport`` (http|grpc). Returns (tokens generated for nobody,
     mean ms per token of the full streams). The server must be otherwise idle."""
     before = generated_tokens(server)
+    finished_before = finished_requests(server)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     inputs = request_inputs("x", params, stream=True)
     per_token: list[float] = []
@@ -69,6 +92,6 @@ def tokens_after_disconnect(
     events.close()  # the disconnect
     for thread in others:
         thread.join(timeout=900)
-    time.sleep(0.5)  # the last metrics push
+    wait_for_finished(server, finished_before + streams)
     after = generated_tokens(server) - before - (streams - 1) * tokens - read
     return round(after), 1000 * statistics.mean(per_token or [0.0])
