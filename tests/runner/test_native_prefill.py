@@ -1,7 +1,7 @@
 """The AMX prefill-attention kernel (``quanta.runner.native_prefill``): it agrees with attention
-computed in fp32 as closely as bf16 SDPA does, reads only the chunk's own context, gives a
-row the same bits wherever its chunk starts (so a cached prefix changes no logit), and is
-chosen only where it runs."""
+computed in fp32 as closely as bf16 SDPA does, with sliding windows and soft-capped scores
+too, reads only the chunk's own context, gives a row the same bits wherever its chunk starts
+(so a cached prefix changes no logit), and is chosen only where it runs."""
 
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ def _case(
     block_size: int,
     seed: int = 0,
     scale: float = 1.0,
+    window: int = 0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [n, H, D] as a slice of a wider qkv row, the cache [2, slots, KVH, D], the chunk's
-    block table in a shuffled order, fp32 attention over the same values)."""
+    block table in a shuffled order, fp32 attention over the same values: HF's eager
+    sequence, soft-cap and window included)."""
     gen = torch.Generator().manual_seed(seed)
     context = start + n
     num_blocks = -(-context // block_size) + 3
@@ -41,22 +44,43 @@ def _case(
     q = qkv[:, :heads]  # rows (heads + 2 kv_heads) * dim apart, as the fused projection gives
     slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:context]
     keys, values = cache[0, slots].float(), cache[1, slots].float()
-    mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None]
-    want = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None],
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
-        attn_mask=mask,
-        scale=dim**-0.5,
-        enable_gqa=True,
-    )[0].transpose(0, 1)
+    want = _reference(q.float(), keys, values, start, window, softcap)
     return q, cache, table, want
 
 
-def _run(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, block_size: int, start: int):
+def _mask(start: int, n: int, window: int) -> torch.Tensor:
+    """[n, start + n]: which keys row i (position start + i) sees."""
+    keys, rows = torch.arange(start + n)[None, :], torch.arange(start, start + n)[:, None]
+    return (keys <= rows) & ((rows - keys < window) if window else True)
+
+
+def _reference(q, keys, values, start: int, window: int, softcap: float | None):
+    """Attention as HF's eager Gemma 2 computes it, in the inputs' dtype: q [n, H, D] over
+    keys and values [L, KVH, D] -> [n, H, D]."""
+    groups = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q, keys) * q.shape[2] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~_mask(start, q.shape[0], window), float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("hnl,lhd->nhd", weights, values)
+
+
+def _run(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    block_size: int,
+    start: int,
+    window: int = 0,
+    softcap: float | None = None,
+):
     assert KERNEL is not None
     out = torch.empty(q.shape, dtype=q.dtype)
-    KERNEL(out, q, cache[0], cache[1], table, block_size, start, q.shape[2] ** -0.5)
+    scale = q.shape[2] ** -0.5
+    KERNEL(out, q, cache[0], cache[1], table, block_size, start, scale, window, softcap)
     return out
 
 
@@ -94,6 +118,67 @@ def test_native_prefill_is_as_close_to_fp32_as_bf16_sdpa(
     ours, theirs = (got - want).abs().max().item(), (sdpa - want).abs().max().item()
     # both round the probabilities and the output to bf16: within one more bf16 step
     assert ours <= 2 * theirs + 2**-9, (ours, theirs)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("start", "n", "window", "softcap"),
+    [
+        (0, 37, 0, 50.0),
+        (0, 200, 8, None),
+        (0, 200, 64, 50.0),
+        (100, 17, 30, 50.0),
+        (460, 200, 100, None),
+        (460, 200, 129, 30.0),
+        (63, 66, 1, None),
+        (1500, 40, 4096, 50.0),
+    ],
+)
+def test_windows_and_soft_caps_are_as_close_to_fp32_as_bf16_eager(start, n, window, softcap):
+    """Against HF's eager sequence in fp32, as close as that sequence in bf16 is (it rounds
+    the scores to bf16 before the cap; the kernel caps fp32 sums)."""
+    q, cache, table, want = _case(start, n, 6, 2, 64, 32, seed=4, window=window, softcap=softcap)
+    got = _run(q, cache, table, 32, start, window, softcap).float()
+    slots = (table[:, None] * 32 + torch.arange(32)).flatten()[: start + n]
+    eager = _reference(q, cache[0, slots], cache[1, slots], start, window, softcap).float()
+    ours, theirs = (got - want).abs().max().item(), (eager - want).abs().max().item()
+    assert ours <= 2 * theirs + 2**-9, (ours, theirs)
+
+
+@needs_amx
+def test_a_soft_cap_bounds_the_scores():
+    """Scores far past the cap: soft-capped they stay within it, so no key takes every
+    weight (without the cap the peak would)."""
+    q, cache, table, want = _case(50, 30, 2, 2, 32, 16, seed=3, scale=40.0, softcap=5.0)
+    got = _run(q, cache, table, 16, 50, softcap=5.0).float()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    uncapped = _run(q, cache, table, 16, 50).float()
+    assert (uncapped - got).abs().max() > 1.0
+
+
+@needs_amx
+@pytest.mark.parametrize("window", [1, 16, 64, 100])
+@pytest.mark.parametrize("cut", [17, 64, 65, 300])
+def test_a_windowed_rows_bits_do_not_depend_on_where_its_chunk_starts(window, cut):
+    q, cache, table, _ = _case(0, 400, 4, 2, 64, 32, seed=5)
+    whole = _run(q, cache, table, 32, 0, window, 50.0)
+    rest = _run(q[cut:], cache, table, 32, cut, window, 50.0)
+    assert torch.equal(rest, whole[cut:])
+
+
+@needs_amx
+def test_keys_outside_every_window_are_never_read():
+    """Keys no row's window reaches may hold anything (a released block's next owner's
+    values): the result does not change."""
+    window, start, n = 40, 300, 50
+    q, cache, table, _ = _case(start, n, 4, 2, 64, 32, seed=6)
+    clean = _run(q, cache, table, 32, start, window)
+    dirty = cache.clone()
+    slots = (table[:, None] * 32 + torch.arange(32)).flatten()[: start - window + 1]
+    # whole groups of 64 keys before the first row's window
+    dirty[:, slots[: (start - window + 1) // 64 * 64]] = float("nan")
+    assert torch.equal(_run(q, dirty, table, 32, start, window), clean)
 
 
 @needs_amx
@@ -138,6 +223,8 @@ def test_the_kernel_refuses_layouts_it_cannot_read():
         KERNEL(out, q.float(), cache[0], cache[1], table, 32, 0, 0.1)
     with pytest.raises(ValueError, match="unsupported layout or dtype"):
         KERNEL(out, q, cache[0], cache[1], table.int(), 32, 0, 0.1)
+    with pytest.raises(ValueError, match="unsupported layout or dtype"):
+        KERNEL(out, q, cache[0], cache[1], table, 32, 0, 0.1, softcap=0.0)
 
 
 def test_the_rule_picks_amx_only_where_it_runs(monkeypatch):

@@ -2,7 +2,9 @@
 a 16-token window, prompts and generations far longer, blocks of 4. Blocks behind the window go
 back to the pool and are filled with NaN after every step; greedy tokens stay HF's, and those
 of the same run without release, under chunked prefill, preemption by swap and by recompute,
-and a cached prefix. Gemma 2 (global layers between the sliding ones) releases nothing."""
+and a cached prefix; in bf16 too, with prefill chunks attending on the AMX kernel after their
+first blocks were released. Gemma 2 (global layers between the sliding ones) releases
+nothing."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ COMMON = {**TINY_KIT_CONFIG, "head_dim": 16, "sliding_window": WINDOW}
 def _checkpoint(model_type: str, path: Path, **extra: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **COMMON, **extra)
+    config = AutoConfig.for_model(model_type, **(COMMON | extra))
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     widen_weights(model)
@@ -61,18 +63,22 @@ def _serve(
     host: int = 96,
     prefix_caching: bool = False,
     max_tokens: int = 40,
+    block: int = BLOCK,
+    dtype: str = "float32",
 ) -> tuple[dict[str, list[int]], EngineLoop, int]:
     """Greedy tokens of ``_prompts()``; free device blocks are NaN after every step, so a read
     of a released (or any stale) block shows. Also the most blocks one request held."""
     runner = ModelRunner(
-        path, num_device_blocks=device, num_host_blocks=host, block_size=BLOCK, dtype="float32"
+        path, num_device_blocks=device, num_host_blocks=host, block_size=block, dtype=dtype
     )
+    if dtype == "bfloat16" and runner.prefill_attention != "amx":
+        pytest.skip("no AMX prefill kernel here")
     window = kv_window(runner.model_config.sliding_windows) if release else 0
     loop = EngineLoop(
         runner=runner,
         policy=make_policy("fcfs", SchedulerConfig(max_num_batched_tokens=16)),
         blocks=BlockManager(
-            BLOCK, device, host, prefix_caching=prefix_caching, sliding_window=window
+            block, device, host, prefix_caching=prefix_caching, sliding_window=window
         ),
         clock=VirtualClock(),
         max_model_len=256,
@@ -132,6 +138,17 @@ def test_tokens_hold_with_a_cached_prefix(mistral: tuple[Path, Any]) -> None:
     expected, _, _ = _serve(path, release=False)
     got, loop, _ = _serve(path, release=True, prefix_caching=True)
     assert loop.stats().prefix_cache_hits > 0 and got == expected
+
+
+def test_bf16_prefill_chunks_attend_natively_after_a_release(tmp_path: Path) -> None:
+    """Heads of 32 columns and blocks of 16 keys, as the AMX prefill kernel serves them, a
+    32-token window: chunks of 16 tokens start after the window released their first blocks
+    (which hold NaN), and the tokens are those of the same run without release."""
+    _checkpoint("mistral", tmp_path, head_dim=32, sliding_window=32)
+    serve = {"block": 16, "dtype": "bfloat16", "device": 64, "host": 0}
+    got, _, most = _serve(tmp_path, release=True, **serve)
+    kept, _, most_kept = _serve(tmp_path, release=False, **serve)
+    assert got == kept and most < most_kept
 
 
 def test_gemma2_releases_nothing(tmp_path: Path) -> None:

@@ -82,7 +82,8 @@ ProjectKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 class PrefillKernel(Protocol):
     """A native kernel for prefill chunks (``quanta.runner.native_prefill``): reads the
-    chunk's context in place from the paged cache, with the causal bound implicit."""
+    chunk's context in place from the paged cache, with the causal bound implicit, and
+    serves sliding-window and soft-capped layers too."""
 
     def serves(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool: ...
 
@@ -96,6 +97,8 @@ class PrefillKernel(Protocol):
         block_size: int,
         start: int,
         scale: float,
+        window: int = 0,
+        softcap: float | None = None,
     ) -> None: ...
 
 

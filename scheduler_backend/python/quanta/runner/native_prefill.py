@@ -3,8 +3,9 @@ in place from the paged cache; built once per machine and loaded through ctypes 
 decode kernel (``quanta.runner.native_decode``).
 
 It serves a prefill chunk when the model runs bf16 on a CPU whose AMX tiles Linux grants this
-process, with a head size that is a multiple of 32; every other chunk (fp32, fp16, CUDA, a
-CPU without AMX, no C compiler) keeps SDPA. Measured in ``docs/prefix-caching.md``.
+process, with a head size that is a multiple of 32, sliding-window and soft-capped layers
+included; every other chunk (fp32, fp16, CUDA, a CPU without AMX, no C compiler) keeps SDPA
+(or, windowed or soft-capped, HF's eager sequence). Measured in ``docs/prefix-caching.md``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,21 @@ MAX_HEAD_DIM = 256
 
 class NativePrefill:
     """``(out, q [n, H, D] rows of one chunk, key_cache, value_cache [slots, KVH, D],
-    block_ids, block_size, start, scale)``: writes the chunk's attention into ``out``."""
+    block_ids, block_size, start, scale, window, softcap)``: writes the chunk's attention
+    into ``out``; ``window`` (0: none) and ``softcap`` (None: none) as the layer's own."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.quanta_paged_prefill
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float]
+        fn.argtypes = (
+            [ctypes.c_void_p] * 5
+            + [ctypes.c_int64] * 9
+            + [
+                ctypes.c_float,
+                ctypes.c_int64,
+                ctypes.c_float,
+            ]
+        )
         self._fn = fn
 
     @staticmethod
@@ -64,6 +74,8 @@ class NativePrefill:
         block_size: int,
         start: int,
         scale: float,
+        window: int = 0,
+        softcap: float | None = None,
     ) -> None:
         n, heads, dim = q.shape
         kv_heads = key_cache.shape[1]
@@ -77,6 +89,8 @@ class NativePrefill:
             and out.stride(1) == dim
             and block_ids.dtype == torch.int64
             and block_ids.is_contiguous()
+            and window >= 0
+            and (softcap is None or softcap > 0)
         ):
             raise ValueError("native prefill attention: unsupported layout or dtype")
         status = self._fn(
@@ -95,6 +109,8 @@ class NativePrefill:
             out.stride(0),
             kv_heads * dim,
             scale,
+            window,
+            softcap or 0.0,
         )
         if status == -1:
             raise MemoryError("native prefill attention could not allocate its scratch space")

@@ -12,6 +12,13 @@
  * keys are read from their blocks as they lie, and each KV head's values are transposed once
  * per call.
  *
+ * A sliding window (`window` > 0) lets a row see only its last `window` positions, itself
+ * included; key groups wholly before every row of a tile's window are never computed. A
+ * soft-cap (`softcap` > 0, Gemma 2) maps each scaled score s to softcap * tanh(s / softcap)
+ * in fp32, as HF does, before the mask. Without them the torch path these layers took ran
+ * HF's eager sequence (an einsum, tanh, mask, softmax and einsum per head group in bf16), 60%
+ * of a Gemma 2 prefill.
+ *
  * Layout: q and out [T, H, D] (rows q_stride and out_stride elements apart, heads D apart);
  * caches [slots, KVH, D] with rows `slot_stride` elements apart; key position p of the chunk's
  * context lives in slot block_ids[p / block_size] * block_size + p % block_size. The chunk's
@@ -106,18 +113,39 @@ static inline __m512 exp2_16(__m512 t) {
     return _mm512_maskz_scalef_ps(kept, p, n);
 }
 
+/* tanh of 16 lanes within a few ulp, as the decode kernel's tanh_vectorisable (Cephes'
+ * tanhf): an odd polynomial below |x| = 0.625, above it (1 - e) / (1 + e) with
+ * e = exp(-2|x|), where no cancellation is left; tanh(+-inf) is +-1. */
+static inline __m512 tanh_16(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 size = _mm512_abs_ps(x);
+    const __m512 z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+    const __m512 e = exp2_16(_mm512_mul_ps(size, _mm512_set1_ps(-2.0f * 1.44269504088896341f)));
+    const __m512 large = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 sign = _mm512_and_ps(x, _mm512_set1_ps(-0.0f));
+    const __mmask16 near_zero = _mm512_cmp_ps_mask(size, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(near_zero, _mm512_or_ps(large, sign), small);
+}
+
 /* One KV head's V^T, a group of KEYS keys at a time: vt[(g * dim + d) * KEYS + k] is
- * column d of key KEYS g + k, zero past the context's end. */
+ * column d of key KEYS g + k, zero past the context's end; groups before `from` (no row's
+ * window reaches them) are left unwritten. */
 static void pack_values(uint16_t *vt, const uint16_t *values, const int64_t *block_ids,
-                        int64_t block_size, int64_t context, int64_t groups, int64_t dim,
-                        int64_t slot_stride, int64_t kvh) {
+                        int64_t block_size, int64_t context, int64_t groups, int64_t from,
+                        int64_t dim, int64_t slot_stride, int64_t kvh) {
     const int64_t tail = context % KEYS;
     if (tail) {
         for (int64_t d = 0; d < dim; d++) {
             memset(vt + ((groups - 1) * dim + d) * KEYS + tail, 0, sizeof(uint16_t) * (KEYS - tail));
         }
     }
-    for (int64_t p = 0; p < context; p++) {
+    for (int64_t p = from * KEYS; p < context; p++) {
         const int64_t slot = block_ids[p / block_size] * block_size + p % block_size;
         const uint16_t *v = values + slot * slot_stride + kvh * dim;
         uint16_t *col = vt + (p / KEYS) * dim * KEYS + p % KEYS;
@@ -162,7 +190,7 @@ static void attend_tile(uint16_t *out, const uint16_t *q, const uint16_t *keys,
                         const uint16_t *vt, const int64_t *block_ids, int64_t block_size,
                         int64_t i0, int64_t m, int64_t h, int64_t kvh, int64_t start,
                         int64_t dim, int64_t q_stride, int64_t out_stride, int64_t slot_stride,
-                        float scale) {
+                        float scale, int64_t window, float softcap) {
     uint32_t qt[MAX_DIM / 2 * 16] __attribute__((aligned(64))); /* column pairs x queries */
     uint16_t pt[KEYS / 2 * 32] __attribute__((aligned(64)));    /* key pairs x queries */
     float st[2][KEYS * 16] __attribute__((aligned(64)));        /* keys x queries */
@@ -175,27 +203,45 @@ static void attend_tile(uint16_t *out, const uint16_t *q, const uint16_t *keys,
         const uint32_t *row = (const uint32_t *)(q + (i0 + n) * q_stride + h * dim);
         for (int64_t r = 0; r < dim / 2; r++) qt[r * 16 + n] = row[r];
     }
-    /* Each query's position; a padding column sees every key (its result is dropped). */
-    int32_t where[16];
-    for (int n = 0; n < 16; n++) where[n] = n < m ? (int32_t)(start + i0 + n) : INT32_MAX;
+    /* Each query's position and its window's first key (0 without a window); a padding
+     * column's result is dropped, whatever it sees. */
+    int32_t where[16], from[16];
+    for (int n = 0; n < 16; n++) {
+        where[n] = n < m ? (int32_t)(start + i0 + n) : INT32_MAX;
+        from[n] = window > 0 && where[n] - window + 1 > 0 ? (int32_t)(where[n] - window + 1) : 0;
+    }
     const __m512i position = _mm512_loadu_si512(where);
+    const __m512i earliest = _mm512_loadu_si512(from);
     const __m512i pair_order = _mm512_set_epi16(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
+    /* Soft-capped scores are scaled as they are capped; the exponent's factor is then log2 e. */
+    const __m512 vscale = _mm512_set1_ps((softcap > 0.0f ? 1.0f : scale) * 1.44269504088896341f);
+    const __m512 cap = _mm512_set1_ps(softcap), into_cap = _mm512_set1_ps(scale / softcap);
     const __m512 hidden = _mm512_set1_ps(-INFINITY);
     __m512 peak = hidden, total = _mm512_setzero_ps();
     const int64_t first = start + i0, last = start + i0 + m - 1;
     const int64_t groups = last / KEYS + 1;
-    GROUP_SCORES(0, st[0]);
-    for (int64_t g = 0; g < groups; g++) {
+    /* The first group any row's window reaches; a row's groups before its own window's, and
+     * after its position, are wholly masked and add exactly nothing to it (see exp2_16). */
+    const int64_t g0 = window > 0 && first - window + 1 > 0 ? (first - window + 1) / KEYS : 0;
+    const int64_t last_from = window > 0 ? last - window + 1 : 0;
+    GROUP_SCORES(g0, st[g0 & 1]);
+    for (int64_t g = g0; g < groups; g++) {
         float *sg = st[g & 1];
         const int64_t p0 = g * KEYS;
         __m512 top = hidden;
-        if (p0 + KEYS - 1 > first) { /* some query does not see some of these keys yet */
+        if (softcap > 0.0f) { /* before the mask: tanh would turn a hidden -inf into -softcap */
             for (int k = 0; k < KEYS; k++) {
-                const __mmask16 seen = _mm512_cmp_epi32_mask(
-                    _mm512_set1_epi32((int32_t)(p0 + k)), position, _MM_CMPINT_LE);
+                const __m512 s = _mm512_mul_ps(_mm512_load_ps(sg + k * 16), into_cap);
+                _mm512_store_ps(sg + k * 16, _mm512_mul_ps(cap, tanh_16(s)));
+            }
+        }
+        if (p0 + KEYS - 1 > first || p0 < last_from) { /* some query sees only some keys */
+            for (int k = 0; k < KEYS; k++) {
+                const __m512i key = _mm512_set1_epi32((int32_t)(p0 + k));
+                const __mmask16 seen = _mm512_cmp_epi32_mask(key, position, _MM_CMPINT_LE) &
+                                       _mm512_cmp_epi32_mask(key, earliest, _MM_CMPINT_NLT);
                 const __m512 sk = _mm512_mask_mov_ps(hidden, seen, _mm512_load_ps(sg + k * 16));
                 _mm512_store_ps(sg + k * 16, sk);
                 top = _mm512_max_ps(top, sk);
@@ -259,7 +305,8 @@ static void attend_tile(uint16_t *out, const uint16_t *q, const uint16_t *keys,
 /*
  * out, q: the chunk's n rows [n, H, D] (bf16, rows `out_stride` and `q_stride` elements
  * apart, heads D apart); key_cache, value_cache: [slots, KVH, D] (bf16); block_ids: the
- * chunk's context blocks, of block_size slots each; start: the chunk's first position. dim
+ * chunk's context blocks, of block_size slots each; start: the chunk's first position;
+ * window: each row's keys, itself included (0: all); softcap: the scores' cap (0: none). dim
  * must be a multiple of 32 and at most MAX_DIM, H a multiple of KVH, block_size a multiple
  * of 16. Returns 0; -1 when the scratch space cannot be allocated; -2 when the kernel cannot
  * run (no AMX, or a shape it does not serve): nothing is written then.
@@ -267,23 +314,26 @@ static void attend_tile(uint16_t *out, const uint16_t *q, const uint16_t *keys,
 int quanta_paged_prefill(void *out, const void *q, const void *key_cache, const void *value_cache,
                          const int64_t *block_ids, int64_t block_size, int64_t start, int64_t n,
                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t q_stride,
-                         int64_t out_stride, int64_t slot_stride, float scale) {
+                         int64_t out_stride, int64_t slot_stride, float scale, int64_t window,
+                         float softcap) {
 #if QUANTA_AMX
     if (!amx_ready || dim % 32 != 0 || dim > MAX_DIM || heads % kv_heads != 0 || n <= 0 ||
-        block_size % 16 != 0)
+        block_size % 16 != 0 || window < 0 || softcap < 0.0f)
         return -2;
     const int64_t context = start + n, groups = (context + KEYS - 1) / KEYS;
     uint16_t *vt = aligned_alloc(64, (size_t)(groups * dim * KEYS) * sizeof(uint16_t));
     if (vt == NULL) return -1;
     const int64_t group = heads / kv_heads;
+    const int64_t from = window > 0 && start - window + 1 > 0 ? (start - window + 1) / KEYS : 0;
     configure_tiles();
     for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-        pack_values(vt, value_cache, block_ids, block_size, context, groups, dim, slot_stride, kvh);
+        pack_values(vt, value_cache, block_ids, block_size, context, groups, from, dim, slot_stride,
+                    kvh);
         for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
             for (int64_t i0 = 0; i0 < n; i0 += ROWS) {
                 const int64_t m = n - i0 < ROWS ? n - i0 : ROWS;
                 attend_tile(out, q, key_cache, vt, block_ids, block_size, i0, m, h, kvh, start,
-                            dim, q_stride, out_stride, slot_stride, scale);
+                            dim, q_stride, out_stride, slot_stride, scale, window, softcap);
             }
         }
     }
@@ -293,7 +343,7 @@ int quanta_paged_prefill(void *out, const void *q, const void *key_cache, const 
 #else
     (void)out, (void)q, (void)key_cache, (void)value_cache, (void)block_ids, (void)block_size;
     (void)start, (void)n, (void)heads, (void)kv_heads, (void)dim, (void)q_stride;
-    (void)out_stride, (void)slot_stride, (void)scale;
+    (void)out_stride, (void)slot_stride, (void)scale, (void)window, (void)softcap;
     return -2;
 #endif
 }

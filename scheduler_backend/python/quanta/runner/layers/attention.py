@@ -182,9 +182,16 @@ def windowed_attention(
     flat[0].index_copy_(0, meta.slot_mapping, k.to(layer_cache.dtype))
     flat[1].index_copy_(0, meta.slot_mapping, v.to(layer_cache.dtype))
     out = torch.empty_like(q)
+    native = meta.prefill_kernel
     for chunk in meta.prefills:
         rows = q[chunk.token_start : chunk.token_end]
         base = chunk.window_start_block * block_size  # its first held block's first position
+        if native is not None and native.serves(rows, flat[0]):
+            # Positions count from the first held block, as ``block_ids`` do.
+            start = chunk.context_len - rows.shape[0] - base
+            native(out[chunk.token_start : chunk.token_end], rows, flat[0], flat[1],
+                   chunk.block_ids, block_size, start, scale, window, softcap)  # fmt: skip
+            continue
         keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)
         vals = layer_cache[1].index_select(0, chunk.block_ids).flatten(0, 1)
         keys, vals = keys[: chunk.context_len - base], vals[: chunk.context_len - base]
