@@ -322,6 +322,47 @@ def test_decode_graphs_keep_the_tokens_under_preemption(model_dir, monkeypatch, 
     assert _paths(small)[0] > 0
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_windowed_and_soft_capped_layers_keep_the_torch_paths_tokens_in_graphs(
+    family, tmp_path, monkeypatch
+):
+    """A 4-token window the prompts outgrow (Mistral) and capped scores between windowed and
+    global layers (Gemma 2) attend on the Triton kernel, decode steps replayed in graphs:
+    greedy and seeded tokens are those of the torch path (``QUANTA_CUDA_ATTENTION=torch``)."""
+    pytest.importorskip("triton")
+    from quanta.runner import ModelRunner
+    from runner_helpers import TINY_KIT_CONFIG, FakeRequest, ToyScheduler, widen_weights
+
+    extra = {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0}
+    config = transformers.AutoConfig.for_model(
+        family, **TINY_KIT_CONFIG, head_dim=16, sliding_window=4,
+        **(extra if family == "gemma2" else {}),
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    widen_weights(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+
+    def run() -> tuple[dict[str, list[int]], ModelRunner]:
+        runner = ModelRunner(tmp_path, num_device_blocks=64, num_host_blocks=0, block_size=4,
+                             dtype="float32", device="cuda", max_num_seqs=4)  # fmt: skip
+        requests = [
+            FakeRequest("a", [5, 17, 3, 250, 9, 33], max_new_tokens=12),
+            FakeRequest("b", [71, 2, 8], max_new_tokens=9, temperature=0.8, top_p=0.9, seed=11),
+            FakeRequest("c", list(range(100, 111)), max_new_tokens=6, arrival_step=2),
+        ]
+        return ToyScheduler(runner, requests).run(), runner
+
+    monkeypatch.setenv("QUANTA_CUDA_ATTENTION", "torch")
+    want, plain = run()
+    assert plain.decode_graphs is None
+    monkeypatch.delenv("QUANTA_CUDA_ATTENTION")
+    got, graphed = run()
+    assert graphed.decode_graphs is not None
+    assert got == want
+    assert graphed.step_paths.graph > 0
+
+
 def test_the_kv_cache_takes_what_the_gpu_memory_utilization_leaves(model_dir):
     """Sized from the device's memory after the weights and a profiling forward: blocks
     enough for most of the budget (a tiny model's weights and activations take little of

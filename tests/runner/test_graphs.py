@@ -16,7 +16,13 @@ import torch
 from quanta.core.output import PromptLogprobsAsk, ScheduledSeq, SchedulerOutput
 from quanta.core.safepoint import AbortSignal
 from quanta.runner import ModelRunner, graphs
-from runner_helpers import FakeRequest, ToyScheduler, interpreted_triton_attention
+from runner_helpers import (
+    TINY_KIT_CONFIG,
+    FakeRequest,
+    ToyScheduler,
+    interpreted_triton_attention,
+    widen_weights,
+)
 
 ta = interpreted_triton_attention()
 # A padded row merges splits it never wrote (its output is never read): numpy, running the
@@ -145,8 +151,95 @@ def test_models_a_graph_cannot_hold_stay_eager(llama_tiny):
     assert graphs.model_unsupported(base) is None
     assert graphs.unsupported(base, torch.device("cpu")) == "not a CUDA device"
     assert graphs.model_unsupported(base, tensor_parallel=True) == "tensor parallelism"
-    windowed = replace(base, sliding_windows=(8, 0))
-    assert graphs.model_unsupported(windowed) == "sliding-window or soft-capped attention"
+    windowed = replace(base, sliding_windows=(8, 0), attn_logit_softcapping=50.0)
+    assert graphs.model_unsupported(windowed) is None  # the Triton kernel takes both
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_windowed_and_soft_capped_layers_attend_on_the_kernel_the_graphs_replay(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Mistral with a 4-token window the prompts outgrow, Gemma 2 with soft-capped scores and
+    windowed layers between global ones: with graphs, prompts, mixed steps and replayed
+    decodes all attend through the Triton kernel (the torch path's windowed attention never
+    runs, nor its row-by-row decode), and the tokens are the torch path's."""
+    from quanta.runner.layers import attention
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # a cap low enough to change the scores of these widened weights
+    extra = (
+        {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0} if family == "gemma2" else {}
+    )
+    config = AutoConfig.for_model(family, **TINY_KIT_CONFIG, head_dim=16, sliding_window=4, **extra)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    widen_weights(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    want = ToyScheduler(_runner(tmp_path, graphed=False), _requests(), shuffle_seed=5).run()
+
+    graphed = _runner(tmp_path, graphed=True)
+    torch_path = attention.windowed_attention
+    calls: list[int] = []
+    monkeypatch.setattr(
+        attention, "windowed_attention", lambda *a: calls.append(1) or torch_path(*a)
+    )
+    assert ToyScheduler(graphed, _requests(), shuffle_seed=5).run() == want
+    assert graphed.step_paths.graph > 0 and graphed.step_paths.eager > 0
+    assert not calls
+
+
+def _release_loop(model_dir: Path, *, graphed: bool) -> tuple[dict[str, list[int]], ModelRunner]:
+    """Greedy tokens of three long requests on the engine loop, whose block manager releases
+    the blocks behind the window; freed device blocks are NaN after every step, so a read of a
+    released block shows."""
+    from quanta.core.block_pool import Tier
+    from quanta.core.blocks import BlockManager
+    from quanta.core.clock import VirtualClock
+    from quanta.core.config import SchedulerConfig
+    from quanta.core.loop import EngineLoop
+    from quanta.core.request import Request, SamplingParams
+    from quanta.core.window import kv_window
+    from quanta.policies import make_policy
+
+    runner = _runner(model_dir, graphed=graphed)
+    window = kv_window(runner.model_config.sliding_windows)
+    loop = EngineLoop(
+        runner=runner,
+        policy=make_policy("fcfs", SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)),
+        blocks=BlockManager(BLOCK_SIZE, NUM_BLOCKS, 8, sliding_window=window),
+        clock=VirtualClock(),
+        max_model_len=128,
+        decode=lambda ids: "",
+    )
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((21, 9, 30))]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    requests = [Request(f"r{i}", p, params, i * 1e-3, i) for i, p in enumerate(prompts)]
+    for r in requests:
+        loop.submit(r)
+    pool = loop.blocks.pools[Tier.DEVICE]
+    while loop.has_unfinished():
+        loop.step()
+        stale = [b for b in pool.free_ids() if b not in pool.name_of]
+        if stale:
+            runner.device_kv_cache[:, :, stale] = float("nan")
+    return {r.request_id: list(r.output_token_ids) for r in requests}, runner
+
+
+def test_replayed_decodes_skip_the_blocks_a_window_released(tmp_path: Path):
+    """Mistral with an 8-token window on the engine loop, which releases the blocks behind
+    it: replayed decode steps read from each row's first held block (a released entry is
+    never read, though its slot holds NaN) and give the eager tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mistral", **TINY_KIT_CONFIG, head_dim=16, sliding_window=8)
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    widen_weights(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    want, _ = _release_loop(tmp_path, graphed=False)
+    got, graphed = _release_loop(tmp_path, graphed=True)
+    assert got == want
+    assert graphed.step_paths.graph > 0
 
 
 KERNEL_BLOCK_SIZE = 16

@@ -474,17 +474,21 @@ def paged_attention(
     scale: float,
     hidden_input: torch.Tensor | None = None,
     project_kv: ProjectKV | None = None,
+    window: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V, then attend.  q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D].
 
     With hidden-cache sequences in the step, ``hidden_input`` ([T, hidden], what q, k and v
     were projected from) is stored for them instead, and ``project_kv`` turns their cached
-    inputs back into K and V."""
+    inputs back into K and V. ``window`` and ``softcap`` reach the Triton kernels only
+    (``meta.paged``); elsewhere a layer whose window a context outgrows, or that soft-caps,
+    attends through ``quanta.runner.layers.attention.windowed_attention``."""
     if meta.paged is not None:
         from quanta.runner import triton_attention
 
         return triton_attention.paged_attention(
-            q, k, v, layer_cache, meta.slot_mapping, meta.paged, scale
+            q, k, v, layer_cache, meta.slot_mapping, meta.paged, scale, window, softcap
         )
     _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
     flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)

@@ -21,9 +21,10 @@ position is read back to the host.
 What runs eagerly (``eager_reason``): steps with prefill chunks (mixed prefill and decode
 included), hidden-cache rows, draft verification, prompt log-probabilities or pooling, steps
 with more rows than the largest graph, and preemptible steps (below). Models a graph cannot
-hold run every step eagerly (``unsupported``): sliding-window or soft-capped attention (the
-layers attend through the host-side torch path), longrope (a row's rotation depends on its
-prompt length), tensor parallelism (the ranks exchange over gloo from the host).
+hold run every step eagerly (``unsupported``): longrope (a row's rotation depends on its
+prompt length), tensor parallelism (the ranks exchange over gloo from the host). Sliding-window
+and soft-capped layers are held: the kernel takes the window and the cap, and a released
+block's first held position is one of the buffers.
 
 ConServe's layer safepoints: a preemptible step (``SchedulerOutput.abort``) runs eagerly,
 checking its signal every ``safepoint_interval`` layers exactly as without graphs. The cost is
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 
 from quanta.core.output import ScheduledSeq, SchedulerOutput
+from quanta.core.window import first_held
 from quanta.runner.attention import CUDA_ATTENTION_ENV, AttentionMetadata
 from quanta.runner.layers.rotary import RotaryTable, by_prompt_length
 from quanta.runner.models.config import ModelConfig
@@ -110,8 +112,6 @@ def model_unsupported(config: ModelConfig, *, tensor_parallel: bool = False) -> 
     """Why this model's decode steps cannot be captured, on any device, or None."""
     if tensor_parallel:
         return "tensor parallelism"
-    if any(config.sliding_windows) or config.attn_logit_softcapping is not None:
-        return "sliding-window or soft-capped attention"
     if by_prompt_length(config):
         return "longrope rotations"
     return None
@@ -161,6 +161,8 @@ class DecodeGraphs:
         self._counts = torch.zeros(rows, dtype=torch.int32, device=device)
         self._rows = torch.arange(rows, dtype=torch.int32, device=device)
         self._zeros = torch.zeros(rows, dtype=torch.int32, device=device)
+        # Each row's first held position (a sliding window released the blocks before it).
+        self._firsts = torch.zeros(rows, dtype=torch.int32, device=device)
         self._logits = torch.zeros((rows, vocab_size), dtype=dtype, device=device)
         self._pin = device.type == "cuda"
         self._replays: dict[int, Callable[[], None]] = {}
@@ -183,7 +185,7 @@ class DecodeGraphs:
                 self._rows[:size],
                 self._starts[:size],
                 self._counts[:size],
-                self._zeros[:size],
+                self._firsts[:size],
                 self._zeros[:size],
             )
             meta = AttentionMetadata(
@@ -232,6 +234,7 @@ class DecodeGraphs:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        firsts: list[int] = []
         tables: list[tuple[int, ...]] = []
         for seq in seqs:
             pos = seq.start_pos
@@ -244,7 +247,9 @@ class DecodeGraphs:
             ids.append(seq.token_ids[0])
             positions.append(pos)
             slots.append(table[-1] * bs + pos % bs)
-            tables.append(table)
+            first = first_held(table)
+            firsts.append(first * bs)
+            tables.append((0,) * first + table[first:])  # released entries are never read
         if max(positions) >= self.max_model_len:
             raise ValueError(
                 f"position {max(positions)} is beyond max_model_len {self.max_model_len}"
@@ -265,6 +270,8 @@ class DecodeGraphs:
         )
         self._ints[:, :size].copy_(ints, non_blocking=True)
         self._tables[:n, :width].copy_(table_rows, non_blocking=True)
+        held = torch.tensor(firsts + [0] * pad, dtype=torch.int32, pin_memory=self._pin)
+        self._firsts[:size].copy_(held, non_blocking=True)
         return self._ints[0, :size], self._ints[1, :size], self._metas[size]
 
     def replay(self, num_rows: int) -> torch.Tensor:

@@ -123,7 +123,11 @@ class Attention(nn.Module):
         """``attention(x)``, its output projection included (the residual add is the next
         norm's)."""
         q, k, v = self._rotated(x, rope)
-        if self.softcap is not None or not _window_covers(self.window, meta):
+        # NOTE: the Triton kernels (``meta.paged``, CUDA) take the window and the cap
+        # themselves; elsewhere such a layer has its own path
+        if meta.paged is None and (
+            self.softcap is not None or not _window_covers(self.window, meta)
+        ):
             out = windowed_attention(q, k, v, layer_cache, meta, self.scale, self.window,
                                      self.softcap)  # fmt: skip
             return self.o_proj(out.flatten(1))
@@ -144,6 +148,8 @@ class Attention(nn.Module):
             scale=self.scale,
             hidden_input=x,
             project_kv=project_kv,
+            window=self.window,
+            softcap=self.softcap,
         )
         return self.o_proj(out.flatten(1))
 
