@@ -1,11 +1,12 @@
 """The paths that keep a step short with a long queue decide exactly as the plain algorithms
 they replaced: Apt-Serve's greedy walked from a heap that items join only as the walk comes
-near them, and stopped early, against a full sort; its items built with fewer calls against
-the way they were built; the orderings' sorts per queue against one sort of every candidate
-by the old keys; turns read lazily against the dicts built before; FastServe's ENST in one
-pass against ``mlfq_enst`` over its two mappings; ConServe's budget search started from a
-guess against the plain bisection. On random inputs, and at every step of a seeded workload
-through the loop for each system the schedule-step bench times."""
+near them, and stopped early, against a full sort; its items and their bounds, built in one
+pass with fewer calls, against the way they were built; the orderings' sorts per queue
+against one sort of every candidate by the old keys; turns read lazily against the dicts
+built before; FastServe's ENST in one pass against ``mlfq_enst`` over its two mappings;
+ConServe's budget search started from a guess against the plain bisection. On random inputs,
+and at every step of a seeded workload through the loop for each system the schedule-step
+bench times."""
 
 from __future__ import annotations
 
@@ -34,7 +35,14 @@ from quanta.policies.common import QUEUE_RANK, arrival_key, is_online, largest
 from quanta.policies.coserve import ClassOrder
 from quanta.policies.fair import WSCOrder, _CounterOrder
 from quanta.policies.fcfs import ArrivalOrder
-from quanta.policies.knapsack import NEAR_ZERO, Item, _has_room, greedy_knapsack, options
+from quanta.policies.knapsack import (
+    NEAR_ZERO,
+    Item,
+    _has_room,
+    greedy_knapsack,
+    item_bounds,
+    options,
+)
 from quanta.policies.mlfq import Job, PriorityOrder, SkipJoinMLFQ
 from quanta.policies.mlfq_memory import Enst, execute_times, mlfq_enst
 from quanta.policies.packers import chunk
@@ -58,6 +66,18 @@ def old_options(item: Item, factor: float, memory: int) -> list[tuple[CacheKind,
     return out
 
 
+def old_value(packer: adaptive.AdaptivePacker, req: Request, now: float) -> float:
+    """``AdaptivePacker.value`` as it was: the SLO read from the metadata at each call."""
+    p, md = req.pending_time(now), req.metadata
+    if req.last_token_time is None:
+        slo = md.ttft_slo_ms / 1e3 if md.ttft_slo_ms is not None else packer.ttft_slo_s
+    else:
+        slo = md.tpot_slo_ms / 1e3 if md.tpot_slo_ms is not None else packer.tbt_slo_s
+    if slo is None or p <= slo:
+        return p
+    return NEAR_ZERO if packer.fallback == "zero" else packer.decay * p
+
+
 def old_items(
     packer: adaptive.AdaptivePacker, queue: list[Request], step: adaptive._Step, switchable: bool
 ) -> tuple[list[Request], list[Item]]:
@@ -79,7 +99,7 @@ def old_items(
         steps = 1.0
         if kv and hidden:
             steps = mean if mean is not None else packer.steps_ahead(req)
-        items.append(Item(packer.value(req, now), m, half, kv, hidden, n, steps))
+        items.append(Item(old_value(packer, req, now), m, half, kv, hidden, n, steps))
         reqs.append(req)
     return reqs, items
 
@@ -339,13 +359,45 @@ def _checked_rank(ordering: object, checks: list[int], wrong: list[str]):
 
 @pytest.mark.parametrize("system", ["fcfs", "sj-mlfq", "fair", "vtc", "conserve", "apt"])
 def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monkeypatch):
+    checks, wrong, requests = _every_step(system, monkeypatch)
+    assert wrong == []
+    assert [r.error for r in requests if r.error] == []
+    assert checks[0] > 100
+    assert (checks[1] > 100 and checks[2] > 100) or system != "apt"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rho": 1e-6},  # NOTE: hidden caches worth choosing, and switches
+        {"cache": "kv"},
+        {"cache": "hidden"},
+        {"fallback": "decay", "allow_swap": True, "ttft_slo_s": 0.2, "tbt_slo_s": 0.1},
+    ],
+)
+def test_every_step_of_apt_with_its_options_packs_as_before(options, monkeypatch):
+    """The items, their bounds and the greedy of Apt-Serve's variants, with requests that
+    bring SLOs of their own, at every step."""
+    checks, wrong, requests = _every_step("apt", monkeypatch, slos=True, **options)
+    assert wrong == []
+    assert [r.error for r in requests if r.error] == []
+    assert checks[1] > 100 and checks[2] > 100
+
+
+def _every_step(
+    system: str, monkeypatch: pytest.MonkeyPatch, *, slos: bool = False, **options: object
+) -> tuple[list[int], list[str], list[Request]]:
+    """A seeded workload through the loop, every ranking, greedy and set of items checked
+    against the old way: (checks made per kind, what differed, the requests)."""
     rng = random.Random(7)
     checks, wrong = [0, 0, 0], []
 
-    def greedy(*args: object, **kwargs: object) -> dict[int, CacheKind]:
-        got = greedy_knapsack(*args, **kwargs)
-        if list(got.items()) != list(sorted_walk(*args, **kwargs).items()):
+    def greedy(items, memory, factor, *, bounds, **kwargs):  # type: ignore[no-untyped-def]
+        got = greedy_knapsack(items, memory, factor, bounds=bounds, **kwargs)
+        if list(got.items()) != list(sorted_walk(items, memory, factor, **kwargs).items()):
             wrong.append("greedy")
+        if bounds != item_bounds(items, factor):  # NOTE: the packer counts them as it goes
+            wrong.append("bounds")
         checks[1] += 1
         return got
 
@@ -354,7 +406,7 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
 
     def checked_items(self, queue, pending, step, *, switchable):  # type: ignore[no-untyped-def]
         got = items(self, queue, pending, step, switchable=switchable)
-        if got != old_items(self, queue, step, switchable):
+        if got[:2] != old_items(self, queue, step, switchable):
             wrong.append("items")
         checks[2] += 1
         return got
@@ -362,7 +414,7 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
     monkeypatch.setattr(adaptive.AdaptivePacker, "_items", checked_items)
     clock = VirtualClock()
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128)
-    policy = make_policy(system, config)
+    policy = make_policy(system, config, **options)
     policy.ordering.rank = _checked_rank(policy.ordering, checks, wrong)
     loop = EngineLoop(
         runner=_InstantRunner(),
@@ -380,6 +432,13 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
             tenant_authenticated=rng.random() < 0.7,
             priority_class=rng.choice(["online", "offline"]),
         )
+        if slos:
+            meta = meta.model_copy(
+                update={
+                    "ttft_slo_ms": rng.choice([None, 100.0, 600.0]),
+                    "tpot_slo_ms": rng.choice([None, 50.0]),
+                }
+            )
         params = SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True, temperature=0)
         request = Request(f"r{i}", prompt, params, clock.now(), i, metadata=meta)
         loop.submit(request, lambda _: None)
@@ -388,10 +447,7 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
             loop.step()
             clock.advance(rng.choice([0.01, 0.05, 0.3]))
     loop.run_until_idle()
-    assert wrong == []
-    assert [r.error for r in requests if r.error] == []
-    assert checks[0] > 100
-    assert (checks[1] > 100 and checks[2] > 100) or system != "apt"
+    return checks, wrong, requests
 
 
 def test_the_first_jobs_by_turn_are_the_first_of_a_full_sort():

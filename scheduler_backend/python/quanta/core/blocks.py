@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import countOf, itemgetter
 
@@ -120,6 +120,12 @@ class BlockManager:
     def kind_of(self, request_id: str) -> CacheKind | None:
         """What the request's blocks hold; None while it holds none."""
         return self._kinds.get(request_id)
+
+    @property
+    def kinds(self) -> Mapping[str, CacheKind]:
+        """``kind_of`` of every request that holds blocks, read only: the same dict for the
+        manager's life, so a reader may bind its ``get`` once."""
+        return self._kinds
 
     def tier_of(self, request_id: str) -> Tier | None:
         entry = self._tables.get(request_id)
@@ -266,6 +272,12 @@ class BlockManager:
     def prefix_hit(self, request_id: str) -> PrefixHit | None:
         """This step's lookup of ``request_id``, if it found anything."""
         return self._hits.get(request_id)
+
+    @property
+    def hits(self) -> Mapping[str, PrefixHit]:
+        """``prefix_hit`` of every waiting request whose lookup found something, read only:
+        the same dict for the manager's life, so a reader may bind its ``get`` once."""
+        return self._hits
 
     def trim_hit(self, request_id: str, kept: int) -> int:
         """Cut the request's hit to its first ``kept`` blocks (the host could not keep the

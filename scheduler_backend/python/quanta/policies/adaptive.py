@@ -23,6 +23,7 @@ would put on the others stays. If the chosen kind of step runs nothing, the othe
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from operator import methodcaller
@@ -40,14 +41,17 @@ from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.common import outside, residents
 from quanta.policies.fcfs import ReactivePreemption
-from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack
+from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, lightest
 from quanta.policies.packers import chunk
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
 from quanta.policies.systems import ProfileOptions, Stages, System
 
 CacheMode = Literal["hybrid", "kv", "hidden"]
-# An item's weights: (tokens, KV blocks, hidden blocks, KV open, hidden open, tokens left)
-_Shape = tuple[int, int, int, bool, bool, float]
+# An item's weights: (tokens, KV blocks, hidden blocks, KV open, hidden open, tokens left,
+# its lightest increment), then its request's (TTFT, time-between-tokens) SLOs
+_Shape = tuple[int, int, int, bool, bool, float, int, float | None, float | None]
+# The knapsack's candidates: the requests, their items, and ``item_bounds`` of the items
+_Candidates = tuple[list[Request], list[Item], tuple[list[float], list[float]]]
 Fallback = Literal["zero", "decay"]
 
 
@@ -135,9 +139,9 @@ class AdaptivePacker(Packer):
         self, queue: list[Request], pending: list[float], step: _Step, placement: Placement
     ) -> None:
         """Start or resume requests in the free blocks."""
-        reqs, items = self._items(queue, pending, step, switchable=False)
+        reqs, items, bounds = self._items(queue, pending, step, switchable=False)
         plan = step.plan
-        for i, kind in step.greedy(items, plan.free_device).items():
+        for i, kind in step.greedy(items, plan.free_device, bounds).items():
             req = reqs[i]
             n = step.chunk(req)
             if n and plan.has_room(n) and plan.blocks_to_grow(req, n, kind) <= plan.free_device:
@@ -148,9 +152,9 @@ class AdaptivePacker(Packer):
         self, queue: list[Request], pending: list[float], step: _Step, placement: Placement
     ) -> None:
         """Continue residents within the whole pool, evicting and switching as needed."""
-        reqs, items = self._items(queue, pending, step, switchable=self.cache == "hybrid")
+        reqs, items, bounds = self._items(queue, pending, step, switchable=self.cache == "hybrid")
         plan = step.plan
-        chosen = step.greedy(items, step.view.total_device_blocks)
+        chosen = step.greedy(items, step.view.total_device_blocks, bounds)
         held = [plan.cache_kind(r) for r in reqs]
         keep = [i for i, kind in chosen.items() if kind is held[i]]
         switch = [i for i, kind in chosen.items() if kind is not held[i]]
@@ -176,40 +180,55 @@ class AdaptivePacker(Packer):
     # -- helpers -------------------------------------------------------------------------
     def _items(
         self, queue: list[Request], pending: list[float], step: _Step, *, switchable: bool
-    ) -> tuple[list[Request], list[Item]]:
+    ) -> _Candidates:
         """The knapsack's candidates: those of ``queue`` (pending for ``pending`` seconds)
-        with tokens to run in what is left of the step."""
+        with tokens to run in what is left of the step, with their ``item_bounds``."""
         reqs: list[Request] = []
         items: list[Item] = []
-        plan, size = step.plan, step.view.block_size
+        worth: list[float] = []
+        bounds: list[float] = []
+        plan, size, factor = step.plan, step.view.block_size, step.factor
         left, chunked = step.tokens(), step.chunked  # NOTE: the plan does not change here
         mean = self._mean_output()  # ``steps_ahead`` of every request once one has finished
-        shapes = self._shapes
+        shapes, pinned = self._shapes, self._pinned
+        zero, decay = self.fallback == "zero", self.decay
         # NOTE: with a long queue this loop runs over every waiting request at every step,
         # and most of them are as they were the step before: what a request's item weighs
         # is kept with everything it was worked out from, and worked out again only when one
-        # of those changed; only the value (its pending time) is new each step
-        for req, p in zip(queue, pending, strict=True):
-            held, hit = plan.start_state(req)
+        # of those changed; only the value (its pending time) is new each step. So the loop
+        # calls nothing per request: the plan reads what each holds in one pass, the value
+        # (``_worth``) and the greedy's bound (``item_bounds``) are written out here, and the
+        # item is made as its class makes it, without the call of its ``__new__``.
+        make = tuple.__new__
+        kinds, hits = plan.start_states(queue)
+        for req, p, held, hit in zip(queue, pending, kinds, hits, strict=True):
             rid = req.request_id
             key = (hit, held, req.num_computed_tokens, req.num_cached_tokens,
                    len(req.all_token_ids), len(req.draft_token_ids), left,
-                   rid in self._pinned, switchable)  # fmt: skip
+                   rid in pinned, switchable, req.metadata)  # fmt: skip
             known = shapes.get(rid)
-            if known is not None and known[0] == key:
-                shape = known[1]
-            else:
+            if known is None or known[0] != key:
                 shape = self._shape(req, held, hit, left, switchable, size, chunked)
-                shapes[rid] = (key, shape)
-            n, m, half, kv, hidden, own_steps = shape
+                known = shapes[rid] = (key, shape)
+            n, m, half, kv, hidden, own_steps, light, ttft, tbt = known[1]
             if n == 0:
                 continue
+            slo = ttft if req.last_token_time is None else tbt
+            value = p if slo is None or p <= slo else NEAR_ZERO if zero else decay * p
             steps = 1.0
             if kv and hidden:  # NOTE: steps_ahead, with the mean read once
                 steps = mean if mean is not None else own_steps
-            items.append(Item(self._worth(req, p), m, half, kv, hidden, n, steps))
+            hidden_value = value - factor * m * steps
+            most = value if value >= hidden_value else hidden_value
+            if most < NEAR_ZERO:
+                most = NEAR_ZERO
+            if kv and hidden_value <= 0:  # NOTE: hidden is no option: KV is its one increment
+                light = m
+            items.append(make(Item, (value, m, half, kv, hidden, n, steps)))
             reqs.append(req)
-        return reqs, items
+            worth.append(most)
+            bounds.append(-(most / light) if light > 0 else -math.inf)
+        return reqs, items, (worth, bounds)
 
     def _shape(
         self,
@@ -230,7 +249,9 @@ class AdaptivePacker(Packer):
         # Only a request that holds no cache has a hit.
         m = blocks_for(req.num_context_tokens + n, size) - (0 if hit is None else hit.num_device)
         half = blocks_for(req.num_computed_tokens + n, size, CacheKind.HIDDEN)
-        return n, m, half, kv, hidden, _tokens_left(req)
+        ttft, tbt = self._slos(req)
+        light = lightest(m, half, kv, hidden)
+        return n, m, half, kv, hidden, _tokens_left(req), light, ttft, tbt
 
     def _open_kinds(
         self, req: Request, held: CacheKind | None, switchable: bool
@@ -264,14 +285,19 @@ class AdaptivePacker(Packer):
 
     def _worth(self, req: Request, p: float) -> float:
         """``value`` of ``req`` pending for ``p`` seconds."""
-        md = req.metadata
-        if req.last_token_time is None:
-            slo = md.ttft_slo_ms / 1e3 if md.ttft_slo_ms is not None else self.ttft_slo_s
-        else:
-            slo = md.tpot_slo_ms / 1e3 if md.tpot_slo_ms is not None else self.tbt_slo_s
+        ttft, tbt = self._slos(req)
+        slo = ttft if req.last_token_time is None else tbt
         if slo is None or p <= slo:
             return p
         return NEAR_ZERO if self.fallback == "zero" else self.decay * p
+
+    def _slos(self, req: Request) -> tuple[float | None, float | None]:
+        """``req``'s (TTFT, time-between-tokens) SLOs in seconds: its own, else the
+        defaults (None: none)."""
+        md = req.metadata
+        ttft = md.ttft_slo_ms / 1e3 if md.ttft_slo_ms is not None else self.ttft_slo_s
+        tbt = md.tpot_slo_ms / 1e3 if md.tpot_slo_ms is not None else self.tbt_slo_s
+        return ttft, tbt
 
     def _evict(self, req: Request, plan: StepPlan, placement: Placement, *, switched: bool) -> None:
         if switched:
@@ -307,10 +333,18 @@ class _Step:
         left = self.tokens()
         return chunk(req, req.num_uncomputed_tokens if left is None else left, self.chunked)
 
-    def greedy(self, items: list[Item], memory: int) -> dict[int, CacheKind]:
+    def greedy(
+        self, items: list[Item], memory: int, bounds: tuple[list[float], list[float]]
+    ) -> dict[int, CacheKind]:
         seats, tokens = self.plan.seats, self.tokens()
         return greedy_knapsack(
-            items, memory, self.factor, seats=seats, tokens=tokens, chunked=self.chunked
+            items,
+            memory,
+            self.factor,
+            seats=seats,
+            tokens=tokens,
+            chunked=self.chunked,
+            bounds=bounds,
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import NamedTuple
 
 from quanta.core.request import CacheKind
@@ -33,6 +34,9 @@ class Item(NamedTuple):
     # the choice is this step's alone; more when choosing hidden fixes its cache kind for
     # the steps ahead (``AdaptivePacker`` never switches a hidden cache back in place).
     hidden_steps: float = 1.0
+
+
+_tokens = attrgetter("tokens")
 
 
 def options(item: Item, factor: float, memory: int) -> list[tuple[CacheKind, int, float]]:
@@ -68,6 +72,7 @@ def greedy_knapsack(
     seats: int | None = None,
     tokens: int | None = None,
     chunked: bool = False,
+    bounds: tuple[list[float], list[float]] | None = None,
 ) -> dict[int, CacheKind]:
     """Apt-Serve's greedy: the chosen items (indices) and their cache, in the order taken.
 
@@ -77,7 +82,9 @@ def greedy_knapsack(
     option alone is worth more than the whole walk it is taken instead, so the result is worth
     at least half the optimum of  max sum g  s.t. sum blocks <= ``memory``. ``seats`` and
     ``tokens`` (the step's limits) are kept too, without that bound; with ``chunked`` an item
-    may take fewer tokens than it asks. ``factor`` is (|W| + |R|) * rho.
+    may take fewer tokens than it asks. ``factor`` is (|W| + |R|) * rho. ``bounds`` is
+    ``item_bounds(items, factor)`` when the caller worked it out already (a packer that
+    builds the items one by one can count them as it goes, in the same pass).
     """
     # NOTE: with a long queue most items are never reached: the walk fills the step's seats
     # and tokens from the first few increments, and ends once nothing further could be taken
@@ -85,18 +92,18 @@ def greedy_knapsack(
     # So the increments are walked from a heap, and an item's options are only weighed once
     # the walk comes near it: items wait in the order of a bound on what any increment of
     # theirs gains per block, and join the heap while that bound reaches its top.
-    worth, bounds = _bounds(items, factor)
-    waiting = sorted(range(len(items)), key=bounds.__getitem__)
+    worth, bound = item_bounds(items, factor) if bounds is None else bounds
+    waiting = sorted(range(len(items)), key=bound.__getitem__)
     opts: dict[int, list[tuple[CacheKind, int, float]]] = {}
     steps: list[tuple[float, int, int, int, float]] = []
-    least = min((item.tokens for item in items), default=0)  # the fewest tokens an item asks
+    least = min(map(_tokens, items), default=0)  # the fewest tokens an item asks
     capacity, first_seats, first_tokens = memory, seats, tokens
     chosen: dict[int, CacheKind] = {}
     upgrades = 0  # chosen items whose upgrade to KV is still ahead in the walk
     total = 0.0
     k = 0  # items in ``waiting`` that have joined the heap
     while True:
-        while k < len(waiting) and (not steps or bounds[waiting[k]] <= steps[0][0]):
+        while k < len(waiting) and (not steps or bound[waiting[k]] <= steps[0][0]):
             i = waiting[k]
             k += 1
             opts[i] = choices = options(items[i], factor, capacity)
@@ -132,18 +139,33 @@ def greedy_knapsack(
     return chosen
 
 
-def _bounds(items: Sequence[Item], factor: float) -> tuple[list[float], list[float]]:
+def item_bounds(items: Sequence[Item], factor: float) -> tuple[list[float], list[float]]:
     """For each item, at least what any of its options is worth, and at most what any of
-    its increments gains per block, negated (the heap's key): worth over the least of its
-    weights and of the upgrade's (KV over hidden blocks)."""
+    its increments gains per block, negated (the heap's key): worth over the least weight of
+    an increment it may have. Beside KV, hidden is an option only when it is worth something
+    (``options``), so an item whose hidden is worth nothing has the KV increment alone."""
     worth: list[float] = []
     bounds: list[float] = []
-    for value, w_k, w_h, _, _, _, steps in items:
-        most = max(value, value - factor * w_k * steps, NEAR_ZERO)  # NOTE: as ``options``
-        lightest = min(w_k, w_h, w_k - w_h) if w_k > w_h else min(w_k, w_h)
+    for value, w_k, w_h, kv, hidden, _, steps in items:
+        hidden_value = value - factor * w_k * steps
+        most = max(value, hidden_value, NEAR_ZERO)  # NOTE: as ``options``
+        least = w_k if kv and hidden_value <= 0 else lightest(w_k, w_h, kv, hidden)
         worth.append(most)
-        bounds.append(-(most / lightest) if lightest > 0 else -math.inf)
+        bounds.append(-(most / least) if least > 0 else -math.inf)
     return worth, bounds
+
+
+def lightest(kv_blocks: int, hidden_blocks: int, kv: bool, hidden: bool) -> int:
+    """The least weight of the increments an item may have, whatever its value: the KV
+    option's, the hidden option's, or the upgrade's from hidden to KV, of those open to it
+    (``item_bounds`` divides by it)."""
+    if not kv:
+        return hidden_blocks
+    if not hidden:
+        return kv_blocks
+    if kv_blocks > hidden_blocks:
+        return min(kv_blocks, hidden_blocks, kv_blocks - hidden_blocks)
+    return min(kv_blocks, hidden_blocks)
 
 
 def _best_alone(
