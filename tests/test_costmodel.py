@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from quanta.costmodel import (
-    PRESETS,
+    PROFILES,
     CostModel,
     available_profiles,
     get_profile,
@@ -34,12 +34,12 @@ def test_presets_exist():
 @pytest.mark.parametrize("name", sorted(LAYERS_HIDDEN))
 def test_kv_bytes_per_token_follows_fastserve(name):
     layers, hidden = LAYERS_HIDDEN[name]
-    assert PRESETS[name].kv_bytes_per_token == 4 * layers * hidden
+    assert PROFILES[name].kv_bytes_per_token == 4 * layers * hidden
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS_HIDDEN))
 def test_decode_iterations_are_tens_of_ms_and_prefill_grows(name):
-    m = PRESETS[name]
+    m = PROFILES[name]
     assert 0.010 <= m.min_iteration_time <= m.decode_time(16, 16 * 500) <= 0.100
     times = [m.prefill_time(n) for n in (1, 128, 256, 512, 1024, 2048)]
     assert times == sorted(times) and times[-1] > 4 * times[2]
@@ -49,7 +49,7 @@ def test_decode_iterations_are_tens_of_ms_and_prefill_grows(name):
 def test_opt175b_matches_the_papers_swap_example():
     """FastServe §4.2: a 512-token OPT-175B job holds ~2.3 GB (GiB), swapped in ~36 ms;
     a decode iteration takes ~60 ms."""
-    m = PRESETS["a100x16-opt175b"]
+    m = PROFILES["a100x16-opt175b"]
     assert m.kv_bytes_per_token * 512 / 2**30 == pytest.approx(2.25, abs=0.05)
     assert m.swap_time(512 // 16, 16) == pytest.approx(0.036, rel=0.1)
     assert m.decode_time(16, 16 * 500) == pytest.approx(0.060, rel=0.1)
@@ -57,7 +57,7 @@ def test_opt175b_matches_the_papers_swap_example():
 
 def test_llama7b_has_a_4k_context_and_about_40k_tokens_of_kv():
     """LLaMA-2-7B on an A100-40GB: 0.5 MB of fp16 K+V per token, ~20 GB for KV."""
-    m = PRESETS["a100-llama7b"]
+    m = PROFILES["a100-llama7b"]
     assert m.max_model_len == 4096
     assert m.kv_bytes_per_token == 512 * 1024
     device, _ = m.num_blocks(16)
@@ -65,7 +65,7 @@ def test_llama7b_has_a_4k_context_and_about_40k_tokens_of_kv():
 
 
 # A CPU-engine-like profile: every term of the formula is non-zero.
-CPU_LIKE = PRESETS["a100-opt13b"].model_copy(
+CPU_LIKE = PROFILES["a100-opt13b"].model_copy(
     update={
         "step_overhead_s": 4e-4,
         "per_attention_call_s": 8e-5,
@@ -81,14 +81,14 @@ CPU_LIKE = PRESETS["a100-opt13b"].model_copy(
     st.sampled_from(["a100-opt13b", "cpu-like"]),
 )
 def test_shares_add_up_to_the_step(chunks, name):
-    m = CPU_LIKE if name == "cpu-like" else PRESETS[name]
+    m = CPU_LIKE if name == "cpu-like" else PROFILES[name]
     assert sum(m.shares(chunks)) == pytest.approx(m.step_time(chunks), rel=1e-9)
 
 
 def test_cpu_engine_terms_count_attention_calls_and_padded_decode_slots():
     """One attention call per prefill chunk plus one for all decode rows; decode rows are
     padded to the longest decode context."""
-    base = PRESETS["a100-opt13b"]
+    base = PROFILES["a100-opt13b"]
     calls = base.model_copy(update={"per_attention_call_s": 1.0})
     chunks = [(100, 0), (50, 20), (1, 10), (1, 300)]
     assert calls.step_time(chunks) - base.step_time(chunks) == pytest.approx(3.0)
@@ -99,14 +99,14 @@ def test_cpu_engine_terms_count_attention_calls_and_padded_decode_slots():
 
 
 def test_a_decode_token_riding_with_a_long_prefill_pays_about_a_decode_tokens_share():
-    m = PRESETS["a100-opt13b"]
+    m = PROFILES["a100-opt13b"]
     alone = m.shares([(1, 500)] * 16)[0]
     beside_prefill = m.shares([(1, 500), (2000, 0)])[0]
     assert beside_prefill < 2 * alone < m.step_time([(1, 500), (2000, 0)]) / 10
 
 
 def test_opt13b_fits_its_a100_and_uses_pcie4():
-    m = PRESETS["a100-opt13b"]
+    m = PROFILES["a100-opt13b"]
     assert m.swap_bandwidth == pytest.approx(25e9)
     device, host = m.num_blocks(16)
     assert 800 <= device <= 1000  # ~12 GB of KV at 0.8 MB per token
@@ -114,7 +114,7 @@ def test_opt13b_fits_its_a100_and_uses_pcie4():
 
 
 def test_step_time_mixes_prefill_and_decode():
-    m = PRESETS["a100-opt13b"]
+    m = PROFILES["a100-opt13b"]
     mixed = m.step_time([(512, 0), (1, 300), (1, 40)])
     assert mixed > m.prefill_time(512)
     assert mixed < m.prefill_time(512) + m.decode_time(2, 342)  # one weight read, not two
@@ -122,7 +122,7 @@ def test_step_time_mixes_prefill_and_decode():
 
 
 def test_json_round_trip_and_lookup(tmp_path):
-    m = PRESETS["a100x4-opt66b"]
+    m = PROFILES["a100x4-opt66b"]
     path = save_profile(m, tmp_path / "p.json")
     assert load_profile(path) == m
     assert load_profile("a100x4-opt66b") is m
@@ -136,7 +136,7 @@ def test_json_round_trip_and_lookup(tmp_path):
 
 def test_invalid_profiles_are_rejected():
     with pytest.raises(ValueError):
-        CostModel.model_validate({**PRESETS["a100-opt13b"].model_dump(), "swap_bandwidth": 0})
+        CostModel.model_validate({**PROFILES["a100-opt13b"].model_dump(), "swap_bandwidth": 0})
 
 
 def test_cost_model_and_policies_stay_torch_free():

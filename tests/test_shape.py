@@ -10,7 +10,7 @@ import pytest
 from quanta.build.checkpoint import hf_config
 from quanta.build.manifest import EngineModel
 from quanta.build.presets import PRESETS, ModelPreset
-from quanta.costmodel import PRESETS as COST_PRESETS
+from quanta.costmodel import PROFILES
 from quanta.runner.models.config import parse_model_config
 from quanta.shape import PUBLISHED, ModelShape
 
@@ -65,7 +65,7 @@ def _as_preset(shape: ModelShape) -> ModelPreset:
     ],
 )
 def test_a_cost_profile_is_its_published_shape_on_its_hardware(profile, shape, params):
-    model, published = COST_PRESETS[profile], PUBLISHED[shape]
+    model, published = PROFILES[profile], PUBLISHED[shape]
     assert model.num_layers == published.num_layers
     assert model.kv_bytes_per_token == published.kv_bytes_per_token(2)
     assert model.max_model_len == published.max_position_embeddings

@@ -12,7 +12,7 @@ import pytest
 import quanta.bench.client as bench_client
 from quanta.bench.client import ClientResult
 from quanta.cli import app
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.metrics import SLO, RequestRecord, attains_slo, from_requests, slo_attainment
 from quanta.sim import SimSetup, simulate, summarize
 from quanta.slo import APT_SERVE_SLOS, attainment, resolve_slo, slo_preset, with_slo
@@ -116,7 +116,7 @@ def test_with_slo_fills_only_rows_without_their_own():
 # -- the simulator's JSON ------------------------------------------------------------------
 def test_simulator_summary_carries_slo_attainment():
     trace = make_workload("sharegpt", 40, 20.0, seed=1)
-    result = simulate(trace, SimSetup("fcfs", PRESETS["a100-opt13b"]))
+    result = simulate(trace, SimSetup("fcfs", PROFILES["a100-opt13b"]))
     slo = slo_preset("sharegpt-13b")
     out = summarize(result, slo=slo)
     expected = slo_attainment(from_requests(result.requests), slo)

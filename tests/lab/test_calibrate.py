@@ -8,12 +8,12 @@ import random
 import pytest
 from quanta.core.clock import VirtualClock
 from quanta.core.output import RunnerOutput, ScheduledSeq, SchedulerOutput
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.sim.driver import StepSample, time_runner
 from quanta_lab.sim.calibrate import fit_steps, predict, report, rescale
 from quanta_lab.sim.validate import spread
 
-TRUTH = PRESETS["a100-opt13b"].model_copy(
+TRUTH = PROFILES["a100-opt13b"].model_copy(
     update={
         "step_overhead_s": 4e-4,
         "per_seq_s": 2e-5,

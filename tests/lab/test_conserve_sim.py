@@ -12,7 +12,7 @@ from quanta.core.clock import VirtualClock
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.core.request import Request, SamplingParams
 from quanta.core.safepoint import AbortSignal, StepAborted
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.sim import SimRunner, SimSetup, simulate, summarize
 from quanta.sim.interactions import Replay
 from quanta.workloads import WorkloadRequest, save_workload
@@ -20,7 +20,7 @@ from quanta_lab.sim.conserve_repro import CONSERVE_SCHEDULER, CONSERVE_SLO, cons
 from quanta_lab.sim.safepoint_repro import head_of_line_waits
 from typer.testing import CliRunner
 
-COST = PRESETS["a100-llama7b"]
+COST = PROFILES["a100-llama7b"]
 CLASSES = ("online", "offline")
 
 
@@ -29,7 +29,7 @@ def prefill(rid: str, tokens: int, blocks: tuple[int, ...] = (0,)) -> ScheduledS
 
 
 def test_preset_knows_its_layers_and_safepoints_cost_nothing_by_default():
-    assert COST.num_layers == 32 and PRESETS["a100-opt13b"].num_layers == 40
+    assert COST.num_layers == 32 and PROFILES["a100-opt13b"].num_layers == 40
     assert COST.safepoint_overhead == 0.0
     assert conserve_profile().safepoint_overhead == pytest.approx(0.04)
 

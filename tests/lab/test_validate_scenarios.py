@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from quanta.cli import app
 from quanta.core.config import SchedulerConfig
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.sim.driver import SimSetup, simulate
 from quanta.workloads import WorkloadRequest
 from quanta_lab.sim.bench import AgentUsers, EngineBench, parse_entry
@@ -35,7 +35,7 @@ from quanta_lab.sim.validate_scenarios import (
 )
 from typer.testing import CliRunner
 
-COST = PRESETS["a100-opt13b"].model_copy(update={"max_model_len": 512})
+COST = PROFILES["a100-opt13b"].model_copy(update={"max_model_len": 512})
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048)
 WARM_UP_S = 7.0  # where the stand-in's trace starts, as the engine's does after its warm-up
 

@@ -29,7 +29,7 @@ from quanta.core.request import (
     SamplingParams,
 )
 from quanta.core.view import SchedulerView
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.policies import StagedPolicy, make_policy, parse_policy
 from quanta.policies.adaptive import AdaptivePacker
 from quanta.policies.fair import WSCOrder
@@ -42,7 +42,7 @@ from quanta_lab.sim.bench import bench_scheduler
 from typer.testing import CliRunner
 
 KV, HIDDEN = CacheKind.KV, CacheKind.HIDDEN
-COST = PRESETS["a100-opt13b"]
+COST = PROFILES["a100-opt13b"]
 NO_SLO = {"ttft_slo_s": None, "tbt_slo_s": None}
 
 

@@ -12,7 +12,7 @@ import pytest
 from quanta.core.blocks import BlockManager
 from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request, RequestStatus
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.metrics import SLO, attains_slo, from_requests
 from quanta.policies.adaptive import AdaptivePacker
 from quanta.sim.driver import SimSetup, simulate
@@ -21,7 +21,7 @@ from quanta.workloads import WorkloadRequest
 from quanta_lab.sim.apt_repro import APT_SCHEDULER
 from test_adaptive_policy import NO_SLO, apt, request, resident, schedule
 
-COST = PRESETS["a100-opt13b"]
+COST = PROFILES["a100-opt13b"]
 
 
 # -- the price of a hidden start ------------------------------------------------------------

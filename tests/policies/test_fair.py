@@ -13,7 +13,7 @@ from quanta.core.output import RunnerOutput
 from quanta.core.plan import PoolView
 from quanta.core.request import Request, RequestMetadata, RequestStatus, SamplingParams
 from quanta.core.view import SchedulerView
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.policies import make_policy
 from quanta.policies.fair import VTCOrder, WSCOrder
 from quanta.policies.interactions import InteractionTracker, ServiceCounters
@@ -216,7 +216,7 @@ def _flood() -> list[WorkloadRequest]:
 
 
 def _benign_ttft(policy: str, trace: list[WorkloadRequest]) -> float:
-    res = simulate(trace, SimSetup(policy, PRESETS["a100-opt13b"]))
+    res = simulate(trace, SimSetup(policy, PROFILES["a100-opt13b"]))
     benign = [r for r in res.requests if r.metadata.tenant == "benign"]
     return sum(r.first_token_time - r.arrival_time for r in benign) / len(benign)  # type: ignore[operator]
 
@@ -238,7 +238,7 @@ def test_a_benign_tenant_is_served_as_if_alone_while_an_abuser_floods(policy):
 def _benign_share(policy: str) -> float:
     from quanta.sim.fairness import fairness
 
-    res = simulate(_flood(), SimSetup(policy, PRESETS["a100-opt13b"]))
+    res = simulate(_flood(), SimSetup(policy, PROFILES["a100-opt13b"]))
     return fairness(res.requests)["by_tenant"]["benign"]["share_received"]
 
 
@@ -387,7 +387,7 @@ def _agents_run(policy: str, rate: float, **options: object) -> dict:
     trace = make_workload("agents", 300, rate, seed=1, num_users=12, abusers=2)
     setup = SimSetup(
         policy,
-        PRESETS["a100-opt13b"],
+        PROFILES["a100-opt13b"],
         FAIR_SCHEDULER,
         num_device_blocks=300,
         policy_options=dict(options),

@@ -29,7 +29,7 @@ from quanta.core.request import (
     blocks_for,
 )
 from quanta.core.view import SchedulerView
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.policies import adaptive, make_policy
 from quanta.policies.common import QUEUE_RANK, arrival_key, is_online, largest
 from quanta.policies.coserve import ClassOrder
@@ -227,7 +227,7 @@ def test_the_search_from_a_guess_finds_what_the_bisection_finds(edge, hi, guess)
     iterations=st.integers(0, 2500),
 )
 def test_the_enst_in_one_pass_is_mlfq_enst(jobs, now, batch, iterations):
-    order = SkipJoinMLFQ(SchedulerConfig(max_num_seqs=batch), PRESETS["a100-opt13b"])
+    order = SkipJoinMLFQ(SchedulerConfig(max_num_seqs=batch), PROFILES["a100-opt13b"])
     order._iterations = iterations
     params = SamplingParams(max_tokens=1)
     queue = [

@@ -76,7 +76,7 @@ def test_on_a_flood_the_reserve_shortens_the_benign_waits_at_no_cost_in_time():
     (throttling off, so only the order and the reserve differ). Without the reserve the
     benign calls wait for the abuser's running calls to free blocks; with 20% held back from
     the abuser they find room, and the flood still ends when it did."""
-    from quanta.costmodel import PRESETS
+    from quanta.costmodel import PROFILES
     from quanta.sim import SimSetup, simulate
     from quanta.workloads import WorkloadRequest
 
@@ -88,7 +88,7 @@ def test_on_a_flood_the_reserve_shortens_the_benign_waits_at_no_cost_in_time():
         options = {"reserve_fraction": reserve, "user_limit": 1000, "app_limit": 100_000}
         setup = SimSetup(
             "fair",
-            PRESETS["a100-opt13b"],
+            PROFILES["a100-opt13b"],
             SchedulerConfig(max_num_seqs=256),
             num_device_blocks=400,
             policy_options=options,

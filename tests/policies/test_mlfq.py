@@ -20,7 +20,7 @@ from quanta.core.output import RunnerOutput
 from quanta.core.plan import PoolView
 from quanta.core.request import Request, SamplingParams
 from quanta.core.view import SchedulerView
-from quanta.costmodel import PRESETS, CostModel
+from quanta.costmodel import PROFILES, CostModel
 from quanta.policies import make_policy
 from quanta.policies.mlfq_memory import ProactiveSwap, mlfq_enst
 from quanta.sim import SimSetup, simulate
@@ -136,7 +136,7 @@ def empty_view(blocks: BlockManager | None = None, now: float = 0.0) -> Schedule
 
 # -- placement, demotion, starvation -------------------------------------------------------
 def test_skip_join_places_each_job_by_its_predicted_prefill():
-    cost = PRESETS["a100-opt13b"]
+    cost = PROFILES["a100-opt13b"]
     pol = make_policy("sj-mlfq", SchedulerConfig(), profile=cost)
     assert pol.ordering.quanta[0] == pytest.approx(cost.min_iteration_time)
     assert pol.ordering.quanta[3] == pytest.approx(8 * pol.ordering.quanta[0])
@@ -532,7 +532,7 @@ def test_patience_bounds_how_long_a_newcomer_waits_for_a_seat(patience):
     from quanta.sim import SimSetup, simulate
     from quanta.workloads import WorkloadRequest
 
-    cost = PRESETS["a100-opt13b"]
+    cost = PROFILES["a100-opt13b"]
     trace = [
         WorkloadRequest(0.0, 64, 400, request_id="long"),
         WorkloadRequest(0.5, 64, 4, request_id="short"),
@@ -560,7 +560,7 @@ def _one_seat(trace: list[WorkloadRequest], options: dict[str, float]) -> dict:
     of one seat."""
     setup = SimSetup(
         "sj-mlfq",
-        PRESETS["a100-opt13b"],
+        PROFILES["a100-opt13b"],
         SchedulerConfig(max_num_seqs=1),
         policy_options=options,
     )
@@ -598,7 +598,7 @@ def test_below_the_load_switch_every_request_runs_as_under_fcfs():
     from quanta.sim import SimSetup, simulate
     from quanta.workloads import make_workload
 
-    cost = PRESETS["a100-opt13b"]
+    cost = PROFILES["a100-opt13b"]
     trace = make_workload("sharegpt", 40, 3.0, seed=2, max_len=cost.max_model_len)
 
     def times(policy: str, options: dict[str, float]) -> dict[str, tuple[float, ...]]:
@@ -617,7 +617,7 @@ def test_the_default_load_signal_is_fcfs_below_capacity_and_mlfq_past_it():
     from quanta.policies.fastserve import OVERLOAD_AFTER_RUNS
     from quanta.workloads import make_workload
 
-    cost = PRESETS["a100-opt13b"]
+    cost = PROFILES["a100-opt13b"]
 
     def times(rate: float, policy: str, options: dict[str, float]) -> dict[str, tuple]:
         trace = make_workload("sharegpt", 40, rate, seed=2, max_len=cost.max_model_len)
@@ -656,10 +656,10 @@ def test_adaptive_load_signal_scales_its_wait_from_finished_runs():
     assert k * mean_run <= wait < k * mean_run + 0.5  # MLFQ once it waited about k runs...
     assert late.first_token_time < by_id["late-long"].finish_time  # ...taking the seat
 
-    policy = SkipJoinMLFQ(SchedulerConfig(), PRESETS["a100-opt13b"], overload_after_runs=k)
+    policy = SkipJoinMLFQ(SchedulerConfig(), PROFILES["a100-opt13b"], overload_after_runs=k)
     assert policy.overload_wait_s is None and not policy.overloaded
     fixed = SkipJoinMLFQ(
-        SchedulerConfig(), PRESETS["a100-opt13b"], overload_after_s=3.0, overload_after_runs=k
+        SchedulerConfig(), PROFILES["a100-opt13b"], overload_after_s=3.0, overload_after_runs=k
     )
     assert fixed.overload_wait_s == 3.0  # a fixed wait wins over the adaptive one
 
@@ -668,5 +668,5 @@ def test_fastserve_rule_is_one_option_away():
     """Both thresholds at 0 is FastServe's rule: always skip-join MLFQ."""
     from quanta.policies.mlfq import SkipJoinMLFQ
 
-    policy = SkipJoinMLFQ(SchedulerConfig(), PRESETS["a100-opt13b"])
+    policy = SkipJoinMLFQ(SchedulerConfig(), PROFILES["a100-opt13b"])
     assert policy.overloaded and policy.overload_wait_s is None

@@ -23,7 +23,7 @@ from quanta.core.output import RunnerCapabilities, RunnerOutput
 from quanta.core.plan import PoolView, StepPlan
 from quanta.core.request import Request, RequestStatus, SamplingParams
 from quanta.core.view import SchedulerView
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.policies import make_policy, parse_policy, register_system
 from quanta.policies.fcfs import ArrivalOrder
 from quanta.policies.mlfq import SkipJoinMLFQ
@@ -203,7 +203,7 @@ def test_headroom_never_keeps_a_large_job_out_of_an_empty_pool():
 def test_proactive_swap_leaves_alone_a_job_that_would_be_back_before_its_copies():
     """Below the reserve an idle resident leaves for the host only when its next turn is
     further away than copying its blocks out and back."""
-    slow_link = PRESETS["a100-opt13b"].model_copy(update={"swap_bandwidth": 1e6})
+    slow_link = PROFILES["a100-opt13b"].model_copy(update={"swap_bandwidth": 1e6})
     kv = ProactiveSwap(
         max_batch_size=1,
         cost=slow_link,
@@ -229,7 +229,7 @@ def test_a_job_that_prefilled_does_not_sink_below_arrivals_that_have_not(service
     """j decodes alongside three 2,000-token prefill chunks. Charged its own share it stays
     in its queue; charged each whole step (the public code's reading) it sinks a queue per
     step, below a newcomer whose 512-token prefill puts it in Q3."""
-    cost = PRESETS["a100-opt13b"]
+    cost = PROFILES["a100-opt13b"]
     order = SkipJoinMLFQ(SchedulerConfig(), cost, service=service)
     bm = BlockManager(16, 1000, 0)
     j = resident(bm, "j", 64)

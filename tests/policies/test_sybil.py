@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request, RequestMetadata, SamplingParams
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.policies import fair_state, fair_stores, make_policy
 from quanta.policies.fair import POOL, VTCOrder
 from quanta.policies.fair_state import ServiceCounters
@@ -205,7 +205,7 @@ def _attack(mix: str) -> list[WorkloadRequest]:
 
 def _victim(policy: str, trace: list[WorkloadRequest], **options: Any) -> tuple[int, float]:
     """The victim's requests finished while the load lasted, and its share of fair share."""
-    res = simulate(trace, SimSetup(policy, PRESETS["a100-opt13b"], policy_options=options))
+    res = simulate(trace, SimSetup(policy, PROFILES["a100-opt13b"], policy_options=options))
     end = max(r.arrival_time for r in trace)
     victim = [r for r in res.requests if r.metadata.tenant == "victim"]
     done = sum(1 for r in victim if r.finish_time is not None and r.finish_time <= end)

@@ -14,7 +14,7 @@ from quanta.cli import app
 from quanta.core.config import SchedulerConfig
 from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.policies import register_system
 from quanta.policies.stages import Admission
 from quanta.policies.systems import Stages, System, SystemOptions
@@ -34,7 +34,7 @@ from quanta.workloads import (
 )
 from typer.testing import CliRunner
 
-COST = PRESETS["a100-opt13b"]
+COST = PROFILES["a100-opt13b"]
 WIDE = {"COLUMNS": "1000"}
 
 

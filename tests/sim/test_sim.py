@@ -14,7 +14,7 @@ from quanta.cli import app
 from quanta.core.clock import VirtualClock
 from quanta.core.output import ScheduledSeq, SchedulerOutput
 from quanta.core.request import Request, SamplingParams
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.policies import StagedPolicy, make_policy
 from quanta.policies.stages import Admission
 from quanta.sim import (
@@ -35,7 +35,7 @@ from quanta.workloads import (
 from quanta_lab.sim.report import write_sections
 from typer.testing import CliRunner
 
-COST = PRESETS["a100-opt13b"]
+COST = PROFILES["a100-opt13b"]
 
 
 # -- workloads -----------------------------------------------------------------------------

@@ -4,11 +4,11 @@ have to preempt from."""
 
 from __future__ import annotations
 
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.sim import SimSetup, simulate
 from quanta.workloads import WorkloadRequest
 
-FULL = PRESETS["a100-llama7b"]
+FULL = PROFILES["a100-llama7b"]
 WINDOWED = FULL.model_copy(update={"sliding_window": 256})
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from quanta.cli import app
-from quanta.costmodel import PRESETS
+from quanta.costmodel import PROFILES
 from quanta.sim import SimSetup, simulate
 from quanta.workloads import (
     AZURE_CONV_OUTPUT,
@@ -176,7 +176,7 @@ def test_chat_by_name_and_in_the_simulator():
     assert rows == chat(60, 3.0, seed=1, max_len=2048)
     with pytest.raises(WorkloadError, match="agents"):
         make_workload("chat", 5, 1.0, num_users=3)
-    result = simulate(rows, SimSetup("fcfs", PRESETS["a100-opt13b"]))
+    result = simulate(rows, SimSetup("fcfs", PROFILES["a100-opt13b"]))
     finished = {r.request_id: r for r in result.requests}
     for turns in conversations(rows).values():
         for before, after in itertools.pairwise(turns):

@@ -303,7 +303,7 @@ def _preset(
     )
 
 
-PRESETS: dict[str, CostModel] = {
+PROFILES: dict[str, CostModel] = {
     p.name: p
     for p in (
         # OPT-13B (12.85e9 params, 40 layers, hidden 5120) on one A100-40GB, FastServe §6.3.
@@ -433,13 +433,13 @@ def tensor_parallel(
 
 
 def available_profiles() -> list[str]:
-    return sorted(PRESETS)
+    return sorted(PROFILES)
 
 
 def _named(name: str) -> CostModel:
     """A preset, or ``preset@int8`` / ``preset@int4``: its weights read at that width."""
     base, _, quant = name.partition("@")
-    model = PRESETS[base]
+    model = PROFILES[base]
     if not quant:
         return model
     if quant not in QUANTIZED_BYTES_PER_PARAM:
@@ -469,7 +469,7 @@ def get_profile(profile: str | CostModel | dict[str, object]) -> CostModel:
 
 def load_profile(name_or_path: str | Path) -> CostModel:
     """A preset name, or a JSON file written by ``save_profile`` / ``quanta profile``."""
-    if isinstance(name_or_path, str) and name_or_path.partition("@")[0] in PRESETS:
+    if isinstance(name_or_path, str) and name_or_path.partition("@")[0] in PROFILES:
         try:
             return _named(name_or_path)
         except KeyError:

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.core.config import SchedulerConfig
-from quanta.costmodel import PRESETS, CostModel, get_profile, load_profile
+from quanta.costmodel import PROFILES, CostModel, get_profile, load_profile
 from quanta.policies.fair_state import check_state_url
 from quanta.policies.stages import Admission, Lanes, Ordering, Packer, Placement, Reorder, Stage
 
@@ -47,7 +47,7 @@ class ProfileOptions(SystemOptions):
     ) -> str | CostModel | dict[str, Any]:
         """A preset name stays a name; a file is read once here, when the options are parsed
         (a served engine's own measured profile), so building the policy does no I/O."""
-        if isinstance(value, str) and value not in PRESETS:
+        if isinstance(value, str) and value not in PROFILES:
             return load_profile(value)
         return value
 
