@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.core.config import LinearKernel
-from quanta.runner import panel_linear
+from quanta.runner import fp32_rows, panel_linear
 from quanta.runner.projection import Projection
 
 # Activations a product can apply as a oneDNN post-op, bit-identical to the eager op in fp32.
@@ -105,8 +105,9 @@ class TorchLinear(Projection):
 
 class PackedLinear(Projection):
     """oneDNN's product, the activation and residual add as post-ops; the weight in oneDNN's
-    blocked layout in bf16 and fp16, as stored in fp32 (where up to ``_FP32_FEW_ROWS`` rows
-    run through ``F.linear`` on it instead).
+    blocked layout in bf16 and fp16, as stored in fp32, where products of a few rows run
+    through the few-rows kernel on it instead (``quanta.runner.fp32_rows``: up to 8 rows), or
+    where that kernel cannot be built through ``F.linear`` (MKL, up to ``_FP32_FEW_ROWS``).
 
     In fp32 oneDNN reads the stored ``[N, K]`` weight as fast as its blocked copy from 8 rows
     up and faster at one row, where the blocked kernel streamed the weight at 10.8 GB/s
@@ -118,8 +119,10 @@ class PackedLinear(Projection):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.activation = activation
+        self._rows: fp32_rows.Fp32Rows | None = None
         if weight.dtype == torch.float32:
             packed = weight.contiguous()
+            self._rows = fp32_rows.load() if weight.device.type == "cpu" else None
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed)
@@ -127,21 +130,29 @@ class PackedLinear(Projection):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._few_fp32_rows(x):
-            y = F.linear(x, self.packed_weight, self.bias)
-            return torch.relu_(y) if self.activation == "relu" else y
+            return self._few(x)
         return torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, self.activation, [], ""
         )
 
     def _few_fp32_rows(self, x: torch.Tensor) -> bool:
-        return self.packed_weight.dtype == torch.float32 and x.numel() <= _FP32_FEW_ROWS * (
-            self.in_features
-        )
+        if self.packed_weight.dtype != torch.float32:
+            return False
+        rows = self._rows.max_rows if self._rows is not None else _FP32_FEW_ROWS
+        return x.numel() <= rows * self.in_features
+
+    def _few(self, x: torch.Tensor) -> torch.Tensor:
+        """An fp32 product of a few rows: the few-rows kernel where it runs, else MKL."""
+        relu = self.activation == "relu"
+        if self._rows is not None and x.dim() == 2 and x.shape[0] > 0:
+            return self._rows.product(x, self.packed_weight, self.bias, relu)
+        y = F.linear(x, self.packed_weight, self.bias)
+        return torch.relu_(y) if relu else y
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         assert self.activation == "none", "a residual projection has no activation"
         if self._few_fp32_rows(x):
-            return F.linear(x, self.packed_weight, self.bias).add_(residual)
+            return self._few(x).add_(residual)
         if self.packed_weight.dtype != torch.float32:
             # NOTE: in bf16 the product is rounded before the add, as HF and F.linear do.
             # oneDNN's fused add post-op rounds differently, and on a real model whose residual

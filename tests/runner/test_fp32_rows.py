@@ -1,0 +1,89 @@
+"""The fp32 few-rows kernel (``quanta.runner.fp32_rows``): it computes ``F.linear`` (to fp32
+rounding) for every row count it serves, ragged shapes included, a row's bits do not depend
+on the rows beside it, and fp32 projections of a few rows run through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from quanta.runner import fp32_rows
+from quanta.runner.linear import PackedLinear
+
+KERNEL = fp32_rows.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 (or no C compiler) here")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    # sums of k products in another order: a few ulps of the sum of magnitudes
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * k**0.5)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 8),
+    n=st.integers(1, 70),
+    k=st.integers(1, 300),
+    bias=st.booleans(),
+    relu=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_product_is_f_linear_for_every_shape(rows, n, k, bias, relu, seed):
+    """Weight rows past a multiple of three and K past a multiple of 16 take the kernel's
+    tails."""
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    want = F.linear(x, w, b)
+    _close(KERNEL.product(x, w, b, relu), want.relu() if relu else want, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(4096, 768), (768, 2048), (1000, 2051)])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(n, k):
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(8, k, generator=gen), torch.randn(n, k, generator=gen)
+    together = KERNEL.product(x, w, None, False)
+    for r in range(8):
+        assert torch.equal(KERNEL.product(x[r : r + 1], w, None, False), together[r : r + 1])
+    assert torch.equal(KERNEL.product(x[2:5], w, None, False), together[2:5])
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_cannot_read():
+    assert KERNEL is not None
+    w = torch.randn(16, 32)
+    with pytest.raises(ValueError, match="unsupported"):
+        KERNEL.product(torch.randn(KERNEL.max_rows + 1, 32), w, None, False)
+    with pytest.raises(ValueError, match="unsupported"):
+        KERNEL.product(torch.randn(2, 32).bfloat16(), w.bfloat16(), None, False)
+    with pytest.raises(ValueError, match="unsupported"):
+        KERNEL.product(torch.randn(2, 32), w.t(), None, False)  # not [N, K] contiguous
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_fp32_projections_of_a_few_rows_take_the_kernel(monkeypatch, activation):
+    """Up to 8 rows through the kernel (where it runs), more through oneDNN; both equal
+    ``F.linear``, the residual add included."""
+    w, b = torch.randn(40, 24), torch.randn(40)
+    projection = PackedLinear(w, b, activation)
+    calls: list[int] = []
+    if KERNEL is not None:
+        product = KERNEL.product
+        monkeypatch.setattr(KERNEL, "product", lambda x, *a: calls.append(len(x)) or product(x, *a))
+    for rows in (1, 3, 8, 9, 40):
+        x = torch.randn(rows, 24)
+        want = F.linear(x, w, b)
+        want = want.relu() if activation == "relu" else want
+        _close(projection(x), want, 24)
+        if activation == "none":
+            residual = torch.randn(rows, 40)
+            _close(projection.add(x, residual), want + residual, 24)
+    if KERNEL is not None:
+        assert sorted(set(calls)) == [1, 3, 8]
