@@ -211,8 +211,8 @@ def _release_loop(model_dir: Path, *, graphed: bool) -> tuple[dict[str, list[int
         max_model_len=128,
         decode=lambda ids: "",
     )
-    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((21, 9, 30))]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((13, 5, 17))]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
     requests = [Request(f"r{i}", p, params, i * 1e-3, i) for i, p in enumerate(prompts)]
     for r in requests:
         loop.submit(r)
