@@ -35,7 +35,8 @@ class Fp32Rows:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.quanta_fp32_rows
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [p] * 4 + [i32] + [i64] * 3 + [i32]  # y x w bias, relu, m n k, threads
         fn.restype = ctypes.c_int
         self._fn = fn
         self.max_rows = min(FEW_ROWS, int(library.quanta_fp32_rows_max()))

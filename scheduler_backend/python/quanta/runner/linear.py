@@ -109,11 +109,10 @@ class PackedLinear(Projection):
     through the few-rows kernel on it instead (``quanta.runner.fp32_rows``: up to 8 rows), or
     where that kernel cannot be built through ``F.linear`` (MKL, up to ``_FP32_FEW_ROWS``).
 
-    In fp32 oneDNN reads the stored ``[N, K]`` weight as fast as its blocked copy from 8 rows
-    up and faster at one row, where the blocked kernel streamed the weight at 10.8 GB/s
-    against 13 GB/s (one thread, an OPT-125M model's layer products: 28 ms against 34 ms a
-    decode step at batch 1, 46 against 46 ms at 8 rows, 74 against 74 ms at 32, within 2% at
-    96 and 3072 rows); and a tied head reads the embedding's own table, no second copy."""
+    fp32 keeps one copy of the weight, as stored: oneDNN's blocked copy streamed it slower at
+    one row (10.8 against 13 GB/s; an OPT-125M decode step's layer products 34 against 28 ms)
+    and was level from 12 rows up, and a tied head reads the embedding's own table. Between,
+    where the blocked copy was 12-15% faster, the few-rows kernel is faster still."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
         super().__init__()

@@ -36,15 +36,8 @@ class NativePrefill:
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.quanta_paged_prefill
         fn.restype = ctypes.c_int
-        fn.argtypes = (
-            [ctypes.c_void_p] * 5
-            + [ctypes.c_int64] * 9
-            + [
-                ctypes.c_float,
-                ctypes.c_int64,
-                ctypes.c_float,
-            ]
-        )
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        fn.argtypes = [p] * 5 + [i64] * 9 + [f32, i64, f32]  # ... scale, window, softcap
         self._fn = fn
 
     @staticmethod
