@@ -49,23 +49,6 @@ from quanta.policies.packers import chunk
 from quanta.policies.stages import Ranking, Turns
 
 
-def old_options(item: Item, factor: float, memory: int) -> list[tuple[CacheKind, int, float]]:
-    """``options`` as it was: one call per item."""
-    value = max(item.value, NEAR_ZERO)
-    hidden_value = item.value - factor * item.kv_blocks * item.hidden_steps
-    w_h, w_k = item.hidden_blocks, item.kv_blocks
-    kv = item.kv and w_k <= memory
-    hidden = item.hidden and w_h <= memory and (hidden_value > 0 or not item.kv)
-    if kv and hidden:
-        hidden = w_h < w_k and hidden_value * (w_k - w_h) >= (value - hidden_value) * w_h
-    out: list[tuple[CacheKind, int, float]] = []
-    if hidden:
-        out.append((CacheKind.HIDDEN, w_h, max(hidden_value, NEAR_ZERO)))
-    if kv:
-        out.append((CacheKind.KV, w_k, value))
-    return out
-
-
 def old_value(packer: adaptive.AdaptivePacker, req: Request, now: float) -> float:
     """``AdaptivePacker.value`` as it was: the SLO read from the metadata at each call."""
     p, md = req.pending_time(now), req.metadata
@@ -114,7 +97,7 @@ def sorted_walk(
     chunked: bool = False,
 ) -> dict[int, CacheKind]:
     """The greedy as it was: every increment sorted, the whole order walked."""
-    opts = [old_options(it, factor, memory) for it in items]
+    opts = [options(it, factor, memory) for it in items]
     alone = [_has_room(it, seats, tokens, chunked) for it in items]
     steps = []
     for i, choices in enumerate(opts):
@@ -174,28 +157,6 @@ def test_the_heap_walk_chooses_as_the_sorted_walk(items, memory, factor, seats, 
     got = greedy_knapsack(items, memory, factor, **kw)
     want = sorted_walk(items, memory, factor, **kw)
     assert list(got.items()) == list(want.items())  # the order taken too
-
-
-values = st.sampled_from([-1.0, 0.0, 1e-10, NEAR_ZERO, 0.5, 1.0, 2.0, 3.5])
-
-
-@settings(max_examples=400, deadline=None)
-@given(
-    item=st.builds(
-        Item,
-        value=values,
-        kv_blocks=st.integers(0, 8),
-        hidden_blocks=st.integers(0, 8),
-        kv=st.booleans(),
-        hidden=st.booleans(),
-        tokens=st.integers(0, 6),
-        hidden_steps=st.sampled_from([0.0, 1.0, 2.0, 7.5]),
-    ),
-    memory=st.integers(0, 10),
-    factor=st.sampled_from([0.0, 0.05, 0.1, 0.5, 3.0]),
-)
-def test_the_options_are_read_as_before(item, memory, factor):
-    assert options(item, factor, memory) == old_options(item, factor, memory)
 
 
 @settings(max_examples=300, deadline=None)
