@@ -513,19 +513,7 @@ def paged_attention(
     for chunk in meta.prefills:
         if chunk.window_start_block:
             raise ValueError("full attention over a context whose first blocks were released")
-        rows = q[chunk.token_start : chunk.token_end]
-        if native is not None and native.serves(rows, flat[0]):
-            start = chunk.context_len - rows.shape[0]
-            native(
-                out[chunk.token_start : chunk.token_end],
-                rows,
-                flat[0],
-                flat[1],
-                chunk.block_ids,
-                block_size,
-                start,
-                scale,
-            )
+        if native is not None and attend_natively(native, chunk, q, out, flat, block_size, scale):
             continue
         keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
         vals = layer_cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
@@ -537,6 +525,29 @@ def paged_attention(
             raise ValueError("hidden-cache sequences need the layer's input and projections")
         _attend_hidden(q, k, v, hidden_input, project_kv, layer_cache, meta.hidden, out, scale)
     return out
+
+
+def attend_natively(
+    native: PrefillKernel,
+    chunk: PrefillChunk,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    flat: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int = 0,
+    softcap: float | None = None,
+) -> bool:
+    """``chunk``'s rows of ``q`` into ``out`` on the native prefill kernel, over the cache
+    ``flat`` ([2, slots, KVH, D]), where the kernel serves them; whether it did. Positions
+    count from the chunk's first held block, as its ``block_ids`` do."""
+    rows = q[chunk.token_start : chunk.token_end]
+    if not native.serves(rows, flat[0]):
+        return False
+    start = chunk.context_len - rows.shape[0] - chunk.window_start_block * block_size
+    native(out[chunk.token_start : chunk.token_end], rows, flat[0], flat[1], chunk.block_ids,
+           block_size, start, scale, window, softcap)  # fmt: skip
+    return True
 
 
 def _prefill(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quanta.families.config import ModelConfig
-from quanta.runner.attention import AttentionMetadata, paged_attention
+from quanta.runner.attention import AttentionMetadata, attend_natively, paged_attention
 from quanta.runner.layer_ops import TorchLayerOps
 from quanta.runner.layers.norms import RMSNorm
 from quanta.runner.layers.parallel import Split
@@ -190,14 +190,12 @@ def windowed_attention(
     out = torch.empty_like(q)
     native = meta.prefill_kernel
     for chunk in meta.prefills:
+        if native is not None and attend_natively(
+            native, chunk, q, out, flat, block_size, scale, window, softcap
+        ):
+            continue
         rows = q[chunk.token_start : chunk.token_end]
         base = chunk.window_start_block * block_size  # its first held block's first position
-        if native is not None and native.serves(rows, flat[0]):
-            # Positions count from the first held block, as ``block_ids`` do.
-            start = chunk.context_len - rows.shape[0] - base
-            native(out[chunk.token_start : chunk.token_end], rows, flat[0], flat[1],
-                   chunk.block_ids, block_size, start, scale, window, softcap)  # fmt: skip
-            continue
         keys = layer_cache[0].index_select(0, chunk.block_ids).flatten(0, 1)
         vals = layer_cache[1].index_select(0, chunk.block_ids).flatten(0, 1)
         keys, vals = keys[: chunk.context_len - base], vals[: chunk.context_len - base]
