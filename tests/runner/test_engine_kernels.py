@@ -60,12 +60,12 @@ def test_packed_linears_replace_every_projection_and_match_torch(checkpoint):
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 65])
 @pytest.mark.parametrize("activation", ["none", "relu"])
 def test_fp32_packed_linear_matches_torch_at_few_and_many_rows(rows, activation):
-    """Up to eight fp32 rows run the few-rows kernel (``test_fp32_rows.py``), or where it
-    cannot be built up to three run torch's own product (the same bits as ``F.linear``); more
-    run oneDNN's. Either way the product, its ReLU and its residual add are F.linear's."""
+    """Up to 64 fp32 rows run the few-rows kernel (``test_fp32_rows.py``), or where it cannot
+    be built up to three run torch's own product (the same bits as ``F.linear``); more run
+    oneDNN's. Either way the product, its ReLU and its residual add are F.linear's."""
     from quanta.runner import fp32_rows
 
     gen = torch.Generator().manual_seed(rows)

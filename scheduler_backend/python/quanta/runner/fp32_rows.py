@@ -1,13 +1,15 @@
-"""fp32 products of a few rows through ``fp32_rows.c``, reading the weight as stored.
+"""fp32 products of up to 64 rows through ``fp32_rows.c``, reading the weight as stored.
 
 A decode step of up to ``FEW_ROWS`` rows streams each fp32 weight once; MKL does that at one
-row but slows to half the memory bandwidth from four rows, and oneDNN reads the stored weight
-at 7-9 GB/s (its blocked copy would cost the one-row rate and a second copy of the weight).
-The kernel multiplies each few weight rows with every row of x while they sit in registers
-and prefetches the next ones, so the weight stream is the only memory traffic (measured in
-``docs/results/benchmarks.md``, "fp32 decode of a few rows"). Built at load and cached like
-the other native kernels; where it cannot be (no AVX-512, no compiler) products keep MKL and
-oneDNN.
+row but slows to half the memory bandwidth from four rows, oneDNN reads the stored weight at
+7-9 GB/s up to eight rows (its blocked copy would cost the one-row rate and a second copy of
+the weight), and from 16 to 64 rows it reaches about half the core's arithmetic rate. Up to
+``DOT_ROWS`` rows the kernel multiplies each few weight rows with every row of x while they
+sit in registers; from there it broadcasts each weight element against all rows of a
+transposed x. Both prefetch the next weight rows, so the weight stream is the only memory
+traffic (measured in ``docs/results/benchmarks.md``, "fp32 decode of a few rows" and "fp32
+products of 9 to 64 rows"). Built at load and cached like the other native kernels; where it
+cannot be (no AVX-512, no compiler) products keep MKL and oneDNN.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fp32_rows.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-# Rows up to which the kernel serves a product: at 12 and 16 rows oneDNN on the stored
-# weight is as fast (one thread, [4096, 768] and [768, 2048] weights out of cache).
-FEW_ROWS = 8
+# Rows up to which the kernel serves a product: from 96 rows oneDNN is as fast or faster
+# (one thread, [4096, 768] and [768, 2048] weights out of cache: 0.95x and 0.98x at 96 rows,
+# 1.05-1.07x at 64, 1.2-1.6x at 9-32).
+FEW_ROWS = 64
 
 
 class Fp32Rows:
@@ -40,6 +43,9 @@ class Fp32Rows:
         fn.restype = ctypes.c_int
         self._fn = fn
         self.max_rows = min(FEW_ROWS, int(library.quanta_fp32_rows_max()))
+        # Calls of up to this many rows sum each output across lanes, more in K's order: a
+        # row's bits are the same whichever rows share a call on the same side of it.
+        self.dot_rows = int(library.quanta_fp32_rows_dot_max())
 
     def product(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool
@@ -62,7 +68,7 @@ class Fp32Rows:
         threads = torch.get_num_threads()
         if self._fn(y.data_ptr(), x.data_ptr(), weight.data_ptr(), bias_ptr, int(relu), rows,
                     n, k, threads):  # fmt: skip
-            raise RuntimeError("the fp32 few-rows kernel cannot run here")
+            raise RuntimeError("the fp32 few-rows kernel cannot run here (or had no memory)")
         return y
 
 

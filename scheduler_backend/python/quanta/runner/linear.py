@@ -105,14 +105,15 @@ class TorchLinear(Projection):
 
 class PackedLinear(Projection):
     """oneDNN's product, the activation and residual add as post-ops; the weight in oneDNN's
-    blocked layout in bf16 and fp16, as stored in fp32, where products of a few rows run
-    through the few-rows kernel on it instead (``quanta.runner.fp32_rows``: up to 8 rows), or
-    where that kernel cannot be built through ``F.linear`` (MKL, up to ``_FP32_FEW_ROWS``).
+    blocked layout in bf16 and fp16, as stored in fp32, where products of up to 64 rows (a
+    decode step, a short prefill chunk) run through the few-rows kernel on it instead
+    (``quanta.runner.fp32_rows``), or where that kernel cannot be built through ``F.linear``
+    (MKL, up to ``_FP32_FEW_ROWS``).
 
     fp32 keeps one copy of the weight, as stored: oneDNN's blocked copy streamed it slower at
     one row (10.8 against 13 GB/s; an OPT-125M decode step's layer products 34 against 28 ms)
-    and was level from 12 rows up, and a tied head reads the embedding's own table. Between,
-    where the blocked copy was 12-15% faster, the few-rows kernel is faster still."""
+    and was level from 12 rows up, and a tied head reads the embedding's own table. The
+    few-rows kernel is faster than either up to 64 rows; oneDNN keeps larger products."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
         super().__init__()
