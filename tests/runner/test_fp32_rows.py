@@ -115,3 +115,17 @@ def test_fp32_projections_of_a_few_rows_take_the_kernel(monkeypatch, activation)
             _close(projection.add(x, residual), want + residual, 24)
     if KERNEL is not None:
         assert sorted(set(calls)) == [1, 3, 8, 9, 40, 64]
+
+
+def test_the_kernel_can_be_set_aside(monkeypatch):
+    """``QUANTA_FP32_ROWS=off``: fp32 projections of a few rows run MKL and oneDNN again (the
+    same bits as ``F.linear`` up to three rows); a misspelt setting is refused, not ignored."""
+    monkeypatch.setenv(fp32_rows.FP32_ROWS_ENV, "off")
+    assert fp32_rows.load() is None
+    w, x = torch.randn(40, 24), torch.randn(2, 24)
+    assert torch.equal(PackedLinear(w, None, "none")(x), F.linear(x, w))
+    monkeypatch.setenv(fp32_rows.FP32_ROWS_ENV, "of")
+    with pytest.raises(ValueError, match="QUANTA_FP32_ROWS"):
+        fp32_rows.load()
+    monkeypatch.setenv(fp32_rows.FP32_ROWS_ENV, "on")
+    assert fp32_rows.load() is KERNEL

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import cache
 from pathlib import Path
 
@@ -72,11 +73,22 @@ class Fp32Rows:
         return y
 
 
-@cache
+FP32_ROWS_ENV = "QUANTA_FP32_ROWS"
+
+
 def load() -> Fp32Rows | None:
     """The kernel, built first where this machine has no build of it; None where the CPU has
-    no AVX-512 or no compiler is found (products then stay on MKL and oneDNN). One build and
-    one handle per process."""
+    no AVX-512 or no compiler is found, or ``QUANTA_FP32_ROWS=off`` (products then stay on
+    MKL and oneDNN: to compare the two on one machine, or to set the kernel aside)."""
+    setting = os.environ.get(FP32_ROWS_ENV, "").strip().lower()
+    if setting not in ("", "on", "off"):
+        raise ValueError(f"{FP32_ROWS_ENV}={setting!r}: use on or off")
+    return None if setting == "off" else _load()
+
+
+@cache
+def _load() -> Fp32Rows | None:
+    """One build and one handle per process."""
     library = native_decode.load_library(SOURCE, FLAGS, "the fp32 few-rows kernel")
     if library is None:
         return None
