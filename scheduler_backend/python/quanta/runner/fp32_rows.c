@@ -97,8 +97,9 @@ BLOCKS(7)
 BLOCKS(8)
 
 /* Broadcast form: xt [k][16 * MV] holds up to 16 * MV rows of x transposed (padding rows
- * zero); y[m][n0 + j] for the block's NR weight rows and m < rows. Each weight element is broadcast against MV vectors of x,
- * in K's order, into NR * MV accumulators (at most 28 of the 32 registers). */
+ * zero); y[m][n0 + j] for the block's NR weight rows and m < rows. Each weight element is
+ * broadcast against MV vectors of x, in K's order, into NR * MV accumulators (at most 24 of
+ * the 32 registers). */
 #define WIDE(MV, NR)                                                                          \
     static void wide_##MV##_##NR(float *y, const float *xt, const float *w, const float *bias, \
                                  int relu, int64_t rows, int64_t n, int64_t k, int64_t n0) {   \

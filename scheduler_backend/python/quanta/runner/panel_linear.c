@@ -318,12 +318,89 @@ static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
 }
 #endif
 
+#if QUANTA_AMX
+/* Rows of x per pass of panel_amx_32 (two row tiles). */
+#define AMX_PAIR_ROWS 32
+
+/* Tiles 0-3: y's 32 x 32 block in fp32, as two rows of tiles by two columns; 4, 5: rows
+ * 0-15 and 16-31 of x, 32 columns; 6, 7: 16 pairs x 16 columns of the panel. */
+static void configure_pair_tiles(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* see configure_tiles */
+    _tile_loadconfig(&cfg);
+}
+
+/* Every 32 rows of x against one bf16 panel, half the panel's columns at a time: each tile
+ * of x and of the panel loaded feeds two products (panel_amx's 16 rows load five tiles for
+ * four), which is what the tile unit waits on at prefill sizes. Each output is the same sum
+ * in the same order as panel_amx's, so the rows past the last 32 go there and a row's bits
+ * do not depend on which of the two took it. */
+static void panel_amx_32(uint16_t *y, const uint16_t *x, const uint16_t *panel,
+                         const float *scales, const uint16_t *bias, int relu, int64_t rows,
+                         int64_t n, int64_t k, int64_t n0) {
+    float out[AMX_PAIR_ROWS * PANEL] __attribute__((aligned(64)));
+    const int64_t chunks = k / 32, pair_row = PANEL * 2;
+    const int64_t full = rows / AMX_PAIR_ROWS * AMX_PAIR_ROWS;
+    if (full) configure_pair_tiles();
+    for (int64_t r0 = 0; r0 < full; r0 += AMX_PAIR_ROWS) {
+        const uint16_t *x0 = x + r0 * k, *x1 = x + (r0 + 16) * k;
+        for (int h = 0; h < 2; h++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < chunks; c++) {
+                const uint16_t *b = panel + c * 16 * pair_row + h * 64;
+                _tile_loadd(4, x0 + c * 32, k * 2);
+                _tile_loadd(6, b, pair_row * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, b + 32, pair_row * 2);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, x1 + c * 32, k * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, out + h * 32, PANEL * 4);
+            _tile_stored(1, out + h * 32 + 16, PANEL * 4);
+            _tile_stored(2, out + 16 * PANEL + h * 32, PANEL * 4);
+            _tile_stored(3, out + 16 * PANEL + h * 32 + 16, PANEL * 4);
+        }
+        for (int v = 0; v < PANEL / 16; v++) {
+            const int64_t col = n0 + v * 16;
+            if (col >= n) break;
+            const __mmask16 mask = columns(col, n);
+            const __m512 b = bias16(bias, col, mask);
+            const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales + col) : _mm512_set1_ps(1.0f);
+            for (int r = 0; r < AMX_PAIR_ROWS; r++) {
+                const __m512 acc = _mm512_load_ps(out + r * PANEL + v * 16);
+                __m512 sum = scales ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
+                if (relu) sum = relu16(sum);
+                _mm256_mask_storeu_epi16(y + (r0 + r) * n + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+            }
+        }
+    }
+    if (full) _tile_release();
+    if (rows > full)
+        panel_amx(y + full * n, x + full * k, panel, scales, bias, relu, rows - full, n, k, n0);
+}
+#endif
+
 static void panel_all_bf16(uint16_t *y, const uint16_t *x, const uint16_t *panel,
                            const float *scales, const uint16_t *bias, int relu, int64_t rows,
                            int64_t n, int64_t k, int64_t n0) {
 #if QUANTA_AMX
     if (amx_ready && rows >= AMX_ROWS && k % 32 == 0) {
-        panel_amx(y, x, panel, scales, bias, relu, rows, n, k, n0);
+        panel_amx_32(y, x, panel, scales, bias, relu, rows, n, k, n0);
         return;
     }
 #endif
