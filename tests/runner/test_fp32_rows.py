@@ -113,8 +113,12 @@ def test_fp32_projections_of_a_few_rows_take_the_kernel(monkeypatch, activation)
         if activation == "none":
             residual = torch.randn(rows, 40)
             _close(projection.add(x, residual), want + residual, 24)
+    x = torch.randn(2, 5, 24)  # rows of a [batch, tokens, features] input: ten
+    _close(
+        projection(x), F.linear(x, w, b).relu() if activation == "relu" else F.linear(x, w, b), 24
+    )
     if KERNEL is not None:
-        assert sorted(set(calls)) == [1, 3, 8, 9, 40, 64]
+        assert sorted(set(calls)) == [1, 3, 8, 9, 10, 40, 64]
 
 
 def test_the_kernel_can_be_set_aside(monkeypatch):

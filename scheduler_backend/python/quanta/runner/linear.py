@@ -144,8 +144,10 @@ class PackedLinear(Projection):
     def _few(self, x: torch.Tensor) -> torch.Tensor:
         """An fp32 product of a few rows: the few-rows kernel where it runs, else MKL."""
         relu = self.activation == "relu"
-        if self._rows is not None and x.dim() == 2 and x.shape[0] > 0:
-            return self._rows.product(x, self.packed_weight, self.bias, relu)
+        if self._rows is not None and x.numel() > 0:
+            rows = x.reshape(-1, self.in_features)
+            y = self._rows.product(rows, self.packed_weight, self.bias, relu)
+            return y.view(*x.shape[:-1], self.out_features)
         y = F.linear(x, self.packed_weight, self.bias)
         return torch.relu_(y) if relu else y
 

@@ -243,9 +243,29 @@ static inline __attribute__((always_inline)) void panel_all(
 }
 
 #if QUANTA_AMX
+/* `rows` rows of a panel's fp32 sums (out [rows][PANEL]) into y's bf16 columns n0 .. n0 +
+ * PANEL (those that exist): scaled, biased, ReLU where asked, rounded once. */
+static inline void amx_rows_out(uint16_t *y, const float *out, int rows, const float *scales,
+                                const uint16_t *bias, int relu, int64_t n, int64_t n0) {
+    for (int v = 0; v < PANEL / 16; v++) {
+        const int64_t col = n0 + v * 16;
+        if (col >= n) break;
+        const __mmask16 mask = columns(col, n);
+        const __m512 b = bias16(bias, col, mask);
+        const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales + col) : _mm512_set1_ps(1.0f);
+        for (int r = 0; r < rows; r++) {
+            const __m512 acc = _mm512_load_ps(out + r * PANEL + v * 16);
+            __m512 sum = scales ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
+            if (relu) sum = relu16(sum);
+            _mm256_mask_storeu_epi16(y + r * n + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+    }
+}
+
 /* Tiles 0-3: y's 16 x 64 block in fp32; 4: 16 rows x 32 of x; 5, 6: 16 pairs x 16 columns
  * of the panel, which is already the pair-interleaved operand TDPBF16PS reads (its row
- * stride is the panel's pair row, PANEL x 2 bf16). */
+ * stride is the panel's pair row, PANEL x 2 bf16). With m 16, tiles 0-7 also serve
+ * panel_amx_32's layout (y's 32 x 32 block in 0-3, x in 4 and 5, the panel in 6 and 7). */
 static void configure_tiles(int m) {
     struct {
         uint8_t palette, start_row, reserved[14];
@@ -254,7 +274,7 @@ static void configure_tiles(int m) {
     } cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 7; t++) {
+    for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = t < 5 ? (uint8_t)m : 16;
     }
@@ -266,7 +286,7 @@ static void configure_tiles(int m) {
 }
 
 /* Every row of x against one bf16 panel on AMX tiles, 16 rows at a time (k a multiple of
- * 32); the epilogue (scale, bias, one rounding to bf16) is panel_rows'. */
+ * 32); the epilogue (scale, bias, one rounding to bf16) is amx_rows_out, as panel_rows'. */
 static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
                       const float *scales, const uint16_t *bias, int relu, int64_t rows,
                       int64_t n, int64_t k, int64_t n0) {
@@ -300,45 +320,13 @@ static void panel_amx(uint16_t *y, const uint16_t *x, const uint16_t *panel,
         _tile_stored(1, out + 16, PANEL * 4);
         _tile_stored(2, out + 32, PANEL * 4);
         _tile_stored(3, out + 48, PANEL * 4);
-        for (int v = 0; v < PANEL / 16; v++) {
-            const int64_t col = n0 + v * 16;
-            if (col >= n) break;
-            const __mmask16 mask = columns(col, n);
-            const __m512 b = bias16(bias, col, mask);
-            const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales + col) : _mm512_set1_ps(1.0f);
-            for (int r = 0; r < m; r++) {
-                const __m512 acc = _mm512_load_ps(out + r * PANEL + v * 16);
-                __m512 sum = scales ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
-                if (relu) sum = relu16(sum);
-                _mm256_mask_storeu_epi16(y + (r0 + r) * n + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
-            }
-        }
+        amx_rows_out(y + r0 * n, out, m, scales, bias, relu, n, n0);
     }
     _tile_release();
 }
-#endif
 
-#if QUANTA_AMX
 /* Rows of x per pass of panel_amx_32 (two row tiles). */
 #define AMX_PAIR_ROWS 32
-
-/* Tiles 0-3: y's 32 x 32 block in fp32, as two rows of tiles by two columns; 4, 5: rows
- * 0-15 and 16-31 of x, 32 columns; 6, 7: 16 pairs x 16 columns of the panel. */
-static void configure_pair_tiles(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* see configure_tiles */
-    _tile_loadconfig(&cfg);
-}
 
 /* Every 32 rows of x against one bf16 panel, half the panel's columns at a time: each tile
  * of x and of the panel loaded feeds two products (panel_amx's 16 rows load five tiles for
@@ -351,7 +339,7 @@ static void panel_amx_32(uint16_t *y, const uint16_t *x, const uint16_t *panel,
     float out[AMX_PAIR_ROWS * PANEL] __attribute__((aligned(64)));
     const int64_t chunks = k / 32, pair_row = PANEL * 2;
     const int64_t full = rows / AMX_PAIR_ROWS * AMX_PAIR_ROWS;
-    if (full) configure_pair_tiles();
+    if (full) configure_tiles(16);
     for (int64_t r0 = 0; r0 < full; r0 += AMX_PAIR_ROWS) {
         const uint16_t *x0 = x + r0 * k, *x1 = x + (r0 + 16) * k;
         for (int h = 0; h < 2; h++) {
@@ -375,19 +363,7 @@ static void panel_amx_32(uint16_t *y, const uint16_t *x, const uint16_t *panel,
             _tile_stored(2, out + 16 * PANEL + h * 32, PANEL * 4);
             _tile_stored(3, out + 16 * PANEL + h * 32 + 16, PANEL * 4);
         }
-        for (int v = 0; v < PANEL / 16; v++) {
-            const int64_t col = n0 + v * 16;
-            if (col >= n) break;
-            const __mmask16 mask = columns(col, n);
-            const __m512 b = bias16(bias, col, mask);
-            const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales + col) : _mm512_set1_ps(1.0f);
-            for (int r = 0; r < AMX_PAIR_ROWS; r++) {
-                const __m512 acc = _mm512_load_ps(out + r * PANEL + v * 16);
-                __m512 sum = scales ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
-                if (relu) sum = relu16(sum);
-                _mm256_mask_storeu_epi16(y + (r0 + r) * n + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
-            }
-        }
+        amx_rows_out(y + r0 * n, out, AMX_PAIR_ROWS, scales, bias, relu, n, n0);
     }
     if (full) _tile_release();
     if (rows > full)
