@@ -545,3 +545,31 @@ def test_native_decode_attends_over_a_sliding_window_with_soft_capped_scores(
         want = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals)
         tolerance = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {}
         torch.testing.assert_close(got[b].float(), want, **tolerance)
+
+
+@needs_native_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kv_store_writes_what_index_copy_writes(dtype):
+    """K and V as the layers hand them over (strided views into the fused qkv product) land
+    in the same cache rows as torch's index_copy_ puts them, and nothing else moves; a slot
+    outside the cache is refused before anything is written."""
+    native, torch_ops = layer_ops(CPU), TorchLayerOps()
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(37, 12 * 8 + 2 * 3 * 8, generator=gen).to(dtype)
+    k = qkv[:, 96:120].view(37, 3, 8)
+    v = qkv[:, 120:].view(37, 3, 8)
+    slots = torch.randperm(80, generator=gen)[:37]
+    cache = torch.randn(2, 80, 3, 8, generator=gen).to(dtype)
+    got, want = cache.clone(), cache.clone()
+    native.store_kv_(got, slots, k, v)
+    torch_ops.store_kv_(want, slots, k, v)
+    assert torch.equal(got, want)
+    bad = slots.clone()
+    bad[20] = 80
+    before = got.clone()
+    with pytest.raises(IndexError, match="80"):
+        native.store_kv_(got, bad, k, v)
+    assert torch.equal(got, before)
+    # a layout the kernel does not read (heads not one run per token) takes index_copy_
+    native.store_kv_(got, slots, k.transpose(1, 2).contiguous().transpose(1, 2), v)
+    assert torch.equal(got, want)

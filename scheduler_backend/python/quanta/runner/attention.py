@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK
 from quanta.core.window import first_held
+from quanta.runner.layer_ops import TorchLayerOps
 
 if TYPE_CHECKING:
     from quanta.runner.triton_attention import PagedBatch
@@ -175,6 +176,10 @@ class AttentionMetadata:
     # ``paged_attention`` runs every row through them (``prefills`` and ``decode`` stay for
     # the layers that attend elsewhere: sliding windows, soft-caps).
     paged: PagedBatch | None = None
+
+
+# K/V stores where the caller names no layer operations (torch's index_copy_).
+_TORCH_OPS = TorchLayerOps()
 
 
 def build_metadata(
@@ -476,8 +481,10 @@ def paged_attention(
     project_kv: ProjectKV | None = None,
     window: int = 0,
     softcap: float | None = None,
+    ops: TorchLayerOps = _TORCH_OPS,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend.  q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D].
+    """Store this step's K/V (through ``ops``), then attend.  q: [T, H, D]; k, v: [T, KVH,
+    D] -> [T, H, D].
 
     With hidden-cache sequences in the step, ``hidden_input`` ([T, hidden], what q, k and v
     were projected from) is stored for them instead, and ``project_kv`` turns their cached
@@ -495,8 +502,7 @@ def paged_attention(
     k_new, v_new = k, v
     if meta.kv_rows is not None:
         k_new, v_new = k.index_select(0, meta.kv_rows), v.index_select(0, meta.kv_rows)
-    flat[0].index_copy_(0, meta.slot_mapping, k_new.to(layer_cache.dtype))
-    flat[1].index_copy_(0, meta.slot_mapping, v_new.to(layer_cache.dtype))
+    ops.store_kv_(flat, meta.slot_mapping, k_new, v_new)
     decode = meta.decode
     if (
         decode is not None

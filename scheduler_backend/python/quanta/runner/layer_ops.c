@@ -1,5 +1,5 @@
 /* Residual add + RMSNorm (LLaMA's and Gemma's) or LayerNorm, the rotary embedding, SiLU * up,
- * GELU(tanh) * up and ReLU of a decoder layer, each one call
+ * GELU(tanh) * up and ReLU of a decoder layer, and the store of a step's K/V, each one call
  * instead of a chain of torch operators: at batch 1 a chain of 8 operators on a 576-wide row costs its dispatch, not its
  * arithmetic.
  *
@@ -278,4 +278,24 @@ void quanta_rope(void *x, const void *cos_t, const void *sin_t, int64_t rows, in
 #else
     rope_scalar(x, cos_t, sin_t, rows, heads, head_dim, head_stride, row_stride, dtype);
 #endif
+}
+
+/* A step's keys and values into the paged cache: row r of k (and of v), `width` elements of
+ * `size` bytes at k + r * k_stride elements, to cache row slots[r] of kc (and vc). torch's
+ * index_copy_ of the strided K/V views (columns of the fused qkv product) took 2.5 ms a
+ * layer for an OPT-125M prefill of 3072 rows. Every slot is checked against `slot_count`
+ * before anything is written: returns the first row whose slot is out of range, or -1. */
+int64_t quanta_store_kv(void *kc, void *vc, const void *k, const void *v, const int64_t *slots,
+                        int64_t rows, int64_t slot_count, int64_t width, int64_t k_stride,
+                        int64_t v_stride, int64_t size) {
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= slot_count) return r;
+    const size_t bytes = (size_t)(width * size);
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy((char *)kc + slots[r] * (int64_t)bytes, (const char *)k + r * k_stride * size,
+               bytes);
+        memcpy((char *)vc + slots[r] * (int64_t)bytes, (const char *)v + r * v_stride * size,
+               bytes);
+    }
+    return -1;
 }

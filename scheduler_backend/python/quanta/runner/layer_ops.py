@@ -103,6 +103,14 @@ class TorchLayerOps:
         """``relu(x)``, in place."""
         return x.relu_()
 
+    def store_kv_(
+        self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """A step's ``k``, ``v`` ``[T, KVH, D]`` into the paged ``cache`` ``[2, slots, KVH,
+        D]`` at ``slots`` ``[T]`` (in the cache's dtype)."""
+        cache[0].index_copy_(0, slots, k.to(cache.dtype))
+        cache[1].index_copy_(0, slots, v.to(cache.dtype))
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -133,6 +141,9 @@ class NativeLayerOps(TorchLayerOps):
         self._relu = library.quanta_relu_
         self._relu.argtypes = [p, i64, i64, ctypes.c_int]
         self._relu.restype = None
+        self._store_kv = library.quanta_store_kv
+        self._store_kv.argtypes = [p] * 5 + [i64] * 6
+        self._store_kv.restype = i64
         self._silu_mul = self._gelu_tanh_mul = None
         if library.quanta_silu_mul_available():
             self._silu_mul = library.quanta_silu_mul
@@ -244,6 +255,37 @@ class NativeLayerOps(TorchLayerOps):
             return super().relu_(x)
         self._relu(x.data_ptr(), x.shape[0], x.shape[1], code)
         return x
+
+    def store_kv_(
+        self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        if not _kv_rows(cache, slots, k, v):
+            super().store_kv_(cache, slots, k, v)
+            return
+        tokens, heads, dim = k.shape
+        bad = self._store_kv(cache[0].data_ptr(), cache[1].data_ptr(), k.data_ptr(),
+                             v.data_ptr(), slots.data_ptr(), tokens, cache.shape[1],
+                             heads * dim, k.stride(0), v.stride(0), k.element_size())  # fmt: skip
+        if bad >= 0:
+            raise IndexError(f"K/V slot {int(slots[bad])} outside the cache's {cache.shape[1]}")
+
+
+def _kv_rows(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``quanta_store_kv`` reads these: CPU tensors of the cache's dtype, each token's
+    heads one run of elements (a view into the fused product is fine), the cache contiguous
+    and the slots contiguous int64."""
+    return (
+        cache.device.type == "cpu"
+        and k.device == v.device == slots.device == cache.device
+        and cache.is_contiguous()
+        and k.dtype == v.dtype == cache.dtype
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and k.shape == v.shape
+        and k.shape[1:] == cache.shape[2:]
+        and k.shape[0] == slots.shape[0]
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    )
 
 
 def _rows_code(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> int | None:

@@ -129,7 +129,7 @@ class Attention(nn.Module):
             self.softcap is not None or not _window_covers(self.window, meta)
         ):
             out = windowed_attention(q, k, v, layer_cache, meta, self.scale, self.window,
-                                     self.softcap)  # fmt: skip
+                                     self.softcap, self.ops)  # fmt: skip
             return self.o_proj(out.flatten(1))
 
         def project_kv(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +148,7 @@ class Attention(nn.Module):
             scale=self.scale,
             hidden_input=x,
             project_kv=project_kv,
+            ops=self.ops,
             window=self.window,
             softcap=self.softcap,
         )
@@ -175,18 +176,18 @@ def windowed_attention(
     scale: float,
     window: int,
     softcap: float | None,
+    ops: TorchLayerOps,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend each row over the last ``window`` positions up to
-    its own (all with ``window`` 0), soft-capping the scores: HF's eager sequence, fp32
-    softmax included. q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D]."""
+    """Store this step's K/V (through ``ops``), then attend each row over the last ``window``
+    positions up to its own (all with ``window`` 0), soft-capping the scores: HF's eager
+    sequence, fp32 softmax included. q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D]."""
     if meta.hidden is not None:
         raise NotImplementedError(
             "the hidden cache does not serve sliding-window or soft-capped attention"
         )
     _, num_blocks, block_size, kv_heads, head_dim = layer_cache.shape
     flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, meta.slot_mapping, k.to(layer_cache.dtype))
-    flat[1].index_copy_(0, meta.slot_mapping, v.to(layer_cache.dtype))
+    ops.store_kv_(flat, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     native = meta.prefill_kernel
     for chunk in meta.prefills:
