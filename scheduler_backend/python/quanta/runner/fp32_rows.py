@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fp32_rows.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-# Rows up to which the kernel serves a product: from 96 rows oneDNN is as fast or faster
-# (one thread, [4096, 768] and [768, 2048] weights out of cache: 0.95x and 0.98x at 96 rows,
-# 1.05-1.07x at 64, 1.2-1.6x at 9-32).
+# Rows up to which the kernel serves a product (one thread, [4096, 768] and [768, 2048]
+# weights out of cache, against oneDNN): 1.2-1.6x at 9-32 rows, 1.05-1.07x at 64; with x in
+# chunks of 64 rows, 0.95-1.1x at 96 and 0.45-0.8x from 192, so oneDNN keeps those.
 FEW_ROWS = 64
 
 
