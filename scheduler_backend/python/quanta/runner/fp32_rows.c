@@ -36,15 +36,14 @@
 #define QUANTA_AVX512 0
 #endif
 
-#define ROWS 8         /* rows of x per pass over a block of weight rows (dot form) */
-#define DOT_ROWS 8     /* calls of up to this many rows take the dot form */
+#define ROWS 8         /* calls of up to this many rows take the dot form, in one pass */
 #define MAX_ROWS 64    /* rows a call takes (beyond, oneDNN is as fast or faster) */
 
 int quanta_fp32_rows_available(void) { return QUANTA_AVX512; }
 
 int quanta_fp32_rows_max(void) { return MAX_ROWS; }
 
-int quanta_fp32_rows_dot_max(void) { return DOT_ROWS; }
+int quanta_fp32_rows_dot_max(void) { return ROWS; }
 
 #if QUANTA_AVX512
 /* y[m][n0 + j] for j < NB weight rows and m < R rows of x, R and NB known at compile time so
@@ -104,21 +103,21 @@ BLOCKS(8)
     static void wide_##MV##_##NR(float *y, const float *xt, const float *w, const float *bias, \
                                  int relu, int64_t rows, int64_t n, int64_t k, int64_t n0) {   \
         __m512 acc[NR][MV];                                                                   \
-        _Pragma("GCC unroll 28") for (int j = 0; j < NR; j++)                                 \
+        _Pragma("GCC unroll 12") for (int j = 0; j < NR; j++)                                 \
         _Pragma("GCC unroll 4") for (int v = 0; v < MV; v++) acc[j][v] = _mm512_setzero_ps(); \
         const float *wr = w + n0 * k;                                                         \
         const int64_t next = n0 + 2 * NR <= n ? NR : 0; /* rows to the next block */          \
         const int64_t mp = 16 * MV;                                                           \
         int64_t c = 0;                                                                        \
         for (; c + 16 <= k; c += 16) {                                                        \
-            _Pragma("GCC unroll 28") for (int j = 0; j < NR; j++)                             \
+            _Pragma("GCC unroll 12") for (int j = 0; j < NR; j++)                             \
                 _mm_prefetch((const char *)(wr + (next + j) * k + c), _MM_HINT_T1);           \
             _Pragma("GCC unroll 16") for (int kk = 0; kk < 16; kk++) {                        \
                 const float *xr = xt + (c + kk) * mp;                                         \
                 __m512 xv[MV];                                                                \
                 _Pragma("GCC unroll 4") for (int v = 0; v < MV; v++)                          \
                     xv[v] = _mm512_load_ps(xr + 16 * v);                                      \
-                _Pragma("GCC unroll 28") for (int j = 0; j < NR; j++) {                       \
+                _Pragma("GCC unroll 12") for (int j = 0; j < NR; j++) {                       \
                     const __m512 wb = _mm512_set1_ps(wr[j * k + c + kk]);                     \
                     _Pragma("GCC unroll 4") for (int v = 0; v < MV; v++)                      \
                         acc[j][v] = _mm512_fmadd_ps(wb, xv[v], acc[j][v]);                    \
@@ -130,7 +129,7 @@ BLOCKS(8)
             __m512 xv[MV];                                                                    \
             _Pragma("GCC unroll 4") for (int v = 0; v < MV; v++)                              \
                 xv[v] = _mm512_load_ps(xr + 16 * v);                                          \
-            _Pragma("GCC unroll 28") for (int j = 0; j < NR; j++) {                           \
+            _Pragma("GCC unroll 12") for (int j = 0; j < NR; j++) {                           \
                 const __m512 wb = _mm512_set1_ps(wr[j * k + c]);                              \
                 _Pragma("GCC unroll 4") for (int v = 0; v < MV; v++)                          \
                     acc[j][v] = _mm512_fmadd_ps(wb, xv[v], acc[j][v]);                        \
@@ -171,23 +170,13 @@ static const block_fn ONE[ROWS + 1] = {0, block_1_1, block_2_1, block_3_1, block
                                        block_5_1, block_6_1, block_7_1, block_8_1};
 
 
-/* The dot form: up to DOT_ROWS rows. */
+/* The dot form: up to ROWS rows, each block of three weight rows against all of them. */
 static void dot_product(float *y, const float *x, const float *w, const float *bias, int relu,
                         int64_t rows, int64_t n, int64_t k, int threads) {
     const int64_t blocks = n / 3;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
-            const int64_t r = rows - m0 < ROWS ? rows - m0 : ROWS;
-            THREE[r](y + m0 * n, x + m0 * k, w, bias, relu, n, k, 3 * b);
-        }
-    }
-    for (int64_t n0 = 3 * blocks; n0 < n; n0++) {
-        for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
-            const int64_t r = rows - m0 < ROWS ? rows - m0 : ROWS;
-            ONE[r](y + m0 * n, x + m0 * k, w, bias, relu, n, k, n0);
-        }
-    }
+    for (int64_t b = 0; b < blocks; b++) THREE[rows](y, x, w, bias, relu, n, k, 3 * b);
+    for (int64_t n0 = 3 * blocks; n0 < n; n0++) ONE[rows](y, x, w, bias, relu, n, k, n0);
 }
 
 /* The broadcast form: x transposed once into xt [k][16 * mv], then every block of weight
@@ -220,7 +209,7 @@ int quanta_fp32_rows(float *y, const float *x, const float *w, const float *bias
                      int64_t rows, int64_t n, int64_t k, int threads) {
 #if QUANTA_AVX512
     if (rows < 1 || rows > MAX_ROWS) return -1;
-    if (rows <= DOT_ROWS) {
+    if (rows <= ROWS) {
         dot_product(y, x, w, bias, relu, rows, n, k, threads);
         return 0;
     }
