@@ -11,6 +11,7 @@ bench times."""
 from __future__ import annotations
 
 import heapq
+import math
 import random
 
 import pytest
@@ -31,7 +32,7 @@ from quanta.core.request import (
 from quanta.core.view import SchedulerView
 from quanta.costmodel import PROFILES
 from quanta.policies import adaptive, make_policy
-from quanta.policies.common import QUEUE_RANK, arrival_key, is_online, largest
+from quanta.policies.common import QUEUE_RANK, arrival_key, is_online, largest, outside
 from quanta.policies.coserve import ClassOrder
 from quanta.policies.fair import WSCOrder, _CounterOrder
 from quanta.policies.fcfs import ArrivalOrder
@@ -324,7 +325,7 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
     assert wrong == []
     assert [r.error for r in requests if r.error] == []
     assert checks[0] > 100
-    assert (checks[1] > 100 and checks[2] > 100) or system != "apt"
+    assert (checks[1] > 100 and checks[2] > 100 and checks[3] > 100) or system != "apt"
 
 
 @pytest.mark.parametrize(
@@ -342,16 +343,18 @@ def test_every_step_of_apt_with_its_options_packs_as_before(options, monkeypatch
     checks, wrong, requests = _every_step("apt", monkeypatch, slos=True, **options)
     assert wrong == []
     assert [r.error for r in requests if r.error] == []
-    assert checks[1] > 100 and checks[2] > 100
+    assert checks[1] > 100 and checks[2] > 100 and checks[3] > 100
 
 
 def _every_step(
     system: str, monkeypatch: pytest.MonkeyPatch, *, slos: bool = False, **options: object
 ) -> tuple[list[int], list[str], list[Request]]:
     """A seeded workload through the loop, every ranking, greedy and set of items checked
-    against the old way: (checks made per kind, what differed, the requests)."""
+    against the old way, and every prefill step Apt-Serve takes from its kept queue against
+    the list of the lane's waiting requests: (checks made per kind, what differed, the
+    requests)."""
     rng = random.Random(7)
-    checks, wrong = [0, 0, 0], []
+    checks, wrong = [0, 0, 0, 0], []
 
     def greedy(items, memory, factor, *, bounds, **kwargs):  # type: ignore[no-untyped-def]
         got = greedy_knapsack(items, memory, factor, bounds=bounds, **kwargs)
@@ -373,6 +376,32 @@ def _every_step(
         return got
 
     monkeypatch.setattr(adaptive.AdaptivePacker, "_items", checked_items)
+    kept, walk = adaptive.AdaptivePacker._prefill_kept, adaptive.greedy_walk
+
+    def checked_kept(self, step, placement):  # type: ignore[no-untyped-def]
+        plan, now = step.plan, step.view.now
+        waiting = list(outside(step.lane.order, plan))
+        waits = [r.pending_time(now) for r in waiting]
+        if self._queue.total_pending(now) != math.fsum(waits):
+            wrong.append("total pending")
+        reqs, its, bounds = items(self, waiting, waits, step, switchable=False)
+        want = greedy_knapsack(its, plan.free_device, step.factor, seats=plan.seats,
+                               tokens=step.tokens(), chunked=step.chunked, bounds=bounds)  # fmt: skip
+        got: list[tuple[str, CacheKind]] = []
+
+        def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+            chosen = walk(*args, **kwargs)
+            got.extend((key[2], kind) for key, kind in chosen.items())
+            return chosen
+
+        monkeypatch.setattr(adaptive, "greedy_walk", recorded)
+        kept(self, step, placement)
+        monkeypatch.setattr(adaptive, "greedy_walk", walk)
+        if got != [(reqs[i].request_id, kind) for i, kind in want.items()]:
+            wrong.append(f"kept queue at {now}")
+        checks[3] += 1
+
+    monkeypatch.setattr(adaptive.AdaptivePacker, "_prefill_kept", checked_kept)
     clock = VirtualClock()
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128)
     policy = make_policy(system, config, **options)

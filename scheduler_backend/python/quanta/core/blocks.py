@@ -33,6 +33,7 @@ from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, Request, blo
 from quanta.core.window import RELEASED, blocks_behind, first_held, live, peak_blocks
 
 _tier = itemgetter(0)
+_HIT_LOG_KEPT = 8192  # changes ``hit_changes`` can name: many steps' worth of lookups
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,10 @@ class BlockManager:
         self._named: dict[str, int] = {}  # leading device blocks of a table already named
         self._hits: dict[str, PrefixHit] = {}  # lookups of waiting requests, as they stand
         self._memo = LookupMemo()  # which of them still hold (``core/lookups.py``)
+        # The requests whose entry in ``_hits`` changed, in order, from version
+        # ``_hit_log_start`` on (``hit_changes``); the oldest half goes when it is long.
+        self._hit_log: list[str] = []
+        self._hit_log_start = 0
         self._offloads: list[tuple[int, int]] = []  # (device, host) copies of evicted blocks
         self._offload_dst: set[int] = set()  # host blocks those copies write this step
 
@@ -232,7 +237,8 @@ class BlockManager:
         ``names`` (its first ``limit``: as many as a hit may cover); remembered for this
         step's decision. Returns its tokens."""
         if not self.prefix_caching or request_id in self._tables:
-            self._hits.pop(request_id, None)
+            if self._hits.pop(request_id, None) is not None:
+                self._hit_changed(request_id)
             self._memo.drop(request_id)
             return 0
         device, host = self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
@@ -248,6 +254,7 @@ class BlockManager:
             found.append((Tier.HOST, b))
         stop = len(names) if limit is None else min(limit, len(names))
         self._memo.keep(request_id, names[: min(len(found) + 1, stop)])  # where the walk went
+        self._hit_changed(request_id)
         if not found:
             self._hits.pop(request_id, None)
             return 0
@@ -262,6 +269,24 @@ class BlockManager:
             if pool.changed:
                 self._memo.changed(pool.changed)
                 pool.changed.clear()
+
+    def hit_changes(self, since: int) -> tuple[int, list[str] | None]:
+        """The version of the lookups now, and the requests whose ``prefix_hit`` changed
+        after version ``since`` (in order, a request perhaps more than once; None: too long
+        ago to tell, or the cache was reset). A reader that keeps what it worked out from
+        every waiting request's hit redoes only these."""
+        now = self._hit_log_start + len(self._hit_log)
+        if since < self._hit_log_start:
+            return now, None
+        return now, self._hit_log[since - self._hit_log_start :]
+
+    def _hit_changed(self, request_id: str) -> None:
+        log = self._hit_log
+        log.append(request_id)
+        if len(log) > _HIT_LOG_KEPT:
+            half = len(log) // 2
+            del log[:half]
+            self._hit_log_start += half
 
     def stale_lookups(self, requests: Sequence[Request]) -> list[Request]:
         """The ``requests`` whose lookup does not hold (never made, or made stale): only
@@ -284,6 +309,7 @@ class BlockManager:
         rest this step); the tokens it still covers."""
         hit = self._hits.pop(request_id)
         self._memo.drop(request_id)
+        self._hit_changed(request_id)
         if not kept:
             return 0
         self._hits[request_id] = PrefixHit(hit.blocks[:kept], hit.block_size)
@@ -330,6 +356,7 @@ class BlockManager:
             copies.append((src, b))
         self._named[request_id] = len(table)
         del self._hits[request_id]
+        self._hit_changed(request_id)
         return copies
 
     def name_blocks(self, request_id: str, names: Sequence[bytes]) -> None:
@@ -361,6 +388,8 @@ class BlockManager:
         self._named = {rid: len(t) for rid, (_, t) in self._tables.items()}
         self._hits.clear()
         self._memo.clear()
+        self._hit_log_start += len(self._hit_log) + 1  # NOTE: no reader can tell what changed
+        self._hit_log.clear()
         return sum(pool.forget_names() for pool in self.pools.values())
 
     # -- mutations -----------------------------------------------------------------------
@@ -580,7 +609,8 @@ class BlockManager:
         entry = self._tables.pop(request_id, None)
         self._kinds.pop(request_id, None)
         self._named.pop(request_id, None)
-        self._hits.pop(request_id, None)
+        if self._hits.pop(request_id, None) is not None:
+            self._hit_changed(request_id)
         self._memo.drop(request_id)
         self._drop_checkpoint(request_id)
         if entry is None:

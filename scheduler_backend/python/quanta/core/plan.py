@@ -62,6 +62,11 @@ class PoolView:
     def total_host(self) -> int:
         return self._blocks.num_total(Tier.HOST)
 
+    def hit_changes(self, since: int) -> tuple[int, list[str] | None]:
+        """The requests whose ``prefix_hit`` changed after version ``since``, and the
+        version now (``BlockManager.hit_changes``)."""
+        return self._blocks.hit_changes(since)
+
     def num_blocks(self, request_id: str) -> int:
         """Blocks the request holds now, in whichever tier its KV is."""
         return self._blocks.num_blocks(request_id)

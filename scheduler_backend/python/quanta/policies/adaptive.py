@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from operator import methodcaller
 from typing import Literal
 
@@ -39,17 +41,16 @@ from quanta.core.plan import StepPlan
 from quanta.core.request import CacheKind, Request, blocks_for
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
+from quanta.policies.adaptive_queue import PrefillQueue, Pricing, Shape, ShapeOf
 from quanta.policies.common import outside, residents
 from quanta.policies.fcfs import ReactivePreemption
-from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, lightest
+from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, greedy_walk, lightest
 from quanta.policies.packers import chunk
 from quanta.policies.stages import Lane, Packer, Placement, Ranking
 from quanta.policies.systems import ProfileOptions, Stages, System
 
 CacheMode = Literal["hybrid", "kv", "hidden"]
-# An item's weights: (tokens, KV blocks, hidden blocks, KV open, hidden open, tokens left,
-# its lightest increment), then its request's (TTFT, time-between-tokens) SLOs
-_Shape = tuple[int, int, int, bool, bool, float, int, float | None, float | None]
+_Shape = Shape  # what an item weighs (``adaptive_queue.Shape``)
 # The knapsack's candidates: the requests, their items, and ``item_bounds`` of the items
 _Candidates = tuple[list[Request], list[Item], tuple[list[float], list[float]]]
 Fallback = Literal["zero", "decay"]
@@ -100,6 +101,7 @@ class AdaptivePacker(Packer):
         self._pinned: set[str] = set()  # switched to hidden: they restart hidden
         # each request's latest ``_shape``, with what it was worked out from
         self._shapes: dict[str, tuple[tuple[object, ...], _Shape]] = {}
+        self._queue = PrefillQueue()  # the prefill queue, kept when the lane allows
         self._finished = self._finished_tokens = 0  # requests that ended by length or stop
 
     def pack(
@@ -110,20 +112,34 @@ class AdaptivePacker(Packer):
         ranking: Ranking,
         placement: Placement,
     ) -> None:
-        waiting = list(outside(lane.order, plan))
-        running = residents(lane.order, plan)
         live = len(view.waiting) + len(view.swapped) + len(view.running)
         rho = self.rho if self.rho is not None else self.cost.rho(view.block_size)
         step = _Step(view, plan, lane, live * rho, self.config.enable_chunked_prefill)
         # NOTE: each request's pending time, read once: the queues' totals pick the kind of
-        # step, and the knapsack values its requests by them
+        # step (``fsum``: the same total in whatever order a queue is read), and the
+        # knapsack values its requests by them
         pending = methodcaller("pending_time", view.now)
-        waited, ran = list(map(pending, waiting)), list(map(pending, running))
-        prefill_first = bool(waiting) and sum(waited) >= sum(ran)
-        phases = [(self._prefill, waiting, waited), (self._decode, running, ran)]
-        for phase, queue, times in phases if prefill_first else phases[::-1]:
+        prefill: Callable[[_Step, Placement], None]
+        if ranking.by_arrival and lane.order is ranking.order and not plan.moved and not plan.run:
+            # NOTE: the lane in arrival order and nothing planned: the prefill queue is the
+            # view's swapped and waiting requests, which the kept queue follows
+            queue = self._queue
+            queue.sync(view, plan, self._shape_of(step), basis=(step.tokens(), step.chunked),
+                       by_place=self.fallback == "zero",
+                       own_steps=self._mean_output() is None)  # fmt: skip
+            starts, waited, prefill = len(queue), queue.total_pending(view.now), self._prefill_kept
+        else:
+            waiting = list(outside(lane.order, plan))
+            waits = list(map(pending, waiting))
+            starts, waited = len(waiting), math.fsum(waits)
+            prefill = partial(self._prefill, waiting, waits)
+        running = residents(lane.order, plan)
+        runs = list(map(pending, running))
+        decode = partial(self._decode, running, runs)
+        phases = (prefill, decode) if starts and waited >= math.fsum(runs) else (decode, prefill)
+        for phase in phases:
             before = len(plan.run)
-            phase(queue, times, step, placement)
+            phase(step, placement)
             if len(plan.run) > before:
                 return
 
@@ -140,13 +156,37 @@ class AdaptivePacker(Packer):
     ) -> None:
         """Start or resume requests in the free blocks."""
         reqs, items, bounds = self._items(queue, pending, step, switchable=False)
+        chosen = step.greedy(items, step.plan.free_device, bounds)
+        self._start(((reqs[i], kind) for i, kind in chosen.items()), step)
+
+    def _prefill_kept(self, step: _Step, placement: Placement) -> None:
+        """``_prefill`` over the kept queue: its items read only as far as the greedy goes."""
+        pricing = Pricing(step.factor, self._mean_output(), self.fallback == "zero", self.decay)
+        source, least, most, alone = self._queue.walk(step.view.now, pricing, step.chunked)
         plan = step.plan
-        for i, kind in step.greedy(items, plan.free_device, bounds).items():
-            req = reqs[i]
+        chosen = greedy_walk(source, plan.free_device, step.factor, seats=plan.seats,
+                             tokens=step.tokens(), chunked=step.chunked, least=least,
+                             most=most, alone=alone)  # fmt: skip
+        request = self._queue.request
+        self._start(((request(key), kind) for key, kind in chosen.items()), step)
+
+    def _start(self, chosen: Iterable[tuple[Request, CacheKind]], step: _Step) -> None:
+        """Start the greedy's choices, in the order it took them, as far as they fit."""
+        plan = step.plan
+        for req, kind in chosen:
             n = step.chunk(req)
             if n and plan.has_room(n) and plan.blocks_to_grow(req, n, kind) <= plan.free_device:
                 plan.take(req, n, kind)
                 self._pinned.discard(req.request_id)
+
+    def _shape_of(self, step: _Step) -> ShapeOf:
+        """``_shape`` of a request that may start in ``step``, from what it holds and hits."""
+        left, size, chunked = step.tokens(), step.view.block_size, step.chunked
+
+        def shape(req: Request, held: CacheKind | None, hit: PrefixHit | None) -> _Shape:
+            return self._shape(req, held, hit, left, False, size, chunked)
+
+        return shape
 
     def _decode(
         self, queue: list[Request], pending: list[float], step: _Step, placement: Placement

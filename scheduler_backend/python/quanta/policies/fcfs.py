@@ -31,7 +31,7 @@ class ArrivalOrder(Ordering):
     def rank(self, view: SchedulerView) -> Ranking:
         order = arrival_order(view)
         q = self.cost.min_iteration_time if self.cost is not None else 1.0
-        return Ranking(order, Turns(order, self.config.max_num_seqs, q))
+        return Ranking(order, Turns(order, self.config.max_num_seqs, q), by_arrival=True)
 
 
 class ReactivePreemption(Placement):

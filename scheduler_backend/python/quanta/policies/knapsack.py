@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from quanta.core.request import CacheKind
 
 # Seconds: what a request past its SLO is worth with fallback "zero", and the least any option
 # is worth, so that work which fits is never left idle.
 NEAR_ZERO = 1e-9
+
+K = TypeVar("K")  # what names an item to the walk: an index, or a key of the caller's
+Alone = tuple[float, K, CacheKind]  # an option taken on its own: (its value, item, kind)
 
 
 class Item(NamedTuple):
@@ -86,27 +89,64 @@ def greedy_knapsack(
     ``item_bounds(items, factor)`` when the caller worked it out already (a packer that
     builds the items one by one can count them as it goes, in the same pass).
     """
+    worth, bound = item_bounds(items, factor) if bounds is None else bounds
+    order = sorted(range(len(items)), key=bound.__getitem__)
+
+    def alone(capacity: int, seats: int | None, tokens: int | None) -> Alone | None:
+        return best_alone(enumerate(items), factor, capacity, seats, tokens, chunked)
+
+    return greedy_walk(
+        ((bound[i], i, items[i]) for i in order),
+        memory,
+        factor,
+        seats=seats,
+        tokens=tokens,
+        chunked=chunked,
+        least=min(map(_tokens, items), default=0),
+        most=max(worth, default=0.0),
+        alone=alone,
+    )
+
+
+def greedy_walk(
+    source: Iterable[tuple[float, K, Item]],
+    memory: int,
+    factor: float,
+    *,
+    seats: int | None,
+    tokens: int | None,
+    chunked: bool,
+    least: int,
+    most: float,
+    alone: Callable[[int, int | None, int | None], Alone[K] | None],
+) -> dict[K, CacheKind]:
+    """``greedy_knapsack`` over items named by keys of any order: ``source`` gives each
+    item with its bound (``item_bounds``) and key, by (bound, key); ``least`` is the fewest
+    tokens any item asks, ``most`` the most any is worth, and ``alone(memory, seats,
+    tokens)`` the option worth most on its own (``best_alone``). A caller that keeps its
+    items in that order across steps passes them lazily and is read only as far as the walk
+    goes."""
     # NOTE: with a long queue most items are never reached: the walk fills the step's seats
     # and tokens from the first few increments, and ends once nothing further could be taken
     # (no seat or token left for a new item, and no upgrade of a chosen item still ahead).
     # So the increments are walked from a heap, and an item's options are only weighed once
     # the walk comes near it: items wait in the order of a bound on what any increment of
     # theirs gains per block, and join the heap while that bound reaches its top.
-    worth, bound = item_bounds(items, factor) if bounds is None else bounds
-    waiting = sorted(range(len(items)), key=bound.__getitem__)
-    opts: dict[int, list[tuple[CacheKind, int, float]]] = {}
-    steps: list[tuple[float, int, int, int, float]] = []
-    least = min(map(_tokens, items), default=0)  # the fewest tokens an item asks
+    source = iter(source)
+    ahead = next(source, None)
+    seen: dict[K, Item] = {}
+    opts: dict[K, list[tuple[CacheKind, int, float]]] = {}
+    steps: list[tuple[float, K, int, int, float]] = []
     capacity, first_seats, first_tokens = memory, seats, tokens
-    chosen: dict[int, CacheKind] = {}
+    chosen: dict[K, CacheKind] = {}
     upgrades = 0  # chosen items whose upgrade to KV is still ahead in the walk
     total = 0.0
-    k = 0  # items in ``waiting`` that have joined the heap
     while True:
-        while k < len(waiting) and (not steps or bound[waiting[k]] <= steps[0][0]):
-            i = waiting[k]
-            k += 1
-            opts[i] = choices = options(items[i], factor, capacity)
+        while ahead is not None and (not steps or ahead[0] <= steps[0][0]):
+            _, i, item = ahead
+            ahead = next(source, None)
+            seen[i] = item
+            opts[i] = choices = options(item, factor, capacity)
             prev_w, prev_v = 0, 0.0
             for stage, (_, w, v) in enumerate(choices):
                 step = (-(v - prev_v) / (w - prev_w), i, stage, w - prev_w, v - prev_v)
@@ -119,9 +159,10 @@ def greedy_knapsack(
             upgrades -= 1
         if dw <= memory:
             if stage == 0:
-                if _has_room(items[i], seats, tokens, chunked):
+                item = seen[i]
+                if _has_room(item, seats, tokens, chunked):
                     seats = None if seats is None else seats - 1
-                    tokens = None if tokens is None else tokens - min(items[i].tokens, tokens)
+                    tokens = None if tokens is None else tokens - min(item.tokens, tokens)
                     chosen[i] = opts[i][0][0]
                     upgrades += len(opts[i]) - 1
                     memory -= dw
@@ -132,8 +173,8 @@ def greedy_knapsack(
                 total += dv
         if not upgrades and not _room_for_any(least, seats, tokens, chunked):
             break
-    if max(worth, default=0.0) > total:  # NOTE: else no option alone is worth more
-        best = _best_alone(items, factor, capacity, first_seats, first_tokens, chunked)
+    if most > total:  # NOTE: else no option alone is worth more
+        best = alone(capacity, first_seats, first_tokens)
         if best is not None and best[0] > total:
             return {best[1]: best[2]}
     return chosen
@@ -168,18 +209,19 @@ def lightest(kv_blocks: int, hidden_blocks: int, kv: bool, hidden: bool) -> int:
     return min(kv_blocks, hidden_blocks)
 
 
-def _best_alone(
-    items: Sequence[Item],
+def best_alone(
+    items: Iterable[tuple[K, Item]],
     factor: float,
     memory: int,
     seats: int | None,
     tokens: int | None,
     chunked: bool,
-) -> tuple[float, int, CacheKind] | None:
-    """The option worth most on its own, among the items that have room (the first such
-    item, and its lightest such option, on ties): the greedy's other candidate."""
-    best: tuple[float, int, CacheKind] | None = None
-    for i, item in enumerate(items):
+) -> Alone[K] | None:
+    """The option worth most on its own, among the ``(key, item)`` pairs that have room
+    (the first such item, and its lightest such option, on ties): the greedy's other
+    candidate."""
+    best: Alone[K] | None = None
+    for i, item in items:
         if not _has_room(item, seats, tokens, chunked):
             continue
         for kind, _, v in options(item, factor, memory):

@@ -69,6 +69,9 @@ class Ranking:
 
     order: list[Request]
     next_turn: Mapping[str, float]
+    # ``order`` is ``arrival_order`` of the view: a packer may then know a request's place
+    # from the request alone (``arrival_key``), without the list
+    by_arrival: bool = False
 
     def position(self) -> Mapping[str, int]:
         """Each request's index in ``order`` (read only: several stages of a step share it)."""

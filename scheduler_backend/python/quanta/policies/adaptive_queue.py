@@ -1,0 +1,325 @@
+"""Apt-Serve's prefill queue kept from one step to the next: the waiting and swapped requests
+a prefill step may start, grouped so that a step with a long queue works out only the items
+its greedy reaches.
+
+Why: the greedy takes items in the order of a bound on their value per block
+(``knapsack.item_bounds``), and with 1,600 requests waiting, working out every request's
+item and bound at every step was most of the step. Yet a waiting request's item changes
+only when its prefix lookup does (the block manager names those: ``hit_changes``), when it
+joins or leaves the queue, or when the step's token budget does; its value, its pending
+time, grows with the clock alike for all. So requests whose items weigh the same (the same
+blocks either way, the same SLO: a *group*) are kept together, each group in the order they
+began to wait: within a group the bound only rises with the pending time (the value grows,
+and the weight it is divided by can only shrink as hidden becomes worth its price). A step
+then merges the groups' heads, lazily, and the walk reads the queue only as far as it goes.
+
+A request past its SLO is worth a constant (fallback ``zero``) or a fraction of its pending
+time (``decay``): as the clock passes a request's SLO it leaves its group's run of requests
+within their SLO (the oldest leave first) for the group's run of late ones, which keeps its
+own order (queue order for ``zero``, whose late requests are all worth the same).
+
+Ties go as the list path breaks them, to the request earlier in the lane: this queue is used
+only when the lane is ``arrival_order`` (swapped requests, then waiting ones, each by
+arrival), so a request's place is its ``_Key``. Pending times that differ by less than a
+division's rounding could in principle merge in another order than the list path's; the
+tests compare both at every step of seeded workloads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, sub
+
+from quanta.core.blocks import PrefixHit
+from quanta.core.plan import StepPlan
+from quanta.core.request import CacheKind, Request, RequestStatus
+from quanta.core.view import SchedulerView
+from quanta.policies.knapsack import NEAR_ZERO, Alone, Item, best_alone
+
+# A request's place in the lane: swapped before waiting, then by arrival, then by id
+_Key = tuple[int, float, str]
+# What an item weighs, as ``AdaptivePacker._shape`` works it out: (tokens, KV blocks, hidden
+# blocks, KV open, hidden open, tokens left, its lightest increment, TTFT SLO, TBT SLO)
+Shape = tuple[int, int, int, bool, bool, float, int, float | None, float | None]
+# A group: what every item of it weighs (KV blocks, hidden blocks, KV open, hidden open, the
+# lightest increment, tokens left where they price the hidden option, else None), and the SLO
+# its pending time is held to
+_GroupKey = tuple[int, int, bool, bool, int, float | None, float | None]
+
+ShapeOf = Callable[[Request, CacheKind | None, PrefixHit | None], Shape]
+AloneFn = Callable[[int, int | None, int | None], "Alone[_Key] | None"]
+
+_rid = attrgetter("request_id")
+_since = attrgetter("since")
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """A request of the queue, with what its item was worked out from."""
+
+    req: Request
+    key: _Key
+    since: float  # pending since: its last token, else its arrival
+    shape: Shape
+    tokens: int  # this step's tokens of it (0: none fit the budget; then in no group)
+    group: _Group | None = None
+    late: bool = False  # in its group's run of requests past their SLO
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """The requests whose items weigh the same, in two runs each in the order of the bound:
+    within their SLO by (pending since, place); past it by place (``zero``) or as the other."""
+
+    key: _GroupKey
+    on_time: list[tuple[float, _Key, _Entry]] = field(default_factory=list)
+    late: list[tuple[float, _Key, _Entry]] = field(default_factory=list)
+
+    def add(self, entry: _Entry, now: float, by_place: bool) -> None:
+        slo = self.key[6]
+        entry.group = self
+        entry.late = slo is not None and max(0.0, now - entry.since) > slo
+        if entry.late:
+            insort(self.late, _late_key(entry, by_place))
+        else:
+            insort(self.on_time, (entry.since, entry.key, entry))
+
+    def remove(self, entry: _Entry, by_place: bool) -> None:
+        run, item = (
+            (self.late, _late_key(entry, by_place))
+            if entry.late
+            else (self.on_time, (entry.since, entry.key, entry))
+        )
+        del run[bisect_left(run, item[:2])]
+        entry.group = None
+
+    def expire(self, now: float, by_place: bool) -> None:
+        """Move the requests the clock took past their SLO to the late run: the oldest."""
+        slo, run = self.key[6], self.on_time
+        if slo is None:
+            return
+        gone = 0
+        while gone < len(run) and max(0.0, now - run[gone][0]) > slo:
+            gone += 1
+        for _, _, entry in run[:gone]:
+            entry.late = True
+            insort(self.late, _late_key(entry, by_place))
+        del run[:gone]
+
+
+def _late_key(entry: _Entry, by_place: bool) -> tuple[float, _Key, _Entry]:
+    """A late request's place in its run: by place alone when late ones are all worth the
+    same (``zero``; the pending time then reads 0), else as on time."""
+    return (0.0 if by_place else entry.since, entry.key, entry)
+
+
+@dataclass(frozen=True, slots=True)
+class Pricing:
+    """What turns a request's pending time into its item this step (``AdaptivePacker``)."""
+
+    factor: float  # (|W| + |R|) * rho
+    mean: float | None  # the mean output of the requests finished so far
+    zero: bool  # fallback ``zero`` (else ``decay``)
+    decay: float
+
+    def item(self, entry: _Entry, now: float, slo: float | None) -> tuple[Item, float, float]:
+        """``entry``'s item at ``now`` (its SLO: ``slo``), what it is worth at most, and its
+        bound (``knapsack.item_bounds``), as ``AdaptivePacker._items`` works them out."""
+        _, m, half, kv, hidden, own_steps, light, _, _ = entry.shape
+        p = max(0.0, now - entry.since)
+        value = p if slo is None or p <= slo else NEAR_ZERO if self.zero else self.decay * p
+        steps = 1.0
+        if kv and hidden:
+            steps = self.mean if self.mean is not None else own_steps
+        hidden_value = value - self.factor * m * steps
+        most = max(value, hidden_value, NEAR_ZERO)
+        if kv and hidden_value <= 0:  # NOTE: hidden is no option: KV is its one increment
+            light = m
+        bound = -(most / light) if light > 0 else -math.inf
+        return Item(value, m, half, kv, hidden, entry.tokens, steps), most, bound
+
+
+class PrefillQueue:
+    """The candidates of Apt-Serve's prefill steps, kept across steps (module docstring).
+
+    ``sync`` brings it up to a step's view and plan; ``walk`` then gives what
+    ``knapsack.greedy_walk`` reads. Whatever it cannot follow (the budget or the pricing
+    basis changed, the lookups' record ran out, the cache was reset) makes it start over."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._groups: dict[_GroupKey, _Group] = {}
+        self._swapped: set[str] = set()  # the entries of swapped requests
+        self._version = -1  # of the lookups it has read (``PoolView.hit_changes``)
+        self._setting: tuple[object, ...] | None = None  # what the shapes were worked out with
+        self._by_place = True
+        self._own_steps = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def total_pending(self, now: float) -> float:
+        """The queue's pending time in all, as ``math.fsum`` adds it (in any order)."""
+        since = list(map(_since, self._entries.values()))
+        if since and max(since) > now:  # NOTE: as ``pending_time``, none is negative
+            return math.fsum(max(0.0, now - s) for s in since)
+        return math.fsum(map(sub, repeat(now, len(since)), since))
+
+    def request(self, key: _Key) -> Request:
+        return self._entries[key[2]].req
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._groups.clear()
+        self._swapped.clear()
+        self._setting = None
+
+    def sync(
+        self,
+        view: SchedulerView,
+        plan: StepPlan,
+        shape_of: ShapeOf,
+        *,
+        basis: tuple[object, ...],
+        by_place: bool,
+        own_steps: bool,
+    ) -> None:
+        """Follow the view: requests that joined or left the queue, moved between its
+        swapped and waiting parts, or whose lookup changed, are worked out (``shape_of``)
+        again; the others stand. ``basis`` is what every shape was worked out with (the
+        step's token budget, whether chunks are taken): when it differs from the last
+        step's, all are. ``by_place``: late requests are all worth the same (fallback
+        ``zero``). ``own_steps``: a request's own tokens left price its hidden option (no
+        request has finished yet)."""
+        version, changed = plan.pool.hit_changes(self._version)
+        setting = (basis, by_place, own_steps)
+        if changed is None or setting != self._setting:
+            self.clear()
+            changed = []
+        self._version, self._setting = version, setting
+        self._by_place, self._own_steps = by_place, own_steps
+        entries, swapped, now = self._entries, self._swapped, view.now
+        waiting_now = set(map(_rid, view.waiting))
+        swapped_now = set(map(_rid, view.swapped))
+        for rid in entries.keys() - waiting_now - swapped_now:
+            self._drop(entries.pop(rid))
+        # NOTE: swapped, then dropped to waiting (or the other way): its place changed
+        moved = (swapped - swapped_now) & waiting_now | swapped_now & entries.keys() - swapped
+        for rid in moved:
+            req = entries[rid].req
+            self._drop(entries.pop(rid))
+            self._add(req, self._shape_now(req, plan, shape_of), now)
+        for rid in set(changed) & entries.keys() - moved:
+            entry = entries[rid]
+            shape = self._shape_now(entry.req, plan, shape_of)
+            if shape != entry.shape:
+                self._drop(entries.pop(rid))
+                self._add(entry.req, shape, now)
+        if len(entries) == len(waiting_now) + len(swapped_now):
+            return
+        for req in itertools.chain(view.swapped, view.waiting):
+            if req.request_id not in entries:
+                self._add(req, self._shape_now(req, plan, shape_of), now)
+
+    def walk(
+        self, now: float, pricing: Pricing, chunked: bool
+    ) -> tuple[Iterator[tuple[float, _Key, Item]], int, float, AloneFn]:
+        """What ``greedy_walk`` reads: the items in the order of (bound, place), lazily;
+        the fewest tokens any asks; the most any is worth; and the option worth most
+        alone."""
+        by_place = self._by_place
+        heads: list[tuple[float, _Key, int, int, Item]] = []
+        runs: list[tuple[list[tuple[float, _Key, _Entry]], float | None]] = []
+        most = 0.0
+        first: list[tuple[_Key, Item]] = []
+        for group in self._groups.values():
+            group.expire(now, by_place)
+            slo = group.key[6]
+            for run in (group.on_time, group.late):
+                if run:
+                    entry = run[0][2]
+                    item, worth, bound = pricing.item(entry, now, slo)
+                    most = max(most, worth)
+                    heads.append((bound, entry.key, len(runs), 0, item))
+                    runs.append((run, slo))
+                    first.append((entry.key, item))
+        heapq.heapify(heads)
+        # NOTE: every item asks a token at least, and chunked, that is all the walk's
+        # stopping rule reads of the fewest (``knapsack._room_for_any``)
+        least = 1 if chunked and heads else self._least()
+
+        def items() -> Iterator[tuple[float, _Key, Item]]:
+            while heads:
+                bound, key, r, i, item = heads[0]
+                run, slo = runs[r]
+                if i + 1 < len(run):
+                    entry = run[i + 1][2]
+                    after, _, b = pricing.item(entry, now, slo)
+                    heapq.heapreplace(heads, (b, entry.key, r, i + 1, after))
+                else:
+                    heapq.heappop(heads)
+                yield bound, key, item
+
+        def alone(memory: int, seats: int | None, tokens: int | None) -> Alone[_Key] | None:
+            # NOTE: a run's first request is worth the most of it, and first on ties of its
+            # pending time; but options worth NEAR_ZERO tie across pending times, and then
+            # the first in place among all of them is taken: read them all
+            factor = pricing.factor
+            best = best_alone(sorted(first), factor, memory, seats, tokens, chunked)
+            if best is None or best[0] > NEAR_ZERO:
+                return best
+            every = sorted(
+                (e.key, pricing.item(e, now, e.group.key[6])[0])
+                for e in self._entries.values()
+                if e.group is not None
+            )
+            return best_alone(every, factor, memory, seats, tokens, chunked)
+
+        return items(), least, most, alone
+
+    # -- helpers -------------------------------------------------------------------------
+    def _least(self) -> int:
+        """The fewest tokens an item of the queue asks (0: there is none)."""
+        return min((e.tokens for e in self._entries.values() if e.group is not None), default=0)
+
+    @staticmethod
+    def _shape_now(req: Request, plan: StepPlan, shape_of: ShapeOf) -> Shape:
+        """``shape_of`` the request, from what it holds and its prefix hit now."""
+        rid = req.request_id
+        held = plan.pool.kind_of(rid)
+        waiting = req.status is RequestStatus.WAITING
+        return shape_of(req, held, plan.pool.prefix_hit(rid) if held is None and waiting else None)
+
+    def _add(self, req: Request, shape: Shape, now: float) -> None:
+        rid = req.request_id
+        n, m, half, kv, hidden, own, light, ttft, tbt = shape
+        since = req.last_token_time if req.last_token_time is not None else req.arrival_time
+        waiting = req.status is RequestStatus.WAITING
+        key = (1 if waiting else 0, req.arrival_time, rid)
+        entry = self._entries[rid] = _Entry(req, key, since, shape, n)
+        if not waiting:
+            self._swapped.add(rid)
+        if n == 0:
+            return
+        slo = ttft if req.last_token_time is None else tbt
+        steps = own if kv and hidden and self._own_steps else None
+        gkey = (m, half, kv, hidden, light, steps, slo)
+        group = self._groups.get(gkey)
+        if group is None:
+            group = self._groups[gkey] = _Group(gkey)
+        group.add(entry, now, self._by_place)
+
+    def _drop(self, entry: _Entry) -> None:
+        self._swapped.discard(entry.req.request_id)
+        group = entry.group
+        if group is None:
+            return
+        group.remove(entry, self._by_place)
+        if not group.on_time and not group.late:
+            del self._groups[group.key]
