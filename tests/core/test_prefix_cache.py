@@ -205,6 +205,12 @@ def test_the_memo_keeps_a_lookup_until_a_name_it_read_changes():
     assert "a" in memo and "b" in memo
     memo.changed([b"n2"])  # a block for where a's walk stopped
     assert "a" not in memo and "b" in memo
+    assert memo.resume_at("a") == 2 and memo.resume_at("b") == 0  # n0 and n1 still hold
+    memo.keep("d", [b"n5", b"n6", b"n7"])
+    memo.changed([b"n7"])
+    memo.changed([b"n5"])  # before what a stale lookup kept: it keeps less
+    assert memo.resume_at("d") == 0 and "d" not in memo
+    memo.drop("d")
     memo.keep("a", [b"n0", b"n1", b"n2", b"n3"])
     memo.changed([b"n0"])  # read by both
     assert len(memo) == 0 and not memo._readers  # no reader left behind

@@ -243,7 +243,12 @@ class BlockManager:
             return 0
         device, host = self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
         found: list[tuple[Tier, int]] = []
-        for name in names if limit is None else itertools.islice(names, limit):
+        held = self._memo.resume_at(request_id)  # NOTE: the names a stale lookup read that hold
+        if held:
+            found.extend(self._hits[request_id].blocks[:held])
+            if limit is not None:
+                del found[limit:]
+        for name in itertools.islice(names, len(found), limit):
             b = device.get(name)
             if b is not None:
                 found.append((Tier.DEVICE, b))

@@ -17,10 +17,17 @@ from collections.abc import Iterable, KeysView, Sequence
 
 class LookupMemo:
     """The requests whose latest lookup is current, and for each name the requests that read
-    it. Holds ids and names only: the lookups' results stay with the block manager."""
+    it. Holds ids and names only: the lookups' results stay with the block manager.
+
+    A stale lookup keeps the names it read before the first one that changed (``resume_at``):
+    their answers still hold, so the next lookup walks on from there, and only the names it
+    reads past them are registered again. With long shared prefixes, a lookup goes stale
+    mostly because a block came into the cache where its walk stopped, and walking and
+    registering its whole chain again was most of what it cost."""
 
     def __init__(self) -> None:
         self._reads: dict[str, tuple[bytes, ...]] = {}  # current lookups: the names each read
+        self._kept: dict[str, tuple[bytes, ...]] = {}  # stale ones: the names that still hold
         self._readers: dict[bytes, set[str]] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -31,32 +38,63 @@ class LookupMemo:
         in C, for the loop that asks of every waiting request at every step."""
         return self._reads.keys()
 
+    def resume_at(self, request_id: str) -> int:
+        """How many of the names a stale lookup of ``request_id`` read still hold (0: none,
+        or no lookup was made): a new walk may start there."""
+        return len(self._kept.get(request_id, ()))
+
     def keep(self, request_id: str, reads: Sequence[bytes]) -> None:
         """``request_id`` was looked up, reading ``reads``: the names of the blocks found,
         then the one it stopped at (if it did not stop at its last name)."""
-        self.drop(request_id)
         reads = tuple(reads)
+        kept = self._kept.pop(request_id, None)
+        if kept is not None and reads[: len(kept)] == kept:
+            new = reads[len(kept) :]  # NOTE: the names that held are registered still
+        else:
+            if kept is not None:
+                self._kept[request_id] = kept
+            self.drop(request_id)
+            new = reads
         self._reads[request_id] = reads
-        for name in reads:
+        for name in new:
             self._readers.setdefault(name, set()).add(request_id)
 
     def drop(self, request_id: str) -> None:
         """Forget the request's lookup (it holds blocks now, or left)."""
-        for name in self._reads.pop(request_id, ()):
-            readers = self._readers[name]
-            readers.discard(request_id)
-            if not readers:
-                del self._readers[name]
+        reads = self._reads.pop(request_id, None)
+        kept = self._kept.pop(request_id, None)
+        self._unregister(request_id, reads if reads is not None else kept or ())
 
     def changed(self, names: Iterable[bytes]) -> None:
-        """These names came into a cache, left it or moved: their readers are stale."""
+        """These names came into a cache, left it or moved: their readers are stale from the
+        first of them they read."""
+        first: dict[str, int] = {}
         for name in names:
-            for request_id in self._readers.get(name, set()).copy():
-                self.drop(request_id)
+            for request_id in self._readers.get(name, ()):
+                reads = self._reads.get(request_id)
+                if reads is None:
+                    reads = self._kept[request_id]
+                at = len(reads) - 1 if reads[-1] == name else reads.index(name)
+                if at < first.get(request_id, len(reads)):
+                    first[request_id] = at
+        for request_id, at in first.items():
+            reads = self._reads.pop(request_id, None)
+            if reads is None:
+                reads = self._kept[request_id]
+            self._unregister(request_id, reads[at:])
+            self._kept[request_id] = reads[:at]
 
     def clear(self) -> None:
         self._reads.clear()
+        self._kept.clear()
         self._readers.clear()
 
     def __len__(self) -> int:
         return len(self._reads)
+
+    def _unregister(self, request_id: str, names: Iterable[bytes]) -> None:
+        for name in names:
+            readers = self._readers[name]
+            readers.discard(request_id)
+            if not readers:
+                del self._readers[name]
