@@ -120,6 +120,7 @@ class AdaptivePacker(Packer):
         # knapsack values its requests by them
         pending = methodcaller("pending_time", view.now)
         prefill: Callable[[_Step, Placement], None]
+        decode: Callable[[_Step, Placement], None]
         if ranking.by_arrival and lane.order is ranking.order and not plan.moved and not plan.run:
             # NOTE: the lane in arrival order and nothing planned: the prefill queue is the
             # view's swapped and waiting requests, which the kept queue follows
@@ -128,16 +129,19 @@ class AdaptivePacker(Packer):
                        by_place=self.fallback == "zero",
                        own_steps=self._mean_output() is None)  # fmt: skip
             starts, waited, prefill = len(queue), queue.total_pending(view.now), self._prefill_kept
+            # NOTE: nothing planned: the residents are the view's running requests, and
+            # their list is made only if the decode phase comes to be walked
+            ran = math.fsum(map(pending, view.running))
+            decode = self._decode_residents
         else:
             waiting = list(outside(lane.order, plan))
             waits = list(map(pending, waiting))
             starts, waited = len(waiting), math.fsum(waits)
             prefill = partial(self._prefill, waiting, waits)
-        running = residents(lane.order, plan)
-        runs = list(map(pending, running))
-        decode = partial(self._decode, running, runs)
-        phases = (prefill, decode) if starts and waited >= math.fsum(runs) else (decode, prefill)
-        for phase in phases:
+            running = residents(lane.order, plan)
+            runs = list(map(pending, running))
+            ran, decode = math.fsum(runs), partial(self._decode, running, runs)
+        for phase in (prefill, decode) if starts and waited >= ran else (decode, prefill):
             before = len(plan.run)
             phase(step, placement)
             if len(plan.run) > before:
@@ -187,6 +191,11 @@ class AdaptivePacker(Packer):
             return self._shape(req, held, hit, left, False, size, chunked)
 
         return shape
+
+    def _decode_residents(self, step: _Step, placement: Placement) -> None:
+        """``_decode`` over the lane's residents, as they stand."""
+        running = residents(step.lane.order, step.plan)
+        self._decode(running, [r.pending_time(step.view.now) for r in running], step, placement)
 
     def _decode(
         self, queue: list[Request], pending: list[float], step: _Step, placement: Placement

@@ -239,8 +239,9 @@ class PrefillQueue:
         most = 0.0
         first: list[tuple[_Key, Item]] = []
         for group in self._groups.values():
-            group.expire(now, by_place)
-            slo = group.key[6]
+            slo, on_time = group.key[6], group.on_time
+            if slo is not None and on_time and now - on_time[0][0] > slo:
+                group.expire(now, by_place)  # NOTE: the call only where someone is late
             for run in (group.on_time, group.late):
                 if run:
                     entry = run[0][2]
