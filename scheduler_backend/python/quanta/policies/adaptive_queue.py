@@ -128,10 +128,13 @@ class Pricing:
     zero: bool  # fallback ``zero`` (else ``decay``)
     decay: float
 
-    def item(self, entry: _Entry, now: float, slo: float | None) -> tuple[Item, float, float]:
-        """``entry``'s item at ``now`` (its SLO: ``slo``), what it is worth at most, and its
-        bound (``knapsack.item_bounds``), as ``AdaptivePacker._items`` works them out."""
-        _, m, half, kv, hidden, own_steps, light, _, _ = entry.shape
+    def price(
+        self, entry: _Entry, now: float, slo: float | None
+    ) -> tuple[float, float, float, float]:
+        """``entry``'s value at ``now`` (its SLO: ``slo``), the steps its hidden option is
+        charged for, what it is worth at most and its bound (``knapsack.item_bounds``), as
+        ``AdaptivePacker._items`` works them out (the tests compare both at every step)."""
+        _, m, _, kv, hidden, own_steps, light, _, _ = entry.shape
         p = max(0.0, now - entry.since)
         value = p if slo is None or p <= slo else NEAR_ZERO if self.zero else self.decay * p
         steps = 1.0
@@ -141,8 +144,13 @@ class Pricing:
         most = max(value, hidden_value, NEAR_ZERO)
         if kv and hidden_value <= 0:  # NOTE: hidden is no option: KV is its one increment
             light = m
-        bound = -(most / light) if light > 0 else -math.inf
-        return Item(value, m, half, kv, hidden, entry.tokens, steps), most, bound
+        return value, steps, most, -(most / light) if light > 0 else -math.inf
+
+
+def _item(entry: _Entry, value: float, steps: float) -> Item:
+    """``entry``'s knapsack item, worth ``value``, its hidden option charged ``steps``."""
+    _, m, half, kv, hidden, _, _, _, _ = entry.shape
+    return Item(value, m, half, kv, hidden, entry.tokens, steps)
 
 
 class PrefillQueue:
@@ -234,22 +242,23 @@ class PrefillQueue:
         the fewest tokens any asks; the most any is worth; and the option worth most
         alone."""
         by_place = self._by_place
-        heads: list[tuple[float, _Key, int, int, Item]] = []
+        # NOTE: a run's next request, priced: (bound, place, run, index, value, steps); its
+        # item is made only if the walk takes it
+        heads: list[tuple[float, _Key, int, int, float, float]] = []
         runs: list[tuple[list[tuple[float, _Key, _Entry]], float | None]] = []
         most = 0.0
-        first: list[tuple[_Key, Item]] = []
         for group in self._groups.values():
             slo, on_time = group.key[6], group.on_time
             if slo is not None and on_time and now - on_time[0][0] > slo:
                 group.expire(now, by_place)  # NOTE: the call only where someone is late
-            for run in (group.on_time, group.late):
+            for run in (on_time, group.late):
                 if run:
                     entry = run[0][2]
-                    item, worth, bound = pricing.item(entry, now, slo)
+                    value, steps, worth, bound = pricing.price(entry, now, slo)
                     most = max(most, worth)
-                    heads.append((bound, entry.key, len(runs), 0, item))
+                    heads.append((bound, entry.key, len(runs), 0, value, steps))
                     runs.append((run, slo))
-                    first.append((entry.key, item))
+        firsts = [(key, runs[r][0][0][2], value, steps) for _, key, r, _, value, steps in heads]
         heapq.heapify(heads)
         # NOTE: every item asks a token at least, and chunked, that is all the walk's
         # stopping rule reads of the fewest (``knapsack._room_for_any``)
@@ -257,12 +266,13 @@ class PrefillQueue:
 
         def items() -> Iterator[tuple[float, _Key, Item]]:
             while heads:
-                bound, key, r, i, item = heads[0]
+                bound, key, r, i, value, steps = heads[0]
                 run, slo = runs[r]
+                item = _item(run[i][2], value, steps)
                 if i + 1 < len(run):
                     entry = run[i + 1][2]
-                    after, _, b = pricing.item(entry, now, slo)
-                    heapq.heapreplace(heads, (b, entry.key, r, i + 1, after))
+                    v, s, _, b = pricing.price(entry, now, slo)
+                    heapq.heapreplace(heads, (b, entry.key, r, i + 1, v, s))
                 else:
                     heapq.heappop(heads)
                 yield bound, key, item
@@ -272,11 +282,12 @@ class PrefillQueue:
             # pending time; but options worth NEAR_ZERO tie across pending times, and then
             # the first in place among all of them is taken: read them all
             factor = pricing.factor
-            best = best_alone(sorted(first), factor, memory, seats, tokens, chunked)
+            tops = sorted((key, _item(e, value, steps)) for key, e, value, steps in firsts)
+            best = best_alone(tops, factor, memory, seats, tokens, chunked)
             if best is None or best[0] > NEAR_ZERO:
                 return best
             every = sorted(
-                (e.key, pricing.item(e, now, e.group.key[6])[0])
+                (e.key, _item(e, *pricing.price(e, now, e.group.key[6])[:2]))
                 for e in self._entries.values()
                 if e.group is not None
             )
