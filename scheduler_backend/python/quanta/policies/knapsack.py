@@ -132,8 +132,12 @@ def greedy_walk(
     # So the increments are walked from a heap, and an item's options are only weighed once
     # the walk comes near it: items wait in the order of a bound on what any increment of
     # theirs gains per block, and join the heap while that bound reaches its top.
+    # NOTE: once no seat or token is left for a new item, an item not yet reached could only
+    # be passed over, so the source is read no further; the chosen items' upgrades still
+    # ahead are walked on in their order
     source = iter(source)
     ahead = next(source, None)
+    room = True
     seen: dict[K, Item] = {}
     opts: dict[K, list[tuple[CacheKind, int, float]]] = {}
     steps: list[tuple[float, K, int, int, float]] = []
@@ -142,7 +146,9 @@ def greedy_walk(
     upgrades = 0  # chosen items whose upgrade to KV is still ahead in the walk
     total = 0.0
     while True:
-        while ahead is not None and (not steps or ahead[0] <= steps[0][0]):
+        # NOTE: an item's increments come after (its bound, its key) in the walk's order,
+        # and so do every later item's: read on only while that could come before the top
+        while room and ahead is not None and (not steps or ahead[:2] < steps[0][:2]):
             _, i, item = ahead
             ahead = next(source, None)
             seen[i] = item
@@ -171,7 +177,8 @@ def greedy_walk(
                 chosen[i] = opts[i][stage][0]
                 memory -= dw
                 total += dv
-        if not upgrades and not _room_for_any(least, seats, tokens, chunked):
+        room = _room_for_any(least, seats, tokens, chunked)
+        if not upgrades and not room:
             break
     if most > total:  # NOTE: else no option alone is worth more
         best = alone(capacity, first_seats, first_tokens)
