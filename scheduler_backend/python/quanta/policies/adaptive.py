@@ -23,9 +23,9 @@ would put on the others stays. If the chosen kind of step runs nothing, the othe
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from operator import methodcaller
@@ -204,18 +204,16 @@ class AdaptivePacker(Packer):
         reqs, items, bounds = self._items(queue, pending, step, switchable=self.cache == "hybrid")
         plan = step.plan
         chosen = step.greedy(items, step.view.total_device_blocks, bounds)
-        held = [plan.cache_kind(r) for r in reqs]
+        held = {i: plan.cache_kind(reqs[i]) for i in chosen}
         keep = [i for i, kind in chosen.items() if kind is held[i]]
         switch = [i for i, kind in chosen.items() if kind is not held[i]]
-        left_out = sorted(
-            (i for i in range(len(reqs)) if i not in chosen),
-            key=lambda i: (items[i].value / items[i].kv_blocks, -i),
-        )
-        victims, switching = deque(left_out + switch[::-1]), set(switch)
+        victims, switching = _victims(items, chosen, switch), set(switch)
         for i in keep:
             req, n = reqs[i], step.chunk(reqs[i])
-            while n and plan.blocks_to_grow(req, n) > plan.free_device and victims:
-                v = victims.popleft()
+            while n and plan.blocks_to_grow(req, n) > plan.free_device:
+                v = next(victims, None)
+                if v is None:
+                    break
                 if reqs[v].request_id not in plan.moved:
                     self._evict(reqs[v], plan, placement, switched=v in switching)
             self._run(req, n, step)
@@ -395,6 +393,18 @@ class _Step:
             chunked=self.chunked,
             bounds=bounds,
         )
+
+
+def _victims(items: list[Item], chosen: dict[int, CacheKind], switch: list[int]) -> Iterator[int]:
+    """The residents a decode step may evict, in order: those the greedy left out, lowest
+    value per KV block first (the later in the queue first on ties), then those it chose
+    to switch, the last chosen first. Lazily: most steps evict nobody, and then the queue
+    is never sorted."""
+    left_out = [(it.value / it.kv_blocks, -i) for i, it in enumerate(items) if i not in chosen]
+    heapq.heapify(left_out)
+    while left_out:
+        yield -heapq.heappop(left_out)[1]
+    yield from reversed(switch)
 
 
 def _tokens_left(req: Request) -> float:
