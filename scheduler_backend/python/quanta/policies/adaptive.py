@@ -24,12 +24,13 @@ would put on the others stays. If the chosen kind of step runs nothing, the othe
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from operator import methodcaller
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import Field
 
@@ -41,7 +42,7 @@ from quanta.core.plan import StepPlan
 from quanta.core.request import CacheKind, Request, blocks_for
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.adaptive_queue import PrefillQueue, Pricing, Shape, ShapeOf
+from quanta.policies.adaptive_queue import PrefillQueue, Pricing, ResidentQueue, Shape, ShapeOf
 from quanta.policies.common import outside, residents
 from quanta.policies.fcfs import ReactivePreemption
 from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, greedy_walk, lightest
@@ -54,6 +55,7 @@ _Shape = Shape  # what an item weighs (``adaptive_queue.Shape``)
 # The knapsack's candidates: the requests, their items, and ``item_bounds`` of the items
 _Candidates = tuple[list[Request], list[Item], tuple[list[float], list[float]]]
 Fallback = Literal["zero", "decay"]
+K = TypeVar("K")  # what names a candidate to the greedy: an index, or a kept queue's key
 
 
 class AdaptivePacker(Packer):
@@ -101,7 +103,8 @@ class AdaptivePacker(Packer):
         self._pinned: set[str] = set()  # switched to hidden: they restart hidden
         # each request's latest ``_shape``, with what it was worked out from
         self._shapes: dict[str, tuple[tuple[object, ...], _Shape]] = {}
-        self._queue = PrefillQueue()  # the prefill queue, kept when the lane allows
+        # the prefill queue and the residents, kept when the lane allows
+        self._queue, self._residents = PrefillQueue(), ResidentQueue()
         self._finished = self._finished_tokens = 0  # requests that ended by length or stop
 
     def pack(
@@ -125,12 +128,12 @@ class AdaptivePacker(Packer):
             # NOTE: the lane in arrival order and nothing planned: the prefill queue is the
             # view's swapped and waiting requests, which the kept queue follows
             queue = self._queue
-            queue.sync(view, plan, self._shape_of(step), basis=(step.tokens(), step.chunked),
+            queue.sync(view, plan, self._shape_of(step, False), basis=(step.tokens(), step.chunked),
                        by_place=self.fallback == "zero",
                        own_steps=self._mean_output() is None)  # fmt: skip
             starts, waited, prefill = len(queue), queue.total_pending(view.now), self._prefill_kept
-            # NOTE: nothing planned: the residents are the view's running requests, and
-            # their list is made only if the decode phase comes to be walked
+            # NOTE: nothing planned: the residents are the view's running requests, which
+            # the kept residents follow when the decode phase comes to be walked
             ran = math.fsum(map(pending, view.running))
             decode = self._decode_residents
         else:
@@ -183,45 +186,72 @@ class AdaptivePacker(Packer):
                 plan.take(req, n, kind)
                 self._pinned.discard(req.request_id)
 
-    def _shape_of(self, step: _Step) -> ShapeOf:
-        """``_shape`` of a request that may start in ``step``, from what it holds and hits."""
+    def _shape_of(self, step: _Step, switchable: bool) -> ShapeOf:
+        """``_shape`` of a request in ``step``, from what it holds and hits (``switchable``:
+        a KV resident may be offered hidden)."""
         left, size, chunked = step.tokens(), step.view.block_size, step.chunked
 
         def shape(req: Request, held: CacheKind | None, hit: PrefixHit | None) -> _Shape:
-            return self._shape(req, held, hit, left, False, size, chunked)
+            return self._shape(req, held, hit, left, switchable, size, chunked)
 
         return shape
 
     def _decode_residents(self, step: _Step, placement: Placement) -> None:
-        """``_decode`` over the lane's residents, as they stand."""
-        running = residents(step.lane.order, step.plan)
-        self._decode(running, [r.pending_time(step.view.now) for r in running], step, placement)
+        """``_decode`` over the kept residents: their items read only as far as the greedy
+        goes, and those it leaves out ordered only as far as the runs need their blocks."""
+        queue, now = self._residents, step.view.now
+        queue.sync(step.view, step.plan, self._shape_of(step, self.cache == "hybrid"),
+                   basis=(step.tokens(), step.chunked), by_place=self.fallback == "zero",
+                   own_steps=self._mean_output() is None)  # fmt: skip
+        pricing = Pricing(step.factor, self._mean_output(), self.fallback == "zero", self.decay)
+        source, least, most, alone = queue.walk(now, pricing, step.chunked)
+        plan = step.plan
+        chosen = greedy_walk(source, step.view.total_device_blocks, step.factor,
+                             seats=plan.seats, tokens=step.tokens(), chunked=step.chunked,
+                             least=least, most=most, alone=alone)  # fmt: skip
+        left_out = queue.left_out(now, pricing, chosen)
+        self._continue(chosen, queue.request, left_out, step, placement)
 
     def _decode(
         self, queue: list[Request], pending: list[float], step: _Step, placement: Placement
     ) -> None:
         """Continue residents within the whole pool, evicting and switching as needed."""
         reqs, items, bounds = self._items(queue, pending, step, switchable=self.cache == "hybrid")
-        plan = step.plan
         chosen = step.greedy(items, step.view.total_device_blocks, bounds)
-        held = {i: plan.cache_kind(reqs[i]) for i in chosen}
-        keep = [i for i, kind in chosen.items() if kind is held[i]]
-        switch = [i for i, kind in chosen.items() if kind is not held[i]]
-        victims, switching = _victims(items, chosen, switch), set(switch)
-        for i in keep:
-            req, n = reqs[i], step.chunk(reqs[i])
+        self._continue(chosen, reqs.__getitem__, _left_out(items, chosen), step, placement)
+
+    def _continue(
+        self,
+        chosen: dict[K, CacheKind],
+        request: Callable[[K], Request],
+        left_out: Iterator[K],
+        step: _Step,
+        placement: Placement,
+    ) -> None:
+        """Run the decode greedy's ``chosen`` residents (``request`` of each key), evicting
+        those it ``left_out`` in that order as the runs need their blocks, then those it
+        chose to switch, the last chosen first."""
+        plan = step.plan
+        held = {k: plan.cache_kind(request(k)) for k in chosen}
+        keep = [k for k, kind in chosen.items() if kind is held[k]]
+        switch = [k for k, kind in chosen.items() if kind is not held[k]]
+        victims, switching = itertools.chain(left_out, reversed(switch)), set(switch)
+        for k in keep:
+            req = request(k)
+            n = step.chunk(req)
             while n and plan.blocks_to_grow(req, n) > plan.free_device:
                 v = next(victims, None)
                 if v is None:
                     break
-                if reqs[v].request_id not in plan.moved:
-                    self._evict(reqs[v], plan, placement, switched=v in switching)
+                victim = request(v)
+                if victim.request_id not in plan.moved:
+                    self._evict(victim, plan, placement, switched=v in switching)
             self._run(req, n, step)
-        for i in switch:
-            req, n = reqs[i], step.chunk(reqs[i])
+        for k in switch:
+            req = request(k)
             if req.request_id in plan.moved:
                 continue
-            if not self._run(req, n, step):
+            if not self._run(req, step.chunk(req), step):
                 self._evict(req, plan, placement, switched=True)
 
     # -- helpers -------------------------------------------------------------------------
@@ -395,16 +425,14 @@ class _Step:
         )
 
 
-def _victims(items: list[Item], chosen: dict[int, CacheKind], switch: list[int]) -> Iterator[int]:
-    """The residents a decode step may evict, in order: those the greedy left out, lowest
-    value per KV block first (the later in the queue first on ties), then those it chose
-    to switch, the last chosen first. Lazily: most steps evict nobody, and then the queue
-    is never sorted."""
-    left_out = [(it.value / it.kv_blocks, -i) for i, it in enumerate(items) if i not in chosen]
-    heapq.heapify(left_out)
-    while left_out:
-        yield -heapq.heappop(left_out)[1]
-    yield from reversed(switch)
+def _left_out(items: list[Item], chosen: dict[int, CacheKind]) -> Iterator[int]:
+    """The items the decode greedy left out, the first a step evicts first: lowest value
+    per KV block, the later in the queue first on ties. Lazily: most steps evict nobody,
+    and then the queue is never sorted."""
+    left = [(it.value / it.kv_blocks, -i) for i, it in enumerate(items) if i not in chosen]
+    heapq.heapify(left)
+    while left:
+        yield -heapq.heappop(left)[1]
 
 
 def _tokens_left(req: Request) -> float:

@@ -31,10 +31,10 @@ import heapq
 import itertools
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, sub
+from itertools import compress, repeat
+from operator import attrgetter, ne, sub
 
 from quanta.core.blocks import PrefixHit
 from quanta.core.plan import StepPlan
@@ -57,6 +57,27 @@ AloneFn = Callable[[int, int | None, int | None], "Alone[_Key] | None"]
 
 _rid = attrgetter("request_id")
 _since = attrgetter("since")
+_computed = attrgetter("num_computed_tokens")
+_all_tokens = attrgetter("all_token_ids")
+_drafts = attrgetter("draft_token_ids")
+
+
+def _progress_of(req: Request) -> tuple[int, int, int]:
+    """What a resident has computed, holds and proposes (``ResidentQueue.sync``)."""
+    return req.num_computed_tokens, len(req.all_token_ids), len(req.draft_token_ids)
+
+
+class _Last:
+    """A place that orders after the places it is less than: a heap of these pops the
+    latest place first."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: _Key) -> None:
+        self.key = key
+
+    def __lt__(self, other: _Last) -> bool:
+        return other.key < self.key
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +89,7 @@ class _Entry:
     since: float  # pending since: its last token, else its arrival
     shape: Shape
     tokens: int  # this step's tokens of it (0: none fit the budget; then in no group)
+    progress: object = None  # what the queue compares to tell whether it changed
     group: _Group | None = None
     late: bool = False  # in its group's run of requests past their SLO
 
@@ -153,18 +175,17 @@ def _item(entry: _Entry, value: float, steps: float) -> Item:
     return Item(value, m, half, kv, hidden, entry.tokens, steps)
 
 
-class PrefillQueue:
-    """The candidates of Apt-Serve's prefill steps, kept across steps (module docstring).
+class _KeptQueue:
+    """Candidates of one kind of Apt-Serve step kept across steps, grouped by what their
+    items weigh (module docstring); a subclass says who they are and when one changed.
 
-    ``sync`` brings it up to a step's view and plan; ``walk`` then gives what
-    ``knapsack.greedy_walk`` reads. Whatever it cannot follow (the budget or the pricing
-    basis changed, the lookups' record ran out, the cache was reset) makes it start over."""
+    ``walk`` gives what ``knapsack.greedy_walk`` reads. Whatever the queue cannot follow
+    (the budget or the pricing basis changed, its record of changes ran out) makes it start
+    over."""
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._groups: dict[_GroupKey, _Group] = {}
-        self._swapped: set[str] = set()  # the entries of swapped requests
-        self._version = -1  # of the lookups it has read (``PoolView.hit_changes``)
         self._setting: tuple[object, ...] | None = None  # what the shapes were worked out with
         self._by_place = True
         self._own_steps = False
@@ -185,55 +206,16 @@ class PrefillQueue:
     def clear(self) -> None:
         self._entries.clear()
         self._groups.clear()
-        self._swapped.clear()
         self._setting = None
 
-    def sync(
-        self,
-        view: SchedulerView,
-        plan: StepPlan,
-        shape_of: ShapeOf,
-        *,
-        basis: tuple[object, ...],
-        by_place: bool,
-        own_steps: bool,
-    ) -> None:
-        """Follow the view: requests that joined or left the queue, moved between its
-        swapped and waiting parts, or whose lookup changed, are worked out (``shape_of``)
-        again; the others stand. ``basis`` is what every shape was worked out with (the
-        step's token budget, whether chunks are taken): when it differs from the last
-        step's, all are. ``by_place``: late requests are all worth the same (fallback
-        ``zero``). ``own_steps``: a request's own tokens left price its hidden option (no
-        request has finished yet)."""
-        version, changed = plan.pool.hit_changes(self._version)
-        setting = (basis, by_place, own_steps)
-        if changed is None or setting != self._setting:
+    def _settle(self, setting: tuple[object, ...], *, by_place: bool, own_steps: bool) -> bool:
+        """Take this step's ``setting`` (what every shape is worked out with); False when it
+        is not the last step's, and the queue starts over."""
+        same = setting == self._setting
+        if not same:
             self.clear()
-            changed = []
-        self._version, self._setting = version, setting
-        self._by_place, self._own_steps = by_place, own_steps
-        entries, swapped, now = self._entries, self._swapped, view.now
-        waiting_now = set(map(_rid, view.waiting))
-        swapped_now = set(map(_rid, view.swapped))
-        for rid in entries.keys() - waiting_now - swapped_now:
-            self._drop(entries.pop(rid))
-        # NOTE: swapped, then dropped to waiting (or the other way): its place changed
-        moved = (swapped - swapped_now) & waiting_now | swapped_now & entries.keys() - swapped
-        for rid in moved:
-            req = entries[rid].req
-            self._drop(entries.pop(rid))
-            self._add(req, self._shape_now(req, plan, shape_of), now)
-        for rid in set(changed) & entries.keys() - moved:
-            entry = entries[rid]
-            shape = self._shape_now(entry.req, plan, shape_of)
-            if shape != entry.shape:
-                self._drop(entries.pop(rid))
-                self._add(entry.req, shape, now)
-        if len(entries) == len(waiting_now) + len(swapped_now):
-            return
-        for req in itertools.chain(view.swapped, view.waiting):
-            if req.request_id not in entries:
-                self._add(req, self._shape_now(req, plan, shape_of), now)
+        self._setting, self._by_place, self._own_steps = setting, by_place, own_steps
+        return same
 
     def walk(
         self, now: float, pricing: Pricing, chunked: bool
@@ -308,15 +290,13 @@ class PrefillQueue:
         waiting = req.status is RequestStatus.WAITING
         return shape_of(req, held, plan.pool.prefix_hit(rid) if held is None and waiting else None)
 
-    def _add(self, req: Request, shape: Shape, now: float) -> None:
+    def _enter(
+        self, req: Request, key: _Key, shape: Shape, now: float, progress: object = None
+    ) -> None:
         rid = req.request_id
         n, m, half, kv, hidden, own, light, ttft, tbt = shape
         since = req.last_token_time if req.last_token_time is not None else req.arrival_time
-        waiting = req.status is RequestStatus.WAITING
-        key = (1 if waiting else 0, req.arrival_time, rid)
-        entry = self._entries[rid] = _Entry(req, key, since, shape, n)
-        if not waiting:
-            self._swapped.add(rid)
+        entry = self._entries[rid] = _Entry(req, key, since, shape, n, progress)
         if n == 0:
             return
         slo = ttft if req.last_token_time is None else tbt
@@ -328,10 +308,169 @@ class PrefillQueue:
         group.add(entry, now, self._by_place)
 
     def _drop(self, entry: _Entry) -> None:
-        self._swapped.discard(entry.req.request_id)
         group = entry.group
         if group is None:
             return
         group.remove(entry, self._by_place)
         if not group.on_time and not group.late:
             del self._groups[group.key]
+
+
+class PrefillQueue(_KeptQueue):
+    """The waiting and swapped requests Apt-Serve's prefill steps may start.
+
+    A request's item changes only when its prefix lookup does (``PoolView.hit_changes``
+    names those), or when it joins, leaves or moves within the queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._swapped: set[str] = set()  # the entries of swapped requests
+        self._version = -1  # of the lookups it has read (``PoolView.hit_changes``)
+
+    def clear(self) -> None:
+        super().clear()
+        self._swapped.clear()
+
+    def sync(
+        self,
+        view: SchedulerView,
+        plan: StepPlan,
+        shape_of: ShapeOf,
+        *,
+        basis: tuple[object, ...],
+        by_place: bool,
+        own_steps: bool,
+    ) -> None:
+        """Follow the view: requests that joined or left the queue, moved between its
+        swapped and waiting parts, or whose lookup changed, are worked out (``shape_of``)
+        again; the others stand. ``basis`` is what every shape was worked out with (the
+        step's token budget, whether chunks are taken): when it differs from the last
+        step's, all are. ``by_place``: late requests are all worth the same (fallback
+        ``zero``). ``own_steps``: a request's own tokens left price its hidden option (no
+        request has finished yet)."""
+        version, changed = plan.pool.hit_changes(self._version)
+        if changed is None:  # NOTE: too long ago to tell what changed: start over
+            self.clear()
+        if not self._settle((basis, by_place, own_steps), by_place=by_place, own_steps=own_steps):
+            changed = []
+        self._version = version
+        entries, swapped, now = self._entries, self._swapped, view.now
+        waiting_now = set(map(_rid, view.waiting))
+        swapped_now = set(map(_rid, view.swapped))
+        for rid in entries.keys() - waiting_now - swapped_now:
+            self._drop(entries.pop(rid))
+        # NOTE: swapped, then dropped to waiting (or the other way): its place changed
+        moved = (swapped - swapped_now) & waiting_now | swapped_now & entries.keys() - swapped
+        for rid in moved:
+            req = entries[rid].req
+            self._drop(entries.pop(rid))
+            self._add(req, self._shape_now(req, plan, shape_of), now)
+        for rid in set(changed) & entries.keys() - moved:
+            entry = entries[rid]
+            shape = self._shape_now(entry.req, plan, shape_of)
+            if shape != entry.shape:
+                self._drop(entries.pop(rid))
+                self._add(entry.req, shape, now)
+        if len(entries) == len(waiting_now) + len(swapped_now):
+            return
+        for req in itertools.chain(view.swapped, view.waiting):
+            if req.request_id not in entries:
+                self._add(req, self._shape_now(req, plan, shape_of), now)
+
+    def _add(self, req: Request, shape: Shape, now: float, progress: object = None) -> None:
+        waiting = req.status is RequestStatus.WAITING
+        if not waiting:
+            self._swapped.add(req.request_id)
+        self._enter(req, (1 if waiting else 0, req.arrival_time, req.request_id), shape, now)
+
+    def _drop(self, entry: _Entry) -> None:
+        self._swapped.discard(entry.req.request_id)
+        super()._drop(entry)
+
+
+class ResidentQueue(_KeptQueue):
+    """The residents Apt-Serve's decode steps continue or evict: the running requests.
+
+    A resident's item changes when it runs (its tokens and pending time), and, with
+    speculation, when its drafts do: what each has computed, holds and proposes is compared
+    with the step before, in one pass read in C when nobody joined or left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ids: list[str] = []  # the residents of the last step, in the view's order
+        self._progress: list[tuple[int, int, int]] = []  # and what each had computed
+
+    def clear(self) -> None:
+        super().clear()
+        self._ids, self._progress = [], []
+
+    def sync(
+        self,
+        view: SchedulerView,
+        plan: StepPlan,
+        shape_of: ShapeOf,
+        *,
+        basis: tuple[object, ...],
+        by_place: bool,
+        own_steps: bool,
+    ) -> None:
+        """Follow the view's running requests (see ``PrefillQueue.sync`` for the rest)."""
+        self._settle((basis, by_place, own_steps), by_place=by_place, own_steps=own_steps)
+        running, entries, now = view.running, self._entries, view.now
+        ids = list(map(_rid, running))
+        progress = list(
+            zip(
+                map(_computed, running),
+                map(len, map(_all_tokens, running)),
+                map(len, map(_drafts, running)),
+                strict=True,
+            )
+        )
+        if ids == self._ids:
+            redo = [
+                running[i] for i in compress(range(len(ids)), map(ne, progress, self._progress))
+            ]
+        else:
+            for rid in entries.keys() - set(ids):
+                self._drop(entries.pop(rid))
+            redo = [
+                r
+                for r, p in zip(running, progress, strict=True)
+                if (e := entries.get(r.request_id)) is None or e.progress != p
+            ]
+        self._ids, self._progress = ids, progress
+        for req, p in zip(redo, map(_progress_of, redo), strict=True):
+            old = entries.pop(req.request_id, None)
+            if old is not None:
+                self._drop(old)
+            self._add(req, self._shape_now(req, plan, shape_of), now, p)
+
+    def _add(self, req: Request, shape: Shape, now: float, progress: object = None) -> None:
+        self._enter(req, (0, req.arrival_time, req.request_id), shape, now, progress)
+
+    def left_out(self, now: float, pricing: Pricing, chosen: Container[_Key]) -> Iterator[_Key]:
+        """The residents not ``chosen``, lowest value per KV block first, the later in the
+        queue first on ties (``AdaptivePacker._decode``'s eviction order), lazily: each
+        run of a group read from its end."""
+        heads: list[tuple[float, _Last, int, int]] = []
+        runs: list[tuple[list[tuple[float, _Key, _Entry]], float | None]] = []
+        for group in self._groups.values():
+            slo = group.key[6]
+            for run in (group.on_time, group.late):
+                if run:
+                    entry = run[-1][2]
+                    ratio = pricing.price(entry, now, slo)[0] / group.key[0]
+                    heads.append((ratio, _Last(entry.key), len(runs), len(run) - 1))
+                    runs.append((run, slo))
+        heapq.heapify(heads)
+        while heads:
+            _, last, r, i = heads[0]
+            if i:
+                run, slo = runs[r]
+                entry = run[i - 1][2]
+                ratio = pricing.price(entry, now, slo)[0] / entry.shape[1]
+                heapq.heapreplace(heads, (ratio, _Last(entry.key), r, i - 1))
+            else:
+                heapq.heappop(heads)
+            if last.key not in chosen:
+                yield last.key
