@@ -25,10 +25,11 @@ below the arrivals that have not and its last few tokens wait behind their prefi
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Literal
 
 from quanta.core.config import SchedulerConfig
@@ -52,6 +53,11 @@ _by_queue = attrgetter("level", "ticket")
 _level = attrgetter("level")
 _last_run = attrgetter("last_run")
 _request_id = attrgetter("request.request_id")
+_request = attrgetter("request")
+_rid = attrgetter("request_id")
+_first, _second = itemgetter(0), itemgetter(1)
+# Keys read from a job's fields alone: they change only where the ordering changes them
+_FIELD_KEYS = (_by_arrival, _by_queue)
 
 
 @dataclass(slots=True)
@@ -77,6 +83,13 @@ class PriorityOrder(Ordering):
         self.jobs: dict[str, Job] = {}
         self._tickets = itertools.count()
         self._now = 0.0
+        # NOTE: with a key read from the job's fields (``_FIELD_KEYS``) the order is kept
+        # across steps: a job is placed again only when its key changed (it joined, was
+        # served or promoted), not every job sorted every step
+        self._order: list[tuple[Any, Job]] = []  # (key, job), by key
+        self._placed: dict[str, Any] = {}  # each job's key where it stands in ``_order``
+        self._order_key: Callable[[Job], Any] | None = None  # what ``_order`` is sorted by
+        self._rekey: set[str] = set()  # jobs whose key may have changed since
 
     # -- stage events ------------------------------------------------------------------------
     def on_admit(self, request: Request, view: SchedulerView) -> None:
@@ -84,10 +97,49 @@ class PriorityOrder(Ordering):
 
     def rank(self, view: SchedulerView) -> Ranking:
         self._now = view.now
-        jobs = [self.jobs.get(r.request_id) or self._join(r, view.now) for r in view.candidates]
-        self._promote_starved(jobs, view.now)
-        jobs.sort(key=self._sort_key())
-        return Ranking([j.request for j in jobs], self._enst(jobs, view.now))
+        candidates = view.candidates
+        key = self._sort_key()
+        if len(self.jobs) != len(candidates):
+            for r in candidates:  # NOTE: requests the ordering did not hear arrive
+                if r.request_id not in self.jobs:
+                    self._join(r, view.now)
+        if key in _FIELD_KEYS and len(self.jobs) == len(candidates):
+            self._promote_starved(list(self.jobs.values()), view.now)
+            jobs = self._kept_order(key)
+        else:
+            jobs = list(map(self.jobs.__getitem__, map(_rid, candidates)))
+            self._promote_starved(jobs, view.now)
+            jobs.sort(key=key)
+            self._order_key = None
+        return Ranking(list(map(_request, jobs)), self._enst(jobs, view.now))
+
+    def _kept_order(self, key: Callable[[Job], Any]) -> list[Job]:
+        """Every job by ``key``: the kept order, with the jobs whose key changed placed
+        again (all of them when the key is not the one it was kept by)."""
+        order, placed = self._order, self._placed
+        if key is not self._order_key:
+            jobs = self.jobs.values()
+            order[:] = sorted(zip(map(key, jobs), jobs, strict=True), key=_first)
+            placed.clear()
+            placed.update(
+                zip(map(_request_id, map(_second, order)), map(_first, order), strict=True)
+            )
+            self._order_key = key
+        else:
+            for rid in self._rekey:
+                job = self.jobs.get(rid)
+                if job is None:
+                    continue
+                old = placed.get(rid)
+                new = key(job)
+                if old == new:
+                    continue
+                if old is not None:
+                    del order[bisect_left(order, old, key=_first)]
+                insort(order, (new, job), key=_first)
+                placed[rid] = new
+        self._rekey.clear()
+        return list(map(_second, order))
 
     def on_step(self, decision: Decision, output: RunnerOutput, step_time: float) -> None:
         charges = self._charges(decision, step_time)
@@ -101,7 +153,11 @@ class PriorityOrder(Ordering):
                 self._after_service(job)
 
     def on_finish(self, request: Request) -> None:
-        self.jobs.pop(request.request_id, None)
+        rid = request.request_id
+        self.jobs.pop(rid, None)
+        old = self._placed.pop(rid, None)
+        if old is not None:
+            del self._order[bisect_left(self._order, old, key=_first)]
 
     # -- hooks -------------------------------------------------------------------------------
     def _initial_level(self, request: Request) -> int:
@@ -143,6 +199,7 @@ class PriorityOrder(Ordering):
         ticket = next(self._tickets)
         job = Job(request, self._initial_level(request), 0.0, ticket, now, ticket)
         self.jobs[request.request_id] = job
+        self._rekey.add(request.request_id)
         return job
 
 
@@ -286,6 +343,7 @@ class SkipJoinMLFQ(PriorityOrder):
             if job.level > 0 and now - job.last_run >= self.starve_limit:
                 job.level, job.service, job.last_run = 0, 0.0, now
                 job.ticket = next(self._tickets)
+                self._rekey.add(job.request.request_id)
                 self.num_promotions += 1
 
     def _after_service(self, job: Job) -> None:
@@ -302,6 +360,7 @@ class SkipJoinMLFQ(PriorityOrder):
         job.level = min(max(job.level + 1, self._fit_level(next_time)), len(self.quanta) - 1)
         job.service = 0.0
         job.ticket = next(self._tickets)
+        self._rekey.add(req.request_id)
 
     def _enst(self, jobs: Sequence[Job], now: float) -> Mapping[str, float]:
         if not self.overloaded:  # first come, first served: turns in arrival order
