@@ -1,5 +1,6 @@
-"""Apt-Serve's prefill queue kept from one step to the next: the waiting and swapped requests
-a prefill step may start, grouped so that a step with a long queue works out only the items
+"""Apt-Serve's queues kept from one step to the next: the waiting and swapped requests a
+prefill step may start (``PrefillQueue``), and the residents a decode step continues or
+evicts (``ResidentQueue``), grouped so that a step with a long queue works out only the items
 its greedy reaches.
 
 Why: the greedy takes items in the order of a bound on their value per block
@@ -12,6 +13,9 @@ blocks either way, the same SLO: a *group*) are kept together, each group in the
 began to wait: within a group the bound only rises with the pending time (the value grows,
 and the weight it is divided by can only shrink as hidden becomes worth its price). A step
 then merges the groups' heads, lazily, and the walk reads the queue only as far as it goes.
+A resident's item changes when it runs (its tokens, its pending time) or its drafts do; the
+residents a decode step leaves out are evicted lowest value per block first, which is each
+group's runs read from their ends, merged the same way.
 
 A request past its SLO is worth a constant (fallback ``zero``) or a fraction of its pending
 time (``decay``): as the clock passes a request's SLO it leaves its group's run of requests
@@ -28,12 +32,11 @@ tests compare both at every step of seeded workloads.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, ne, sub
 
 from quanta.core.blocks import PrefixHit
@@ -68,8 +71,8 @@ def _progress_of(req: Request) -> tuple[int, int, int]:
 
 
 class _Last:
-    """A place that orders after the places it is less than: a heap of these pops the
-    latest place first."""
+    """A place in reverse: one is less than another when it comes later in the queue, so
+    a heap of these pops the latest place first (the list path's ties, ``-index``)."""
 
     __slots__ = ("key",)
 
@@ -373,7 +376,7 @@ class PrefillQueue(_KeptQueue):
                 self._add(entry.req, shape, now)
         if len(entries) == len(waiting_now) + len(swapped_now):
             return
-        for req in itertools.chain(view.swapped, view.waiting):
+        for req in chain(view.swapped, view.waiting):
             if req.request_id not in entries:
                 self._add(req, self._shape_now(req, plan, shape_of), now)
 
