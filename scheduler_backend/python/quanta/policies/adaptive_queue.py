@@ -36,6 +36,7 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain, compress, repeat
 from operator import attrgetter, ne, sub
 
@@ -56,6 +57,7 @@ Shape = tuple[int, int, int, bool, bool, float, int, float | None, float | None]
 _GroupKey = tuple[int, int, bool, bool, int, float | None, float | None]
 
 ShapeOf = Callable[[Request, CacheKind | None, PrefixHit | None], Shape]
+Progress = tuple[int, int, int, CacheKind | None]
 AloneFn = Callable[[int, int | None, int | None], "Alone[_Key] | None"]
 
 _rid = attrgetter("request_id")
@@ -65,9 +67,12 @@ _all_tokens = attrgetter("all_token_ids")
 _drafts = attrgetter("draft_token_ids")
 
 
-def _progress_of(req: Request) -> tuple[int, int, int]:
-    """What a resident has computed, holds and proposes (``ResidentQueue.sync``)."""
-    return req.num_computed_tokens, len(req.all_token_ids), len(req.draft_token_ids)
+def _progress_of(plan: StepPlan, req: Request) -> Progress:
+    """What a resident has computed, holds and proposes, and the kind of cache it holds
+    (``ResidentQueue.sync``): a resident switched to hidden and restarted may come back
+    with the same tokens computed, between two steps that walked the residents."""
+    kind = plan.pool.kind_of(req.request_id)
+    return req.num_computed_tokens, len(req.all_token_ids), len(req.draft_token_ids), kind
 
 
 class _Last:
@@ -401,7 +406,7 @@ class ResidentQueue(_KeptQueue):
     def __init__(self) -> None:
         super().__init__()
         self._ids: list[str] = []  # the residents of the last step, in the view's order
-        self._progress: list[tuple[int, int, int]] = []  # and what each had computed
+        self._progress: list[Progress] = []  # and what each had computed (``_progress_of``)
 
     def clear(self) -> None:
         super().clear()
@@ -421,11 +426,13 @@ class ResidentQueue(_KeptQueue):
         self._settle((basis, by_place, own_steps), by_place=by_place, own_steps=own_steps)
         running, entries, now = view.running, self._entries, view.now
         ids = list(map(_rid, running))
+        kinds = list(map(plan.pool.kind_of, ids))
         progress = list(
             zip(
                 map(_computed, running),
                 map(len, map(_all_tokens, running)),
                 map(len, map(_drafts, running)),
+                kinds,
                 strict=True,
             )
         )
@@ -442,7 +449,7 @@ class ResidentQueue(_KeptQueue):
                 if (e := entries.get(r.request_id)) is None or e.progress != p
             ]
         self._ids, self._progress = ids, progress
-        for req, p in zip(redo, map(_progress_of, redo), strict=True):
+        for req, p in zip(redo, map(partial(_progress_of, plan), redo), strict=True):
             old = entries.pop(req.request_id, None)
             if old is not None:
                 self._drop(old)
