@@ -210,7 +210,7 @@ def test_the_enst_in_one_pass_is_mlfq_enst(jobs, now, batch, iterations):
         order.quanta,
         batch,
     )
-    got = order._enst(queue, now)
+    got = order._enst(queue, now, {j.request.request_id: j for j in queue})
     assert list(got.items()) == list(want.items())
 
 
@@ -236,14 +236,15 @@ def test_the_first_idle_jobs_by_enst_are_those_of_a_full_sort(
     order = [Request(f"j{i}", [1], params, 0.0, i) for i in range(len(jobs))]
     levels = [level for level, _ in jobs]
     t_exec = execute_times(levels, [0.1 * 2**q for q in range(6)], 2)
+    ranked = [Job(r, level, last_run=last) for r, (level, last) in zip(order, jobs, strict=True)]
     enst = Enst(
-        [r.request_id for r in order],
-        levels,
-        [last for _, last in jobs],
+        ranked,
+        {j.request.request_id: j for j in ranked},
         t_exec,
         next_check=next_check,
         limit=3.0,
         now=now,
+        by_queue=by_queue,
     )
     assert dict(enst) == mlfq_enst(
         dict(zip(enst, levels, strict=True)),

@@ -51,7 +51,6 @@ ServiceMode = Literal["own", "step"]
 _by_arrival = attrgetter("arrival")
 _by_queue = attrgetter("level", "ticket")
 _level = attrgetter("level")
-_last_run = attrgetter("last_run")
 _request_id = attrgetter("request.request_id")
 _request = attrgetter("request")
 _rid = attrgetter("request_id")
@@ -178,8 +177,12 @@ class PriorityOrder(Ordering):
     def _after_service(self, job: Job) -> None:
         return None
 
-    def _enst(self, jobs: Sequence[Job], now: float) -> Mapping[str, float]:
-        """Without queues, the next turn of the i-th job is about i / B iterations away."""
+    def _enst(
+        self, jobs: Sequence[Job], now: float, of: Mapping[str, Job] | None = None
+    ) -> Mapping[str, float]:
+        """Without queues, the next turn of the i-th job is about i / B iterations away.
+        ``of`` finds each of ``jobs`` by its request (None: the ordering's ``jobs`` do, for
+        a ranking of every job)."""
         b, q = self.config.max_num_seqs, self.cost.min_iteration_time
         return Turns([j.request for j in jobs], b, q)
 
@@ -362,22 +365,23 @@ class SkipJoinMLFQ(PriorityOrder):
         job.ticket = next(self._tickets)
         self._rekey.add(req.request_id)
 
-    def _enst(self, jobs: Sequence[Job], now: float) -> Mapping[str, float]:
+    def _enst(
+        self, jobs: Sequence[Job], now: float, of: Mapping[str, Job] | None = None
+    ) -> Mapping[str, float]:
         if not self.overloaded:  # first come, first served: turns in arrival order
-            return super()._enst(jobs, now)
+            return super()._enst(jobs, now, of)
         # T_promote: promotion happens at the first starvation check after the limit.
         next_check = (
             self.starve_check_every - self._iterations % self.starve_check_every
         ) * self.cost.min_iteration_time
-        levels = list(map(_level, jobs))
         return Enst(
-            list(map(_request_id, jobs)),
-            levels,
-            list(map(_last_run, jobs)),
-            execute_times(levels, self.quanta, self.config.max_num_seqs),
+            jobs,
+            self.jobs if of is None else of,
+            execute_times(map(_level, jobs), self.quanta, self.config.max_num_seqs),
             next_check=next_check,
             limit=self.starve_limit,
             now=now,
+            by_queue=self._sort_key() is _by_queue,
         )
 
 

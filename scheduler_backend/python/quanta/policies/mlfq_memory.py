@@ -25,6 +25,7 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
+from typing import Protocol
 
 from quanta.core.decision import PreemptMode
 from quanta.core.plan import StepPlan
@@ -72,42 +73,57 @@ def execute_times(levels: Iterable[int], quanta: Sequence[float], batch_size: in
     return t_exec
 
 
+class EnstJob(Protocol):
+    """What ``Enst`` reads of a job: its queue and when it last ran."""
+
+    request: Request
+    level: int
+    last_run: float
+
+
 class Enst(Mapping[str, float]):
     """``mlfq_enst`` of a ranking's jobs, each worked out when read: a step reads the ENST
     of its residents and of the few jobs its proactive moves consider, and ``first`` finds
     the idle jobs due next without reading the rest of a long queue.
 
-    ``ids``, ``levels`` and ``last_runs`` are the jobs' in ranking order; T_promote of a job
-    is ``max(next_check, limit - (now - last_run))``."""
+    ``jobs`` are the ranking's jobs in order, and ``of`` finds a request's job (the
+    ordering's own mapping, read as it stands: nothing is copied per step); ``by_queue``
+    says the ranking goes queue by queue (else the jobs' levels are read to tell). T_promote
+    of a job is ``max(next_check, limit - (now - last_run))``."""
 
-    __slots__ = ("_floor", "_limit", "_next_check", "_now", "_sorted", "_state", "_t_exec")
+    __slots__ = ("_floor", "_jobs", "_limit", "_next_check", "_now", "_of", "_sorted", "_t_exec")
 
     def __init__(
         self,
-        ids: Sequence[str],
-        levels: Sequence[int],
-        last_runs: Sequence[float],
+        jobs: Sequence[EnstJob],
+        of: Mapping[str, EnstJob],
         t_exec: Sequence[float],
         *,
         next_check: float,
         limit: float,
         now: float,
+        by_queue: bool = False,
     ) -> None:
-        self._state = dict(zip(ids, zip(levels, last_runs, strict=True), strict=True))
+        self._jobs, self._of = jobs, of
         self._t_exec, self._next_check, self._limit, self._now = t_exec, next_check, limit, now
         # the least T_execute of a queue or any below it
         self._floor = [min(t_exec[level:]) for level in range(len(t_exec))]
-        self._sorted = list(levels) == sorted(levels)  # NOTE: the ranking is by queue first
+        if by_queue:
+            self._sorted = True
+        else:
+            levels = list(map(_level, jobs))
+            self._sorted = levels == sorted(levels)
 
     def __getitem__(self, request_id: str) -> float:
-        level, last_run = self._state[request_id]
-        return min(max(self._next_check, self._limit - (self._now - last_run)), self._t_exec[level])
+        job = self._of[request_id]
+        t_promote = max(self._next_check, self._limit - (self._now - job.last_run))
+        return min(t_promote, self._t_exec[job.level])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
+        return map(_job_id, self._jobs)
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._jobs)
 
     def first(self, idle: Sequence[Request], k: int, pos: Mapping[str, int]) -> list[Request]:
         """The ``k`` requests of ``idle`` (in ranking order) of smallest (ENST, position),
@@ -127,7 +143,7 @@ class Enst(Mapping[str, float]):
         kept: list[tuple[float, int, int]] = []  # the k smallest so far, negated: a max-heap
         for j, req in enumerate(idle):
             rid = req.request_id
-            bound = min(self._next_check, self._floor[self._state[rid][0]])
+            bound = min(self._next_check, self._floor[self._of[rid].level])
             if len(kept) == k and bound >= -kept[0][0]:
                 break
             key = (-self[rid], -pos[rid], j)
@@ -139,6 +155,8 @@ class Enst(Mapping[str, float]):
 
 
 _request_id = attrgetter("request_id")
+_job_id = attrgetter("request.request_id")
+_level = attrgetter("level")
 
 
 class _Rank(Mapping[str, tuple[float, int]]):
