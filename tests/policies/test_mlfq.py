@@ -410,6 +410,8 @@ def test_outputs_survive_heavy_preemption(make_loop, timed_loop, policy, host):
     )
     reqs = make_requests(8, **{**SPEC, "ignore_eos": True})
     assert run_all(loop, reqs) == expected
+    ordering = loop.policy.ordering  # NOTE: it keeps nothing of a request that finished
+    assert not (ordering.jobs or ordering._order or ordering._placed or ordering._rekey)
     s = loop.stats()
     assert s.num_preemptions_swap + s.num_preemptions_recompute > 0
     if host == 0:

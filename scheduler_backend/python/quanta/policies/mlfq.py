@@ -109,7 +109,8 @@ class PriorityOrder(Ordering):
             jobs = list(map(self.jobs.__getitem__, map(_rid, candidates)))
             self._promote_starved(jobs, view.now)
             jobs.sort(key=key)
-            self._order_key = None
+            self._order_key = None  # NOTE: the kept order starts over when it is next used
+            self._rekey.clear()
         return Ranking(list(map(_request, jobs)), self._enst(jobs, view.now))
 
     def _kept_order(self, key: Callable[[Job], Any]) -> list[Job]:
@@ -154,6 +155,7 @@ class PriorityOrder(Ordering):
     def on_finish(self, request: Request) -> None:
         rid = request.request_id
         self.jobs.pop(rid, None)
+        self._rekey.discard(rid)
         old = self._placed.pop(rid, None)
         if old is not None:
             del self._order[bisect_left(self._order, old, key=_first)]
