@@ -331,16 +331,16 @@ def test_every_step_of_a_seeded_workload_ranks_and_packs_as_before(system, monke
     assert (checks[1] > 100 and checks[2] > 100) or system != "apt"
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"rho": 1e-6},  # NOTE: hidden caches worth choosing, and switches
-        {"cache": "kv"},
-        {"cache": "hidden"},
-        {"fallback": "decay", "allow_swap": True, "ttft_slo_s": 0.2, "tbt_slo_s": 0.1},
-    ],
-)
+# Apt-Serve's variants the seeded workloads run (requests then bring SLOs of their own)
+APT_VARIANTS = [
+    {"rho": 1e-6},  # NOTE: hidden caches worth choosing, and switches
+    {"cache": "kv"},
+    {"cache": "hidden"},
+    {"fallback": "decay", "allow_swap": True, "ttft_slo_s": 0.2, "tbt_slo_s": 0.1},
+]
+
+
+@pytest.mark.parametrize("options", [{}, *APT_VARIANTS])
 def test_apt_decides_from_its_kept_queues_as_from_the_lists(options, monkeypatch):
     """With the lane in arrival order Apt-Serve keeps its prefill queue and its residents
     across steps; every decision of a seeded workload is the one the lists of the lane's
@@ -355,15 +355,7 @@ def test_apt_decides_from_its_kept_queues_as_from_the_lists(options, monkeypatch
     assert [r.error for r in kept] == [r.error for r in listed]
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"rho": 1e-6},  # NOTE: hidden caches worth choosing, and switches
-        {"cache": "kv"},
-        {"cache": "hidden"},
-        {"fallback": "decay", "allow_swap": True, "ttft_slo_s": 0.2, "tbt_slo_s": 0.1},
-    ],
-)
+@pytest.mark.parametrize("options", APT_VARIANTS)
 def test_every_step_of_apt_with_its_options_packs_as_before(options, monkeypatch):
     """The items, their bounds and the greedy of Apt-Serve's variants, with requests that
     bring SLOs of their own, at every step."""

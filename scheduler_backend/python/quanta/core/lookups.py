@@ -51,8 +51,7 @@ class LookupMemo:
         if kept is not None and reads[: len(kept)] == kept:
             new = reads[len(kept) :]  # NOTE: the names that held are registered still
         else:
-            if kept is not None:
-                self._kept[request_id] = kept
+            self._unregister(request_id, kept or ())
             self.drop(request_id)
             new = reads
         self._reads[request_id] = reads
