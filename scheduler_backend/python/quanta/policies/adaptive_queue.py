@@ -211,19 +211,35 @@ class _KeptQueue:
     def request(self, key: _Key) -> Request:
         return self._entries[key[2]].req
 
-    def clear(self) -> None:
+    def sync(
+        self,
+        view: SchedulerView,
+        plan: StepPlan,
+        shape_of: ShapeOf,
+        *,
+        basis: tuple[object, ...],
+        by_place: bool,
+        own_steps: bool,
+    ) -> None:
+        """Follow the view: the requests that joined or left the queue, or changed, are
+        worked out (``shape_of``) again; the others stand. ``basis`` is what every shape was
+        worked out with (the step's token budget, whether chunks are taken): when it
+        differs from the last step's, all are. ``by_place``: late requests are all worth
+        the same (fallback ``zero``). ``own_steps``: a request's own tokens left price its
+        hidden option (no request has finished yet)."""
+        setting = (basis, by_place, own_steps)
+        if setting != self._setting:
+            self._forget()
+        self._setting, self._by_place, self._own_steps = setting, by_place, own_steps
+        self._follow(view, plan, shape_of)
+
+    def _forget(self) -> None:
         self._entries.clear()
         self._groups.clear()
-        self._setting = None
 
-    def _settle(self, setting: tuple[object, ...], *, by_place: bool, own_steps: bool) -> bool:
-        """Take this step's ``setting`` (what every shape is worked out with); False when it
-        is not the last step's, and the queue starts over."""
-        same = setting == self._setting
-        if not same:
-            self.clear()
-        self._setting, self._by_place, self._own_steps = setting, by_place, own_steps
-        return same
+    def _follow(self, view: SchedulerView, plan: StepPlan, shape_of: ShapeOf) -> None:
+        """``sync`` of the queue's own requests, once the setting holds."""
+        raise NotImplementedError
 
     def walk(
         self, now: float, pricing: Pricing, chunked: bool
@@ -335,33 +351,18 @@ class PrefillQueue(_KeptQueue):
         self._swapped: set[str] = set()  # the entries of swapped requests
         self._version = -1  # of the lookups it has read (``PoolView.hit_changes``)
 
-    def clear(self) -> None:
-        super().clear()
+    def _forget(self) -> None:
+        super()._forget()
         self._swapped.clear()
 
-    def sync(
-        self,
-        view: SchedulerView,
-        plan: StepPlan,
-        shape_of: ShapeOf,
-        *,
-        basis: tuple[object, ...],
-        by_place: bool,
-        own_steps: bool,
-    ) -> None:
-        """Follow the view: requests that joined or left the queue, moved between its
-        swapped and waiting parts, or whose lookup changed, are worked out (``shape_of``)
-        again; the others stand. ``basis`` is what every shape was worked out with (the
-        step's token budget, whether chunks are taken): when it differs from the last
-        step's, all are. ``by_place``: late requests are all worth the same (fallback
-        ``zero``). ``own_steps``: a request's own tokens left price its hidden option (no
-        request has finished yet)."""
+    def _follow(self, view: SchedulerView, plan: StepPlan, shape_of: ShapeOf) -> None:
+        """Requests that joined or left, moved between the swapped and the waiting, or
+        whose lookup changed (every one, when the record of lookups ran out)."""
         version, changed = plan.pool.hit_changes(self._version)
-        if changed is None:  # NOTE: too long ago to tell what changed: start over
-            self.clear()
-        if not self._settle((basis, by_place, own_steps), by_place=by_place, own_steps=own_steps):
-            changed = []
         self._version = version
+        if changed is None:  # NOTE: too long ago to tell what changed: start over
+            self._forget()
+            changed = []
         entries, swapped, now = self._entries, self._swapped, view.now
         waiting_now = set(map(_rid, view.waiting))
         swapped_now = set(map(_rid, view.swapped))
@@ -408,22 +409,12 @@ class ResidentQueue(_KeptQueue):
         self._ids: list[str] = []  # the residents of the last step, in the view's order
         self._progress: list[Progress] = []  # and what each had computed (``_progress_of``)
 
-    def clear(self) -> None:
-        super().clear()
+    def _forget(self) -> None:
+        super()._forget()
         self._ids, self._progress = [], []
 
-    def sync(
-        self,
-        view: SchedulerView,
-        plan: StepPlan,
-        shape_of: ShapeOf,
-        *,
-        basis: tuple[object, ...],
-        by_place: bool,
-        own_steps: bool,
-    ) -> None:
-        """Follow the view's running requests (see ``PrefillQueue.sync`` for the rest)."""
-        self._settle((basis, by_place, own_steps), by_place=by_place, own_steps=own_steps)
+    def _follow(self, view: SchedulerView, plan: StepPlan, shape_of: ShapeOf) -> None:
+        """Residents that joined or left, or whose progress or cache changed."""
         running, entries, now = view.running, self._entries, view.now
         ids = list(map(_rid, running))
         kinds = list(map(plan.pool.kind_of, ids))
