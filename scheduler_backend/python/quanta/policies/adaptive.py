@@ -42,7 +42,13 @@ from quanta.core.plan import StepPlan
 from quanta.core.request import CacheKind, Request, blocks_for
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.adaptive_queue import PrefillQueue, Pricing, ResidentQueue, Shape, ShapeOf
+from quanta.policies.adaptive_queue import (
+    PrefillQueue,
+    Pricing,
+    QueueKey,
+    ResidentQueue,
+    Shape,
+)
 from quanta.policies.common import outside, residents
 from quanta.policies.fcfs import ReactivePreemption
 from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, greedy_walk, lightest
@@ -56,6 +62,7 @@ _Shape = Shape  # what an item weighs (``adaptive_queue.Shape``)
 _Candidates = tuple[list[Request], list[Item], tuple[list[float], list[float]]]
 Fallback = Literal["zero", "decay"]
 K = TypeVar("K")  # what names a candidate to the greedy: an index, or a kept queue's key
+Q = TypeVar("Q", PrefillQueue, ResidentQueue)
 
 
 class AdaptivePacker(Packer):
@@ -127,10 +134,7 @@ class AdaptivePacker(Packer):
         if ranking.by_arrival and lane.order is ranking.order and not plan.moved and not plan.run:
             # NOTE: the lane in arrival order and nothing planned: the prefill queue is the
             # view's swapped and waiting requests, which the kept queue follows
-            queue = self._queue
-            queue.sync(view, plan, self._shape_of(step, False), basis=(step.tokens(), step.chunked),
-                       by_place=self.fallback == "zero",
-                       own_steps=self._mean_output() is None)  # fmt: skip
+            queue = self._sync(self._queue, step, switchable=False)
             starts, waited, prefill = len(queue), queue.total_pending(view.now), self._prefill_kept
             # NOTE: nothing planned: the residents are the view's running requests, which
             # the kept residents follow when the decode phase comes to be walked
@@ -168,12 +172,7 @@ class AdaptivePacker(Packer):
 
     def _prefill_kept(self, step: _Step, placement: Placement) -> None:
         """``_prefill`` over the kept queue: its items read only as far as the greedy goes."""
-        pricing = Pricing(step.factor, self._mean_output(), self.fallback == "zero", self.decay)
-        source, least, most, alone = self._queue.walk(step.view.now, pricing, step.chunked)
-        plan = step.plan
-        chosen = greedy_walk(source, plan.free_device, step.factor, seats=plan.seats,
-                             tokens=step.tokens(), chunked=step.chunked, least=least,
-                             most=most, alone=alone)  # fmt: skip
+        chosen, _ = self._kept_greedy(self._queue, step.plan.free_device, step)
         request = self._queue.request
         self._start(((request(key), kind) for key, kind in chosen.items()), step)
 
@@ -186,30 +185,36 @@ class AdaptivePacker(Packer):
                 plan.take(req, n, kind)
                 self._pinned.discard(req.request_id)
 
-    def _shape_of(self, step: _Step, switchable: bool) -> ShapeOf:
-        """``_shape`` of a request in ``step``, from what it holds and hits (``switchable``:
-        a KV resident may be offered hidden)."""
+    def _sync(self, queue: Q, step: _Step, *, switchable: bool) -> Q:
+        """``queue`` brought up to ``step`` (``switchable``: a KV resident may be offered
+        hidden)."""
         left, size, chunked = step.tokens(), step.view.block_size, step.chunked
 
         def shape(req: Request, held: CacheKind | None, hit: PrefixHit | None) -> _Shape:
             return self._shape(req, held, hit, left, switchable, size, chunked)
 
-        return shape
+        queue.sync(step.view, step.plan, shape, basis=(left, chunked),
+                   by_place=self.fallback == "zero",
+                   own_steps=self._mean_output() is None)  # fmt: skip
+        return queue
+
+    def _kept_greedy(
+        self, queue: PrefillQueue | ResidentQueue, memory: int, step: _Step
+    ) -> tuple[dict[QueueKey, CacheKind], Pricing]:
+        """The greedy over a kept ``queue`` within ``memory``, and the pricing it read."""
+        pricing = Pricing(step.factor, self._mean_output(), self.fallback == "zero", self.decay)
+        source, least, most, alone = queue.walk(step.view.now, pricing, step.chunked)
+        chosen = greedy_walk(source, memory, step.factor, seats=step.plan.seats,
+                             tokens=step.tokens(), chunked=step.chunked, least=least,
+                             most=most, alone=alone)  # fmt: skip
+        return chosen, pricing
 
     def _decode_residents(self, step: _Step, placement: Placement) -> None:
         """``_decode`` over the kept residents: their items read only as far as the greedy
         goes, and those it leaves out ordered only as far as the runs need their blocks."""
-        queue, now = self._residents, step.view.now
-        queue.sync(step.view, step.plan, self._shape_of(step, self.cache == "hybrid"),
-                   basis=(step.tokens(), step.chunked), by_place=self.fallback == "zero",
-                   own_steps=self._mean_output() is None)  # fmt: skip
-        pricing = Pricing(step.factor, self._mean_output(), self.fallback == "zero", self.decay)
-        source, least, most, alone = queue.walk(now, pricing, step.chunked)
-        plan = step.plan
-        chosen = greedy_walk(source, step.view.total_device_blocks, step.factor,
-                             seats=plan.seats, tokens=step.tokens(), chunked=step.chunked,
-                             least=least, most=most, alone=alone)  # fmt: skip
-        left_out = queue.left_out(now, pricing, chosen)
+        queue = self._sync(self._residents, step, switchable=self.cache == "hybrid")
+        chosen, pricing = self._kept_greedy(queue, step.view.total_device_blocks, step)
+        left_out = queue.left_out(step.view.now, pricing, chosen)
         self._continue(chosen, queue.request, left_out, step, placement)
 
     def _decode(

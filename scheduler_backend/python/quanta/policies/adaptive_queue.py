@@ -48,6 +48,7 @@ from quanta.policies.knapsack import NEAR_ZERO, Alone, Item, best_alone
 
 # A request's place in the lane: swapped before waiting, then by arrival, then by id
 _Key = tuple[int, float, str]
+QueueKey = _Key
 # What an item weighs, as ``AdaptivePacker._shape`` works it out: (tokens, KV blocks, hidden
 # blocks, KV open, hidden open, tokens left, its lightest increment, TTFT SLO, TBT SLO)
 Shape = tuple[int, int, int, bool, bool, float, int, float | None, float | None]
