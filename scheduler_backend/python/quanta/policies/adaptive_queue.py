@@ -36,7 +36,6 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import chain, compress, repeat
 from operator import attrgetter, ne, sub
 
@@ -66,14 +65,6 @@ _since = attrgetter("since")
 _computed = attrgetter("num_computed_tokens")
 _all_tokens = attrgetter("all_token_ids")
 _drafts = attrgetter("draft_token_ids")
-
-
-def _progress_of(plan: StepPlan, req: Request) -> Progress:
-    """What a resident has computed, holds and proposes, and the kind of cache it holds
-    (``ResidentQueue.sync``): a resident switched to hidden and restarted may come back
-    with the same tokens computed, between two steps that walked the residents."""
-    kind = plan.pool.kind_of(req.request_id)
-    return req.num_computed_tokens, len(req.all_token_ids), len(req.draft_token_ids), kind
 
 
 class _Last:
@@ -408,7 +399,10 @@ class ResidentQueue(_KeptQueue):
     def __init__(self) -> None:
         super().__init__()
         self._ids: list[str] = []  # the residents of the last step, in the view's order
-        self._progress: list[Progress] = []  # and what each had computed (``_progress_of``)
+        # and what each had computed, held and proposed, and the kind of cache it held: a
+        # resident switched to hidden and restarted may come back with as many tokens
+        # computed, between two steps that walked the residents
+        self._progress: list[Progress] = []
 
     def _forget(self) -> None:
         super()._forget()
@@ -429,19 +423,18 @@ class ResidentQueue(_KeptQueue):
             )
         )
         if ids == self._ids:
-            redo = [
-                running[i] for i in compress(range(len(ids)), map(ne, progress, self._progress))
-            ]
+            changed = compress(range(len(ids)), map(ne, progress, self._progress))
+            redo = [(running[i], progress[i]) for i in changed]
         else:
             for rid in entries.keys() - set(ids):
                 self._drop(entries.pop(rid))
             redo = [
-                r
+                (r, p)
                 for r, p in zip(running, progress, strict=True)
                 if (e := entries.get(r.request_id)) is None or e.progress != p
             ]
         self._ids, self._progress = ids, progress
-        for req, p in zip(redo, map(partial(_progress_of, plan), redo), strict=True):
+        for req, p in redo:
             old = entries.pop(req.request_id, None)
             if old is not None:
                 self._drop(old)
