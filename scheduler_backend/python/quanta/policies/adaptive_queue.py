@@ -43,9 +43,10 @@ from quanta.core.blocks import PrefixHit
 from quanta.core.plan import StepPlan
 from quanta.core.request import CacheKind, Request, RequestStatus
 from quanta.core.view import SchedulerView
+from quanta.policies.common import arrival_key
 from quanta.policies.knapsack import NEAR_ZERO, Alone, Item, best_alone
 
-# A request's place in the lane: swapped before waiting, then by arrival, then by id
+# A request's place in the lane (``common.arrival_key``): its queue, its arrival, its id
 _Key = tuple[int, float, str]
 QueueKey = _Key
 # What an item weighs, as ``AdaptivePacker._shape`` works it out: (tokens, KV blocks, hidden
@@ -382,7 +383,7 @@ class PrefillQueue(_KeptQueue):
         waiting = req.status is RequestStatus.WAITING
         if not waiting:
             self._swapped.add(req.request_id)
-        self._enter(req, (1 if waiting else 0, req.arrival_time, req.request_id), shape, now)
+        self._enter(req, arrival_key(req), shape, now)
 
     def _drop(self, entry: _Entry) -> None:
         self._swapped.discard(entry.req.request_id)
@@ -441,7 +442,7 @@ class ResidentQueue(_KeptQueue):
             self._add(req, self._shape_now(req, plan, shape_of), now, p)
 
     def _add(self, req: Request, shape: Shape, now: float, progress: object = None) -> None:
-        self._enter(req, (0, req.arrival_time, req.request_id), shape, now, progress)
+        self._enter(req, arrival_key(req), shape, now, progress)
 
     def left_out(self, now: float, pricing: Pricing, chosen: Container[_Key]) -> Iterator[_Key]:
         """The residents not ``chosen``, lowest value per KV block first, the later in the
