@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import make_requests, make_resident, move_to_host
@@ -25,6 +26,7 @@ from quanta.core.request import Request, RequestStatus, SamplingParams
 from quanta.core.view import SchedulerView
 from quanta.costmodel import PROFILES
 from quanta.policies import make_policy, parse_policy, register_system
+from quanta.policies.common import ArrivalQueues, arrival_order
 from quanta.policies.fcfs import ArrivalOrder
 from quanta.policies.mlfq import SkipJoinMLFQ
 from quanta.policies.mlfq_memory import ProactiveSwap
@@ -133,6 +135,33 @@ def test_arrival_order_is_running_then_swapped_then_waiting():
         view_of(bm, first_waiting, early_swapped, late_running)
     )
     assert [r.request_id for r in ranking.order] == ["late", "sw", "w"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    times=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    steps=st.lists(
+        st.tuples(st.lists(st.integers(0, 3), min_size=60, max_size=60), st.randoms()),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_the_kept_arrival_order_is_the_sorted_one_at_every_step(
+    times: list[int], steps: list[tuple[list[int], object]]
+) -> None:
+    """Requests join, leave and move between the queues, which the view lists in any order;
+    arrivals tie, so the id decides: the kept order is the sorted one at every step, and
+    joining all at once (a sort of the whole queue) or one by one gives the same."""
+    reqs = [request(f"r{i}", 4, t=float(t)) for i, t in enumerate(times)]
+    queues = ArrivalQueues()
+    for where, rng in steps:
+        lists: tuple[list[Request], ...] = ([], [], [], [])  # running, swapped, waiting, gone
+        for req, w in zip(reqs, where, strict=False):
+            lists[w].append(req)
+        for queue in lists[:3]:
+            rng.shuffle(queue)  # type: ignore[attr-defined]
+        view = SimpleNamespace(running=lists[0], swapped=lists[1], waiting=lists[2])
+        assert queues.order(view) == arrival_order(view)  # type: ignore[arg-type]
 
 
 def test_in_order_packer_blocks_behind_the_first_waiting_request_that_does_not_fit():

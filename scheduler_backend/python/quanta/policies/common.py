@@ -5,6 +5,7 @@ bisection the step-time limits search with.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 
@@ -52,6 +53,49 @@ def arrival_order(view: SchedulerView) -> list[Request]:
         *sorted(view.swapped, key=_by_arrival),
         *sorted(view.waiting, key=_by_arrival),
     ]
+
+
+class ArrivalQueues:
+    """``arrival_order`` kept from one step to the next, for an ordering that ranks every
+    step: each of the view's queues stays sorted, and a step only takes out the requests
+    that left it and puts in those that joined.
+
+    Why: with 1,600 requests waiting, sorting the queues again by (arrival, id) at every step
+    was a sixth of Apt-Serve's step, and from one step to the next only the few requests
+    that started, finished or were preempted move. Which ones is read in C (sets of the
+    requests themselves, compared by identity). A request's arrival and id never change
+    while it is live, so a sorted queue less the requests that left is still sorted."""
+
+    # NOTE: past this many joining at once, one sort of the whole queue is as cheap
+    _INSERTS = 32
+
+    def __init__(self) -> None:
+        self._sorted: list[list[Request]] = [[], [], []]
+        self._members: list[set[Request]] = [set(), set(), set()]
+
+    def order(self, view: SchedulerView) -> list[Request]:
+        """``arrival_order(view)``, as a new list (the kept queues stay this object's own)."""
+        return [
+            *self._follow(0, view.running),
+            *self._follow(1, view.swapped),
+            *self._follow(2, view.waiting),
+        ]
+
+    def _follow(self, i: int, queue: list[Request]) -> list[Request]:
+        """Queue ``i`` kept sorted, brought up to ``queue`` (the view's, in any order)."""
+        now, was = set(queue), self._members[i]
+        joined = now - was
+        if len(joined) > self._INSERTS:
+            kept = self._sorted[i] = sorted(queue, key=_by_arrival)
+        else:
+            kept = self._sorted[i]
+            if len(now) - len(joined) < len(was):  # NOTE: some left: each found by bisection
+                for req in was - now:
+                    del kept[bisect_left(kept, _by_arrival(req), key=_by_arrival)]
+            for req in joined:
+                insort(kept, req, key=_by_arrival)
+        self._members[i] = now
+        return kept
 
 
 def evictable(req: Request, plan: StepPlan) -> bool:

@@ -30,7 +30,7 @@ from quanta.core.request import Request, RequestStatus
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.calibration import CalibratedCost
-from quanta.policies.common import OFFLINE, ONLINE, arrival_order, by_class, largest
+from quanta.policies.common import OFFLINE, ONLINE, ArrivalQueues, by_class, largest
 from quanta.policies.coserve_packer import CoservePacker
 from quanta.policies.coserve_placement import CoservePlacement
 from quanta.policies.fcfs import FCFSOptions, fcfs_stages
@@ -76,9 +76,10 @@ class ClassOrder(Ordering):
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self._queues = ArrivalQueues()
 
     def rank(self, view: SchedulerView) -> Ranking:
-        online, offline = by_class(arrival_order(view))
+        online, offline = by_class(self._queues.order(view))
         order = online + offline
         return Ranking(order, Turns(order, self.config.max_num_seqs))
 

@@ -15,7 +15,7 @@ from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
-from quanta.policies.common import arrival_order
+from quanta.policies.common import ArrivalQueues
 from quanta.policies.packers import InOrderPacker
 from quanta.policies.stages import Ordering, Placement, Ranking, Turns
 from quanta.policies.systems import Stages, System, SystemOptions
@@ -27,11 +27,15 @@ class ArrivalOrder(Ordering):
     def __init__(self, config: SchedulerConfig, cost: CostModel | None = None) -> None:
         self.config = config
         self.cost = cost
+        self._queues = ArrivalQueues()
+        # NOTE: a turn's length, worked out once (the cost model is frozen)
+        self._quantum = cost.min_iteration_time if cost is not None else 1.0
 
     def rank(self, view: SchedulerView) -> Ranking:
-        order = arrival_order(view)
-        q = self.cost.min_iteration_time if self.cost is not None else 1.0
-        return Ranking(order, Turns(order, self.config.max_num_seqs, q), by_arrival=True)
+        order = self._queues.order(view)
+        return Ranking(
+            order, Turns(order, self.config.max_num_seqs, self._quantum), by_arrival=True
+        )
 
 
 class ReactivePreemption(Placement):
