@@ -95,6 +95,15 @@ class BlockPool:
             del self._lru[block]
         self.ref[block] += 1
 
+    def pin_all(self, blocks: list[int]) -> None:
+        """``pin`` of each of ``blocks``, in one call: a start on a long cached prefix pins
+        every block of it."""
+        ref, lru = self.ref, self._lru
+        for b in blocks:
+            if ref[b] == 0:
+                del lru[b]
+            ref[b] += 1
+
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each; a block nobody refers to is free (kept under its name
         when it has one). Free ``block_ids`` in the order they should be evicted."""

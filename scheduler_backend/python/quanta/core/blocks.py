@@ -32,7 +32,7 @@ from quanta.core.lookups import LookupMemo
 from quanta.core.request import HIDDEN_TOKENS_PER_BLOCK, CacheKind, Request, blocks_for
 from quanta.core.window import RELEASED, blocks_behind, first_held, live, peak_blocks
 
-_tier = itemgetter(0)
+_tier, _block = itemgetter(0), itemgetter(1)
 _HIT_LOG_KEPT = 8192  # changes ``hit_changes`` can name: many steps' worth of lookups
 
 
@@ -56,6 +56,9 @@ class PrefixHit:
         return len(self.blocks) * self.block_size
 
     def of(self, tier: Tier) -> list[int]:
+        """The blocks of the hit that ``tier`` holds, in order."""
+        if self.num_device == len(self.blocks):  # NOTE: most hits are all on the device
+            return list(map(_block, self.blocks)) if tier is Tier.DEVICE else []
         return [b for t, b in self.blocks if t is tier]
 
 
@@ -334,12 +337,12 @@ class BlockManager:
         its host blocks come with ``load_prefix``."""
         hit = self._hits[request_id]
         self._memo.drop(request_id)
-        device = self.pools[Tier.DEVICE]
-        table = [-1] * len(hit.blocks)
-        for i, (tier, b) in enumerate(hit.blocks):
-            if tier is Tier.DEVICE:
-                device.pin(b)
-                table[i] = b
+        on_device = hit.of(Tier.DEVICE)
+        self.pools[Tier.DEVICE].pin_all(on_device)
+        if len(on_device) == len(hit.blocks):
+            table = on_device
+        else:  # NOTE: the host blocks' places are filled by ``load_prefix``
+            table = [b if tier is Tier.DEVICE else -1 for tier, b in hit.blocks]
         self._tables[request_id] = (Tier.DEVICE, table)
         self._kinds[request_id] = CacheKind.KV
 
@@ -348,12 +351,17 @@ class BlockManager:
         ``None`` (nothing changed) when the device is short."""
         hit = self._hits[request_id]
         _, table = self._tables[request_id]
+        copies: list[tuple[int, int]] = []
+        if hit.num_device == len(hit.blocks):  # NOTE: no host block: nothing to copy
+            self._named[request_id] = len(table)
+            del self._hits[request_id]
+            self._hit_changed(request_id)
+            return copies
         slots = [i for i, (tier, _) in enumerate(hit.blocks) if tier is Tier.HOST]
         new = self._allocate(Tier.DEVICE, len(slots))
         if new is None:
             return None
         host, device = self.pools[Tier.HOST], self.pools[Tier.DEVICE]
-        copies = []
         for i, b in zip(slots, new, strict=True):
             src = hit.blocks[i][1]
             table[i] = b

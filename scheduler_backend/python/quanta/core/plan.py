@@ -223,8 +223,7 @@ class StepPlan:
         host blocks; it computes the rest instead."""
         if hit is None:
             return None
-        keep = self._host_keep(hit) if hit.num_device < len(hit.blocks) else 0  # no host block
-        if keep <= self.free_host:
+        if self._host_keep(hit) <= self.free_host:
             return hit
         kept: set[int] = set()
         cut = 0  # NOTE: the walk always stops at a block over: the whole hit does not fit
@@ -242,6 +241,8 @@ class StepPlan:
 
     def _host_keep(self, hit: PrefixHit) -> int:
         """Free host blocks a start with ``hit`` keeps from eviction until its copies run."""
+        if hit.num_device == len(hit.blocks):  # NOTE: no host block
+            return 0
         return sum(1 for b in set(hit.of(Tier.HOST)) if self._keeps(b))
 
     def _hit_cost(self, hit: PrefixHit, n: int) -> tuple[int, int]:

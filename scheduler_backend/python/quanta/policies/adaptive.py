@@ -49,7 +49,7 @@ from quanta.policies.adaptive_queue import (
     ResidentQueue,
     Shape,
 )
-from quanta.policies.common import outside, residents
+from quanta.policies.common import outside, pending_since, residents, total_pending
 from quanta.policies.fcfs import ReactivePreemption
 from quanta.policies.knapsack import NEAR_ZERO, Item, greedy_knapsack, greedy_walk, lightest
 from quanta.policies.packers import chunk
@@ -138,7 +138,7 @@ class AdaptivePacker(Packer):
             starts, waited, prefill = len(queue), queue.total_pending(view.now), self._prefill_kept
             # NOTE: nothing planned: the residents are the view's running requests, which
             # the kept residents follow when the decode phase comes to be walked
-            ran = math.fsum(map(pending, view.running))
+            ran = total_pending(pending_since(view.running), view.now)
             decode = self._decode_residents
         else:
             waiting = list(outside(lane.order, plan))

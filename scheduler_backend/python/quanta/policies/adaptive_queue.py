@@ -36,14 +36,14 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from itertools import chain, compress, repeat
-from operator import attrgetter, ne, sub
+from itertools import chain, compress
+from operator import attrgetter, ne
 
 from quanta.core.blocks import PrefixHit
 from quanta.core.plan import StepPlan
 from quanta.core.request import CacheKind, Request, RequestStatus
 from quanta.core.view import SchedulerView
-from quanta.policies.common import arrival_key
+from quanta.policies.common import arrival_key, total_pending
 from quanta.policies.knapsack import NEAR_ZERO, Alone, Item, best_alone
 
 # A request's place in the lane (``common.arrival_key``): its queue, its arrival, its id
@@ -196,10 +196,7 @@ class _KeptQueue:
 
     def total_pending(self, now: float) -> float:
         """The queue's pending time in all, as ``math.fsum`` adds it (in any order)."""
-        since = list(map(_since, self._entries.values()))
-        if since and max(since) > now:  # NOTE: as ``pending_time``, none is negative
-            return math.fsum(max(0.0, now - s) for s in since)
-        return math.fsum(map(sub, repeat(now, len(since)), since))
+        return total_pending(list(map(_since, self._entries.values())), now)
 
     def request(self, key: _Key) -> Request:
         return self._entries[key[2]].req

@@ -5,9 +5,11 @@ bisection the step-time limits search with.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, sub
 
 from quanta.core.plan import StepPlan
 from quanta.core.request import Request, RequestStatus
@@ -96,6 +98,30 @@ class ArrivalQueues:
                 insort(kept, req, key=_by_arrival)
         self._members[i] = now
         return kept
+
+
+_last_token = attrgetter("last_token_time")
+_arrival = attrgetter("arrival_time")
+
+
+def pending_since(requests: list[Request]) -> list[float]:
+    """When each request began to wait (``Request.pending_time``: its last token, else its
+    arrival), read in C where every one has a token."""
+    since = list(map(_last_token, requests))
+    if None in since:
+        since = [a if s is None else s for s, a in zip(since, map(_arrival, requests), strict=True)]
+    return since
+
+
+def total_pending(since: list[float], now: float) -> float:
+    """The pending times at ``now`` of requests waiting ``since`` (``pending_since``), in all,
+    as ``math.fsum`` adds them: the same total in whatever order they are read.
+
+    Why not a call of ``pending_time`` per request: Apt-Serve weighs its queues' totals at
+    every step, and with 1,600 live requests those calls were a tenth of the step."""
+    if since and max(since) > now:  # NOTE: as ``pending_time``, none is negative
+        return math.fsum(max(0.0, now - s) for s in since)
+    return math.fsum(map(sub, repeat(now, len(since)), since))
 
 
 def evictable(req: Request, plan: StepPlan) -> bool:
