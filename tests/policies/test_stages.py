@@ -102,6 +102,40 @@ def test_plan_keeps_the_token_budget_and_seats():
         plan.take(b, 2)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 24), st.booleans()), min_size=1, max_size=8),
+    free=st.integers(0, 12),
+    budget=st.one_of(st.none(), st.integers(1, 64)),
+    seats=st.one_of(st.none(), st.integers(0, 6)),
+)
+def test_take_if_fits_is_check_then_take(sizes, free, budget, seats):
+    """``take_if_fits`` takes what checking ``has_room`` and ``blocks_to_grow`` first would
+    take, and records nothing of what it refuses."""
+    held = sum(-(-n // 4) for n, on_host in sizes if on_host)
+    bm = BlockManager(4, held + free, held)
+    reqs = [
+        swapped(bm, f"s{i}", n) if on_host else request(f"w{i}", n)
+        for i, (n, on_host) in enumerate(sizes)
+    ]
+    fits, checked = (StepPlan(PoolView(bm), budget=budget, seats=seats) for _ in range(2))
+    for req in reqs:
+        n = req.num_uncomputed_tokens
+        took = fits.take_if_fits(req, n)
+        if checked.has_room(n) and checked.blocks_to_grow(req, n) <= checked.free_device:
+            checked.take(req, n)
+            assert took
+        else:
+            assert not took
+        assert (fits.free_device, fits.free_host, fits.budget, fits.seats) == (
+            checked.free_device,
+            checked.free_host,
+            checked.budget,
+            checked.seats,
+        )
+    assert fits.decision() == checked.decision()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     held=st.lists(st.integers(1, 5), min_size=1, max_size=6),

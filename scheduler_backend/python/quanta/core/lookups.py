@@ -55,8 +55,13 @@ class LookupMemo:
             self.drop(request_id)
             new = reads
         self._reads[request_id] = reads
-        for name in new:
-            self._readers.setdefault(name, set()).add(request_id)
+        readers = self._readers
+        for name in new:  # NOTE: no empty set made for a name that has readers already
+            known = readers.get(name)
+            if known is None:
+                readers[name] = {request_id}
+            else:
+                known.add(request_id)
 
     def drop(self, request_id: str) -> None:
         """Forget the request's lookup (it holds blocks now, or left)."""

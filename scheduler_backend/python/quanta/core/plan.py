@@ -25,6 +25,8 @@ from quanta.core.errors import PolicyError
 from quanta.core.request import CacheKind, Request, RequestStatus, blocks_for
 from quanta.core.safepoint import AbortRule
 
+_one_more = (1).__add__  # a reference count, one more
+
 
 class PoolView:
     """Read-only view of the block pools: what a policy may know about memory."""
@@ -355,6 +357,25 @@ class StepPlan:
         ``kind`` is the cache a request that holds none starts with (KV when None); one that
         holds a cache keeps it, and naming the other kind is an error (switching is a
         recompute-preemption first)."""
+        self._run(req, n, kind, fits_only=False)
+
+    def take_if_fits(self, req: Request, n: int, kind: CacheKind | None = None) -> bool:
+        """``take`` when the step has room for ``n`` tokens of ``req`` and the free blocks
+        hold them; whether it did (nothing is recorded when not). The same as checking
+        ``has_room`` and ``blocks_to_grow`` first, with the run's blocks worked out once: a
+        start on a long cached prefix reads every block of it to count them."""
+        if not self.has_room(n):
+            return False
+        if req.status is RequestStatus.SWAPPED and req.request_id not in self._swapped_in:
+            if self.blocks_to_grow(req, n, kind) > self.free_device:
+                return False
+            self.take(req, n, kind)
+            return True
+        return self._run(req, n, kind, fits_only=True)
+
+    def _run(self, req: Request, n: int, kind: CacheKind | None, *, fits_only: bool) -> bool:
+        """``run_req``; with ``fits_only`` a run the step has no room or blocks for is not
+        made (False) rather than an error."""
         rid = req.request_id
         if self.checkpoint:
             raise PolicyError(f"run of {rid} after a checkpoint entry: checkpoints come last")
@@ -372,15 +393,23 @@ class StepPlan:
         hit = self._kept(looked_up)
         need, host = self._hit_cost(hit, n) if hit else (self._grow(req, n, kind), 0)
         if need > self.free_device:
+            if fits_only:
+                return False
             raise PolicyError(f"run of {rid} needs {need} device blocks, {self.free_device} free")
         if not self.has_room(n):
+            if fits_only:
+                return False
             raise PolicyError(f"run of {rid}: the step's token budget or seats are used up")
         if looked_up is not None and hit is not looked_up:
             self.trimmed[rid] = len(hit.blocks) if hit else 0
         if hit is not None:
             changed, counts = self._refs[Tier.DEVICE], self.pool.ref_counts(Tier.DEVICE)
-            for b in hit.of(Tier.DEVICE):  # NOTE: ``_take`` of each, without two calls a block
-                changed[b] = changed.get(b, counts[b]) + 1
+            # NOTE: ``_take`` of each block, read and written in C (a long cached prefix is
+            # many blocks); the pairs are written as they are made, so a block read twice
+            # counts twice, as one call per block would
+            device = hit.of(Tier.DEVICE)
+            taken = map(_one_more, map(changed.get, device, map(counts.__getitem__, device)))
+            changed.update(zip(device, taken, strict=True))
             self._reserved.update(hit.of(Tier.HOST))
         self.free_device -= need
         self.free_host -= host
@@ -393,6 +422,7 @@ class StepPlan:
             self.budget -= n
         if self.seats is not None:
             self.seats -= 1
+        return True
 
     def take(self, req: Request, n: int, kind: CacheKind | None = None) -> None:
         """Run ``req`` for ``n`` tokens, swapping it in first when its KV is on the host."""

@@ -181,8 +181,7 @@ class AdaptivePacker(Packer):
         plan = step.plan
         for req, kind in chosen:
             n = step.chunk(req)
-            if n and plan.has_room(n) and plan.blocks_to_grow(req, n, kind) <= plan.free_device:
-                plan.take(req, n, kind)
+            if n and plan.take_if_fits(req, n, kind):
                 self._pinned.discard(req.request_id)
 
     def _sync(self, queue: Q, step: _Step, *, switchable: bool) -> Q:

@@ -36,7 +36,7 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from itertools import chain, compress
+from itertools import compress
 from operator import attrgetter, ne
 
 from quanta.core.blocks import PrefixHit
@@ -307,13 +307,22 @@ class _KeptQueue:
     def _enter(
         self, req: Request, key: _Key, shape: Shape, now: float, progress: object = None
     ) -> None:
-        rid = req.request_id
-        n, m, half, kv, hidden, own, light, ttft, tbt = shape
         since = req.last_token_time if req.last_token_time is not None else req.arrival_time
-        entry = self._entries[rid] = _Entry(req, key, since, shape, n, progress)
+        entry = self._entries[req.request_id] = _Entry(req, key, since, shape, shape[0], progress)
+        self._place(entry, now)
+
+    def _reshape(self, entry: _Entry, shape: Shape, now: float) -> None:
+        """``entry``'s item weighs ``shape`` now; its place in the queue is as it was."""
+        self._drop(entry)
+        entry.shape, entry.tokens = shape, shape[0]
+        self._place(entry, now)
+
+    def _place(self, entry: _Entry, now: float) -> None:
+        """Put ``entry`` in the group its shape and SLO make (none: no tokens this step)."""
+        n, m, half, kv, hidden, own, light, ttft, tbt = entry.shape
         if n == 0:
             return
-        slo = ttft if req.last_token_time is None else tbt
+        slo = ttft if entry.req.last_token_time is None else tbt
         steps = own if kv and hidden and self._own_steps else None
         gkey = (m, half, kv, hidden, light, steps, slo)
         group = self._groups.get(gkey)
@@ -338,11 +347,15 @@ class PrefillQueue(_KeptQueue):
 
     def __init__(self) -> None:
         super().__init__()
+        # the requests of the entries, as objects: which joined or left is found by set
+        # operations on the objects themselves, in C, without reading each one's id
+        self._queued: set[Request] = set()
         self._swapped: set[str] = set()  # the entries of swapped requests
         self._version = -1  # of the lookups it has read (``PoolView.hit_changes``)
 
     def _forget(self) -> None:
         super()._forget()
+        self._queued = set()
         self._swapped.clear()
 
     def _follow(self, view: SchedulerView, plan: StepPlan, shape_of: ShapeOf) -> None:
@@ -354,27 +367,30 @@ class PrefillQueue(_KeptQueue):
             self._forget()
             changed = []
         entries, swapped, now = self._entries, self._swapped, view.now
-        waiting_now = set(map(_rid, view.waiting))
-        swapped_now = set(map(_rid, view.swapped))
-        for rid in entries.keys() - waiting_now - swapped_now:
-            self._drop(entries.pop(rid))
+        swapped_now = set(view.swapped)
+        queued = set(view.waiting) | swapped_now
+        for req in self._queued - queued:
+            self._drop(entries.pop(req.request_id))
+        joined = queued - self._queued
+        self._queued = queued
         # NOTE: swapped, then dropped to waiting (or the other way): its place changed
-        moved = (swapped - swapped_now) & waiting_now | swapped_now & entries.keys() - swapped
+        swapped_ids = set(map(_rid, swapped_now))
+        moved = {r for r in swapped if r not in swapped_ids} | {
+            r.request_id for r in swapped_now if r not in joined and r.request_id not in swapped
+        }
         for rid in moved:
             req = entries[rid].req
             self._drop(entries.pop(rid))
             self._add(req, self._shape_now(req, plan, shape_of), now)
-        for rid in set(changed) & entries.keys() - moved:
-            entry = entries[rid]
+        for rid in dict.fromkeys(changed):
+            entry = entries.get(rid)
+            if entry is None or rid in moved:
+                continue
             shape = self._shape_now(entry.req, plan, shape_of)
             if shape != entry.shape:
-                self._drop(entries.pop(rid))
-                self._add(entry.req, shape, now)
-        if len(entries) == len(waiting_now) + len(swapped_now):
-            return
-        for req in chain(view.swapped, view.waiting):
-            if req.request_id not in entries:
-                self._add(req, self._shape_now(req, plan, shape_of), now)
+                self._reshape(entry, shape, now)
+        for req in joined:
+            self._add(req, self._shape_now(req, plan, shape_of), now)
 
     def _add(self, req: Request, shape: Shape, now: float, progress: object = None) -> None:
         waiting = req.status is RequestStatus.WAITING

@@ -106,11 +106,8 @@ class CoservePacker(Packer):
             if plan.is_resident(req) or req.request_id in plan.moved:
                 continue
             n = timed.fit(req, self._chunk(req, lane, plan), chunked)
-            if n == 0 or not plan.has_room(n):
-                return
-            if plan.blocks_to_grow(req, n) > plan.free_device:
+            if n == 0 or not plan.take_if_fits(req, n):
                 return  # in order: the next offline request waits too
-            plan.take(req, n)
             timed.add(req, n)
 
     @staticmethod

@@ -60,9 +60,8 @@ class InOrderPacker(Packer):
         # returned above), so the requests outside are those there were before
         for req in outside(lane.order, plan):
             n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
-            if n == 0 or not plan.has_room(n) or plan.blocks_to_grow(req, n) > plan.free_device:
+            if n == 0 or not plan.take_if_fits(req, n):
                 return
-            plan.take(req, n)
 
     @staticmethod
     def _continue(queue: list[Request], plan: StepPlan, lane: Lane, placement: Placement) -> bool:
@@ -140,8 +139,7 @@ class PriorityPacker(Packer):
                     seats -= 1
             elif n and self._could_fit(req, n, plan, keep, below):
                 below -= self._evict_for(req, n, pos, victims, plan, placement)
-                if plan.blocks_to_grow(req, n) <= plan.free_device:
-                    plan.take(req, n)
+                if plan.take_if_fits(req, n):
                     seats -= 1
         for req in prefills:
             n = chunk(req, tokens_left(lane, plan), self.config.enable_chunked_prefill)
@@ -151,8 +149,7 @@ class PriorityPacker(Packer):
             )
             if n and plan.has_room(n) and self._could_fit(req, n, plan, keep, room):
                 self._evict_for(req, n, pos, victims, plan, placement)
-                if plan.blocks_to_grow(req, n) <= plan.free_device:
-                    plan.take(req, n)
+                plan.take_if_fits(req, n)
 
     def _could_fit(self, req: Request, n: int, plan: StepPlan, keep: int, room: int) -> bool:
         """``n`` tokens of ``req`` fit in free blocks, or (when it may evict) in free blocks
