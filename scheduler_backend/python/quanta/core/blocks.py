@@ -45,11 +45,13 @@ class PrefixHit:
     blocks: tuple[tuple[Tier, int], ...]
     block_size: int
     # NOTE: counted once: a lookup is kept across steps, and Apt-Serve's packer reads this
-    # for every waiting request at every step
-    num_device: int = field(init=False, repr=False, compare=False)
+    # for every waiting request at every step. A lookup that counted them as it walked
+    # passes the count; otherwise (-1) it is counted here
+    num_device: int = field(default=-1, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_device", countOf(map(_tier, self.blocks), Tier.DEVICE))
+        if self.num_device < 0:
+            object.__setattr__(self, "num_device", countOf(map(_tier, self.blocks), Tier.DEVICE))
 
     @property
     def num_tokens(self) -> int:
@@ -245,28 +247,34 @@ class BlockManager:
             self._memo.drop(request_id)
             return 0
         device, host = self.pools[Tier.DEVICE].cached, self.pools[Tier.HOST].cached
+        on_device, on_host = Tier.DEVICE, Tier.HOST
         found: list[tuple[Tier, int]] = []
+        hosts = 0  # NOTE: of ``found``: the hit's ``num_device`` without a second pass
         held = self._memo.resume_at(request_id)  # NOTE: the names a stale lookup read that hold
         if held:
-            found.extend(self._hits[request_id].blocks[:held])
+            before = self._hits[request_id]
+            found.extend(before.blocks[:held])
             if limit is not None:
                 del found[limit:]
+            if before.num_device < len(before.blocks):
+                hosts = countOf(map(_tier, found), on_host)
         for name in itertools.islice(names, len(found), limit):
             b = device.get(name)
             if b is not None:
-                found.append((Tier.DEVICE, b))
+                found.append((on_device, b))
                 continue
             b = host.get(name)
             if b is None:
                 break
-            found.append((Tier.HOST, b))
+            found.append((on_host, b))
+            hosts += 1
         stop = len(names) if limit is None else min(limit, len(names))
         self._memo.keep(request_id, names[: min(len(found) + 1, stop)])  # where the walk went
         self._hit_changed(request_id)
         if not found:
             self._hits.pop(request_id, None)
             return 0
-        hit = PrefixHit(tuple(found), self.block_size)
+        hit = PrefixHit(tuple(found), self.block_size, len(found) - hosts)
         self._hits[request_id] = hit
         return hit.num_tokens
 

@@ -16,16 +16,16 @@ swap-outs have already happened by then, so a plan never credits it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
-from operator import countOf
+from itertools import repeat
+from operator import add, countOf
 
 from quanta.core.blocks import BlockManager, PrefixHit, Tier
 from quanta.core.decision import Decision, Preemption, PreemptMode
 from quanta.core.errors import PolicyError
 from quanta.core.request import CacheKind, Request, RequestStatus, blocks_for
 from quanta.core.safepoint import AbortRule
-
-_one_more = (1).__add__  # a reference count, one more
 
 
 class PoolView:
@@ -135,10 +135,11 @@ class StepPlan:
         self.checkpoint: list[str] = []  # KV copied to the host after the forward pass
         self.abort_when: AbortRule | None = None  # the step is preemptible at safepoints
         self._ran: dict[str, int] = {}  # tokens each run computes
-        # NOTE: with prefix caching a block may be in several tables: the plan counts each
-        # block's references as the decision changes them, and a block is free when its count
-        # reaches zero, not when one holder lets go.
-        self._refs: dict[Tier, dict[int, int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
+        # NOTE: with prefix caching a block may be in several tables: the plan counts how
+        # the decision changes each block's references (a ``Counter``, so that a start on a
+        # long cached prefix adds one to each of its blocks in C), and a block is free when
+        # its count reaches zero, not when one holder lets go.
+        self._refs: dict[Tier, Counter[int]] = {Tier.DEVICE: Counter(), Tier.HOST: Counter()}
         self._reserved: set[int] = set()  # host blocks this step's prefix hits copy from
         # Starts whose hit is cut short (blocks kept): the host could not keep all its blocks.
         self.trimmed: dict[str, int] = {}
@@ -156,7 +157,7 @@ class StepPlan:
         changed = self._refs[Tier.DEVICE]
         if not changed:  # NOTE: most calls come before the plan takes or drops a block
             return countOf(map(counts.__getitem__, table), 1)
-        return sum(1 for b in table if changed.get(b, counts[b]) == 1)
+        return sum(1 for b in table if counts[b] + changed.get(b, 0) == 1)
 
     def prefix_hit(self, req: Request, kind: CacheKind | None = None) -> PrefixHit | None:
         """The cached prefix ``req`` starts with if it runs now with a ``kind`` cache: only a
@@ -254,14 +255,16 @@ class StepPlan:
         device = hit.of(Tier.DEVICE)
         # NOTE: each block's ``_ref``, read in C: a start on a long shared prefix reads every
         # block of it, twice (the packer's check, then the run)
-        counts = map(self.pool.ref_counts(Tier.DEVICE).__getitem__, device)
-        pins = countOf(map(self._refs[Tier.DEVICE].get, device, counts), 0)
+        refs = map(self.pool.ref_counts(Tier.DEVICE).__getitem__, device)
+        changed = self._refs[Tier.DEVICE]
+        if changed:
+            refs = map(add, refs, map(changed.get, device, repeat(0)))
+        pins = countOf(refs, 0)
         grow = self.pool.blocks_for(hit.num_tokens + n) - len(device)
         return grow + pins, self._host_keep(hit)
 
     def _ref(self, tier: Tier, block: int) -> int:
-        changed = self._refs[tier]
-        return changed[block] if block in changed else self.pool.refs(tier, block)
+        return self.pool.refs(tier, block) + self._refs[tier].get(block, 0)
 
     def _drop(self, tier: Tier, blocks: tuple[int, ...] | list[int]) -> int:
         """One reference fewer to each of ``blocks``; how many that frees (a host block a
@@ -269,7 +272,7 @@ class StepPlan:
         freed = 0
         for b in blocks:
             left = self._ref(tier, b) - 1
-            self._refs[tier][b] = left
+            self._refs[tier][b] -= 1
             if left == 0 and not (tier is Tier.HOST and b in self._reserved):
                 freed += 1
         return freed
@@ -277,7 +280,7 @@ class StepPlan:
     def _take(self, tier: Tier, block: int) -> int:
         """One reference more to a cached block; 1 when that takes it off the free list."""
         ref = self._ref(tier, block)
-        self._refs[tier][block] = ref + 1
+        self._refs[tier][block] += 1
         return int(ref == 0 and not (tier is Tier.HOST and block in self._reserved))
 
     def swap_out_need(self, req: Request) -> int:
@@ -403,13 +406,7 @@ class StepPlan:
         if looked_up is not None and hit is not looked_up:
             self.trimmed[rid] = len(hit.blocks) if hit else 0
         if hit is not None:
-            changed, counts = self._refs[Tier.DEVICE], self.pool.ref_counts(Tier.DEVICE)
-            # NOTE: ``_take`` of each block, read and written in C (a long cached prefix is
-            # many blocks); the pairs are written as they are made, so a block read twice
-            # counts twice, as one call per block would
-            device = hit.of(Tier.DEVICE)
-            taken = map(_one_more, map(changed.get, device, map(counts.__getitem__, device)))
-            changed.update(zip(device, taken, strict=True))
+            self._refs[Tier.DEVICE].update(hit.of(Tier.DEVICE))  # NOTE: ``_take`` of each
             self._reserved.update(hit.of(Tier.HOST))
         self.free_device -= need
         self.free_host -= host
