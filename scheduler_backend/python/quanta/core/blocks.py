@@ -48,6 +48,10 @@ class PrefixHit:
     # for every waiting request at every step. A lookup that counted them as it walked
     # passes the count; otherwise (-1) it is counted here
     num_device: int = field(default=-1, repr=False, compare=False)
+    # the ids of ``blocks`` when all are on the device, listed on first use: a start reads
+    # them several times (its cost, then its references, in the packer's plan and in the
+    # applier's check, then its pins)
+    _ids: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_device < 0:
@@ -58,9 +62,13 @@ class PrefixHit:
         return len(self.blocks) * self.block_size
 
     def of(self, tier: Tier) -> list[int]:
-        """The blocks of the hit that ``tier`` holds, in order."""
+        """The blocks of the hit that ``tier`` holds, in order (a new list: the caller's)."""
         if self.num_device == len(self.blocks):  # NOTE: most hits are all on the device
-            return list(map(_block, self.blocks)) if tier is Tier.DEVICE else []
+            if tier is not Tier.DEVICE:
+                return []
+            if self._ids is None:
+                object.__setattr__(self, "_ids", tuple(map(_block, self.blocks)))
+            return list(self._ids)  # type: ignore[arg-type]
         return [b for t, b in self.blocks if t is tier]
 
 
