@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from quanta.bench.engine import STEP_TOKENS, fit_to_engine, paired_rates
 from quanta.build.checkpoint import ensure_checkpoint
 from quanta.build.engine_build import BuildOptions, build_engine_dir
@@ -72,6 +73,17 @@ def test_a_request_longer_than_the_engine_names_the_build_option(engine):
     said = " ".join(result.output.split())
     assert "exceed the max_seq_len 64" in said and "--max-seq-len 68" in said
     assert "Traceback" not in result.output
+
+
+def test_the_panel_kernel_is_timed_against_an_fp32_reference(engine):
+    """``--linear-kernel native`` runs bf16 only; its fp32 reference takes fp32's kernel."""
+    from quanta.runner import panel_linear
+
+    if not panel_linear.supports(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU has no panel kernel (AVX512_BF16 and a C compiler)")
+    result = bench(engine, "--batch", "1", "--prompt-len", "8", "--gen-len", "4",
+                   "--linear-kernel", "native")  # fmt: skip
+    assert result.exit_code == 0, result.output
 
 
 def test_every_run_computes_its_prompts_in_full(checkpoint):

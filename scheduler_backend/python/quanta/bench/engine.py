@@ -409,8 +409,16 @@ def _fp32_reference(config: EngineConfig, source: ModelSource) -> Engine | None:
     manifest = read_manifest(source.path)
     checkpoint = source.path if manifest is None else Path(manifest.source.path)
     try:
-        # NOTE: one process holds one tensor-parallel group; the reference runs in one rank
-        update = {"dtype": "float32", "model": str(checkpoint), "tensor_parallel_size": 1}
+        # NOTE: one process holds one tensor-parallel group; the reference runs in one rank.
+        # The panel kernel runs bf16 only: an fp32 reference of a ``native`` run takes the
+        # kernel fp32 would have had
+        update: dict[str, object] = {
+            "dtype": "float32",
+            "model": str(checkpoint),
+            "tensor_parallel_size": 1,
+        }
+        if config.linear_kernel == "native":
+            update["linear_kernel"] = "auto"
         return build_engine(config.model_copy(update=update))
     except (OSError, EngineManifestError) as exc:
         Console(stderr=True).print(
