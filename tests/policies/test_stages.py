@@ -185,13 +185,17 @@ def test_the_kept_arrival_order_is_the_sorted_one_at_every_step(
 ) -> None:
     """Requests join, leave and move between the queues, which the view lists in any order;
     arrivals tie, so the id decides: the kept order is the sorted one at every step, and
-    joining all at once (a sort of the whole queue) or one by one gives the same."""
+    joining all at once (a sort of the whole queue) or one by one gives the same, whether or
+    not the queues heard that a request ended."""
     reqs = [request(f"r{i}", 4, t=float(t)) for i, t in enumerate(times)]
     queues = ArrivalQueues()
     for where, rng in steps:
         lists: tuple[list[Request], ...] = ([], [], [], [])  # running, swapped, waiting, gone
         for req, w in zip(reqs, where, strict=False):
             lists[w].append(req)
+        for req in lists[3]:
+            if rng.random() < 0.5:  # type: ignore[attr-defined]
+                queues.forget(req)  # it ended (or never came): the loop says so, or not
         for queue in lists[:3]:
             rng.shuffle(queue)  # type: ignore[attr-defined]
         view = SimpleNamespace(running=lists[0], swapped=lists[1], waiting=lists[2])

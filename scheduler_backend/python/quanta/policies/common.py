@@ -83,6 +83,13 @@ class ArrivalQueues:
             *self._follow(2, view.waiting),
         ]
 
+    def forget(self, request: Request) -> None:
+        """``request`` ended: no queue keeps it (an idle server holds none of its requests)."""
+        for members, kept in zip(self._members, self._sorted, strict=True):
+            if request in members:
+                members.discard(request)
+                del kept[bisect_left(kept, _by_arrival(request), key=_by_arrival)]
+
     def _follow(self, i: int, queue: list[Request]) -> list[Request]:
         """Queue ``i`` kept sorted, brought up to ``queue`` (the view's, in any order)."""
         now, was = set(queue), self._members[i]

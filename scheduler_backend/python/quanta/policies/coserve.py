@@ -83,6 +83,9 @@ class ClassOrder(Ordering):
         order = online + offline
         return Ranking(order, Turns(order, self.config.max_num_seqs))
 
+    def on_finish(self, request: Request) -> None:
+        self._queues.forget(request)
+
 
 class ClassLanes(Lanes):
     """The ranking split by class, order kept: the online lane, then the offline lane.

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from quanta.core.config import SchedulerConfig
 from quanta.core.decision import PreemptMode
+from quanta.core.request import Request
 from quanta.core.view import SchedulerView
 from quanta.costmodel import CostModel
 from quanta.policies.common import ArrivalQueues
@@ -36,6 +37,9 @@ class ArrivalOrder(Ordering):
         return Ranking(
             order, Turns(order, self.config.max_num_seqs, self._quantum), by_arrival=True
         )
+
+    def on_finish(self, request: Request) -> None:
+        self._queues.forget(request)
 
 
 class ReactivePreemption(Placement):
