@@ -4,6 +4,8 @@ decision with the lists'; here, the changes a workload seldom makes."""
 
 from __future__ import annotations
 
+import pytest
+from conftest import make_requests
 from quanta.core.blocks import BlockManager
 from quanta.core.config import SchedulerConfig
 from quanta.core.plan import PoolView
@@ -54,3 +56,27 @@ def test_a_resident_back_with_the_other_cache_and_the_same_tokens_is_worked_out_
     hidden = _walk(queue, packer, bm, req)
     assert not hidden.kv and hidden.hidden
     assert hidden.kv_blocks == kv.kv_blocks and hidden.tokens == kv.tokens
+
+
+@pytest.mark.parametrize(
+    ("policy", "options"),
+    [("apt", {"cache": "kv"}), ("fcfs", {}), ("conserve", {"safepoints": False})],
+)
+def test_an_idle_server_keeps_none_of_its_requests(make_loop, policy, options):
+    """The queues a policy keeps across steps let go of a request when it ends, finished or
+    cancelled while it waited: once idle, the policy holds none of them."""
+    loop = make_loop(policy=policy, policy_options=options, prefix_caching=True, max_num_seqs=4,
+                     max_num_batched_tokens=32)  # fmt: skip
+    reqs = make_requests(12, prompt_len=[6, 10, 14] * 4, max_tokens=5)
+    for r in reqs:
+        loop.submit(r)
+    loop.step()
+    loop.cancel(reqs[-1].request_id)  # NOTE: still waiting behind the first four
+    loop.run_until_idle()
+    assert reqs[-1].status is RequestStatus.FINISHED_ABORTED
+    ordering = loop.policy.ordering
+    assert not any(ordering._queues._members) and not any(ordering._queues._sorted)
+    packer = loop.policy.packer
+    if isinstance(packer, AdaptivePacker):
+        assert not packer._queue._entries and not packer._queue._queued
+        assert not packer._residents._entries

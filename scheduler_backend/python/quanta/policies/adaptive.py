@@ -157,6 +157,8 @@ class AdaptivePacker(Packer):
     def on_finish(self, request: Request) -> None:
         self._pinned.discard(request.request_id)
         self._shapes.pop(request.request_id, None)
+        self._queue.forget(request)
+        self._residents.forget(request)
         if request.status.completed:
             self._finished += 1
             self._finished_tokens += request.num_output_tokens

@@ -227,6 +227,13 @@ class _KeptQueue:
         self._entries.clear()
         self._groups.clear()
 
+    def forget(self, request: Request) -> None:
+        """``request`` ended: the queue keeps nothing of it (an idle server holds none of
+        its requests), and the next ``sync`` reads it as one that left."""
+        entry = self._entries.pop(request.request_id, None)
+        if entry is not None:
+            self._drop(entry)
+
     def _follow(self, view: SchedulerView, plan: StepPlan, shape_of: ShapeOf) -> None:
         """``sync`` of the queue's own requests, once the setting holds."""
         raise NotImplementedError
@@ -401,6 +408,10 @@ class PrefillQueue(_KeptQueue):
     def _drop(self, entry: _Entry) -> None:
         self._swapped.discard(entry.req.request_id)
         super()._drop(entry)
+
+    def forget(self, request: Request) -> None:
+        super().forget(request)
+        self._queued.discard(request)
 
 
 class ResidentQueue(_KeptQueue):
