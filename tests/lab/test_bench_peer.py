@@ -300,8 +300,12 @@ def test_engine_figures_take_each_peer_and_render_a_column_pair_per_peer(model_d
     assert set(first["peers"]) == {"vllm", "llama.cpp Q4_1"}
     assert set(second["peers"]) == {"vllm"}
     peer = first["peers"]["llama.cpp Q4_1"]
-    assert peer["decode_ratio"] == pytest.approx(first["quanta_decode_tps"] / 10.0)
-    assert first["decode_ratio"] == first["peers"]["vllm"]["decode_ratio"]  # earlier keys kept
+    # NOTE: one round of a few tokens may measure no decode on a busy machine (NaN, said in
+    # a note): the ratio is then NaN too
+    decode = first["quanta_decode_tps"]
+    assert peer["decode_ratio"] == pytest.approx(decode / 10.0, nan_ok=True)
+    vllm = first["peers"]["vllm"]["decode_ratio"]
+    assert first["decode_ratio"] == pytest.approx(vllm, nan_ok=True)  # earlier keys kept
     assert any("Quanta/llama.cpp Q4_1" in line for line in lines)
     setup_json = {"slo": {"ttft_s": 2.0, "tpot_s": 0.3, "tbt_s": 1.0}, "slo_goal": 0.9}
     markdown = render_markdown({"table": [], "setup": setup_json, "engine": engine})
