@@ -368,21 +368,17 @@ class BlockManager:
         hit = self._hits[request_id]
         _, table = self._tables[request_id]
         copies: list[tuple[int, int]] = []
-        if hit.num_device == len(hit.blocks):  # NOTE: no host block: nothing to copy
-            self._named[request_id] = len(table)
-            del self._hits[request_id]
-            self._hit_changed(request_id)
-            return copies
-        slots = [i for i, (tier, _) in enumerate(hit.blocks) if tier is Tier.HOST]
-        new = self._allocate(Tier.DEVICE, len(slots))
-        if new is None:
-            return None
-        host, device = self.pools[Tier.HOST], self.pools[Tier.DEVICE]
-        for i, b in zip(slots, new, strict=True):
-            src = hit.blocks[i][1]
-            table[i] = b
-            device.name(b, host.name_of[src])
-            copies.append((src, b))
+        if hit.num_device < len(hit.blocks):  # NOTE: most hits hold no host block to copy
+            slots = [i for i, (tier, _) in enumerate(hit.blocks) if tier is Tier.HOST]
+            new = self._allocate(Tier.DEVICE, len(slots))
+            if new is None:
+                return None
+            host, device = self.pools[Tier.HOST], self.pools[Tier.DEVICE]
+            for i, b in zip(slots, new, strict=True):
+                src = hit.blocks[i][1]
+                table[i] = b
+                device.name(b, host.name_of[src])
+                copies.append((src, b))
         self._named[request_id] = len(table)
         del self._hits[request_id]
         self._hit_changed(request_id)
