@@ -60,7 +60,7 @@ def arrival_order(view: SchedulerView) -> list[Request]:
 class ArrivalQueues:
     """``arrival_order`` kept from one step to the next, for an ordering that ranks every
     step: each of the view's queues stays sorted, and a step only takes out the requests
-    that left it and puts in those that joined.
+    that left it and puts in those that joined (or sorts it anew, when many moved at once).
 
     Why: with 1,600 requests waiting, sorting the queues again by (arrival, id) at every step
     was a sixth of Apt-Serve's step, and from one step to the next only the few requests
@@ -68,8 +68,9 @@ class ArrivalQueues:
     requests themselves, compared by identity). A request's arrival and id never change
     while it is live, so a sorted queue less the requests that left is still sorted."""
 
-    # NOTE: past this many joining at once, one sort of the whole queue is as cheap
-    _INSERTS = 32
+    # NOTE: past this many joining or leaving at once, one sort of the whole queue is cheaper
+    # (each one moves the queue's tail in memory)
+    _MOVES = 32
 
     def __init__(self) -> None:
         self._sorted: list[list[Request]] = [[], [], []]
@@ -94,11 +95,12 @@ class ArrivalQueues:
         """Queue ``i`` kept sorted, brought up to ``queue`` (the view's, in any order)."""
         now, was = set(queue), self._members[i]
         joined = now - was
-        if len(joined) > self._INSERTS:
+        left = len(was) - (len(now) - len(joined))
+        if len(joined) > self._MOVES or left > self._MOVES:
             kept = self._sorted[i] = sorted(queue, key=_by_arrival)
         else:
             kept = self._sorted[i]
-            if len(now) - len(joined) < len(was):  # NOTE: some left: each found by bisection
+            if left:  # NOTE: each found by bisection
                 for req in was - now:
                     del kept[bisect_left(kept, _by_arrival(req), key=_by_arrival)]
             for req in joined:
