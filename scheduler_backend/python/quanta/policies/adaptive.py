@@ -125,10 +125,8 @@ class AdaptivePacker(Packer):
         live = len(view.waiting) + len(view.swapped) + len(view.running)
         rho = self.rho if self.rho is not None else self.cost.rho(view.block_size)
         step = _Step(view, plan, lane, live * rho, self.config.enable_chunked_prefill)
-        # NOTE: each request's pending time, read once: the queues' totals pick the kind of
-        # step (``fsum``: the same total in whatever order a queue is read), and the
-        # knapsack values its requests by them
-        pending = methodcaller("pending_time", view.now)
+        # NOTE: the queues' totals of pending time pick the kind of step (``fsum``: the same
+        # total in whatever order a queue is read)
         prefill: Callable[[_Step, Placement], None]
         decode: Callable[[_Step, Placement], None]
         if ranking.by_arrival and lane.order is ranking.order and not plan.moved and not plan.run:
@@ -141,6 +139,9 @@ class AdaptivePacker(Packer):
             ran = total_pending(pending_since(view.running), view.now)
             decode = self._decode_residents
         else:
+            # NOTE: each request's pending time, read once: the totals, and the knapsack's
+            # values of the requests
+            pending = methodcaller("pending_time", view.now)
             waiting = list(outside(lane.order, plan))
             waits = list(map(pending, waiting))
             starts, waited = len(waiting), math.fsum(waits)
